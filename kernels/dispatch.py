@@ -1,0 +1,57 @@
+"""The one place where a kernel call decides between Triton and the plain-PyTorch reference.
+
+Triton kernels run on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` (CI runs every
+kernel that way). Anything else (a CPU tensor without the interpreter, Triton not installed) runs the
+op's reference and is logged once per (op, reason), so a fallback is never silent.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+import os
+
+import torch
+
+log = logging.getLogger("sdfast.kernels")
+
+_logged: set[tuple[str, str]] = set()
+
+
+def interpret_mode() -> bool:
+    """True when Triton runs kernels in its numpy interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def can_use_triton(*tensors: torch.Tensor | None) -> tuple[bool, str]:
+    """Whether a Triton kernel can run on these tensors, and if not, why (for the log)."""
+    if not triton_installed():
+        return False, "triton is not installed"
+    devices = {t.device.type for t in tensors if t is not None}
+    if devices <= {"cuda"}:
+        return True, ""
+    if devices <= {"cpu"} and interpret_mode():
+        return True, ""
+    return False, f"tensors on {sorted(devices)} and TRITON_INTERPRET is not set"
+
+
+def log_fallback(op: str, reason: str) -> None:
+    """Log (once per op and reason) that ``op`` ran its PyTorch reference instead of Triton."""
+    key = (op, reason)
+    if key not in _logged:
+        _logged.add(key)
+        log.info("sdfast kernel %s: using the PyTorch reference (%s)", op, reason)
+
+
+def use_triton(op: str, *tensors: torch.Tensor | None) -> bool:
+    """Decide for one call of ``op``; logs the fallback when the answer is no."""
+    ok, reason = can_use_triton(*tensors)
+    if not ok:
+        log_fallback(op, reason)
+    return ok

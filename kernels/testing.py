@@ -1,0 +1,34 @@
+"""Shared comparison helpers for kernel tests (see DESIGN.md: flash-attention's tolerance rule)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` with NaN (floating) in place, so an element a kernel forgot to write is caught."""
+    return t.fill_(float("nan"))
+
+
+def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
+def assert_close_rule(
+    ours: torch.Tensor,
+    ref32: torch.Tensor,
+    torch_lowp: torch.Tensor,
+    atol: float,
+    name: str = "",
+) -> None:
+    """Assert ``max|ours - ref32| <= 2 * max|torch_lowp - ref32| + atol`` and that no element is NaN/Inf.
+
+    ``ref32`` is the reference computed in fp32 (or fp64); ``torch_lowp`` is the same reference
+    computed in the low-precision dtype under test. Raises ``AssertionError`` with the figures.
+    """
+    assert ours.shape == ref32.shape, f"{name}: shape {tuple(ours.shape)} != {tuple(ref32.shape)}"
+    assert torch.isfinite(ours).all(), f"{name}: output has NaN/Inf (unwritten or overflowed elements)"
+    err = max_abs_err(ours, ref32)
+    base = max_abs_err(torch_lowp, ref32)
+    bound = 2 * base + atol
+    assert err <= bound, f"{name}: max|ours-ref32|={err:.3e} > 2*{base:.3e}+{atol:.1e}={bound:.3e}"
