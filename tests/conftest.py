@@ -24,3 +24,11 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def tiny_engine():
+    """A fresh ``random:tiny`` engine on the CPU (fp32); about 2 s to build."""
+    import sdfast
+
+    return sdfast.load("random:tiny")

@@ -1,0 +1,237 @@
+"""The built-in architectures: the published diffusers configs of SD 1.5, SD 2.1 and SDXL base 1.0, and a
+tiny SD1-shaped one that runs in seconds on a CPU.
+
+These dicts are the configs of the public model repos (runwayml/stable-diffusion-v1-5,
+stabilityai/stable-diffusion-2-1, stabilityai/stable-diffusion-xl-base-1.0), kept here so that
+``random:<name>`` builds the real architecture with seeded random weights, and so that a single-file
+``.safetensors`` checkpoint can be loaded offline (``write_config_folder``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+_SCALED_LINEAR = {"beta_start": 0.00085, "beta_end": 0.012, "beta_schedule": "scaled_linear", "num_train_timesteps": 1000}
+
+_VAE_SD = {
+    "act_fn": "silu",
+    "block_out_channels": [128, 256, 512, 512],
+    "down_block_types": ["DownEncoderBlock2D"] * 4,
+    "up_block_types": ["UpDecoderBlock2D"] * 4,
+    "in_channels": 3,
+    "out_channels": 3,
+    "latent_channels": 4,
+    "layers_per_block": 2,
+    "norm_num_groups": 32,
+    "sample_size": 512,
+}
+
+_CLIP_L = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_attention_heads": 12,
+    "num_hidden_layers": 12,
+    "max_position_embeddings": 77,
+    "vocab_size": 49408,
+    "hidden_act": "quick_gelu",
+    "projection_dim": 768,
+    "bos_token_id": 0,
+    "eos_token_id": 2,
+    "pad_token_id": 1,
+}
+
+_SD15 = {
+    "pipeline": "StableDiffusionPipeline",
+    "unet": {
+        "act_fn": "silu",
+        "attention_head_dim": 8,
+        "block_out_channels": [320, 640, 1280, 1280],
+        "cross_attention_dim": 768,
+        "down_block_types": ["CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"],
+        "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"],
+        "downsample_padding": 1,
+        "flip_sin_to_cos": True,
+        "freq_shift": 0,
+        "in_channels": 4,
+        "out_channels": 4,
+        "layers_per_block": 2,
+        "mid_block_scale_factor": 1,
+        "norm_eps": 1e-05,
+        "norm_num_groups": 32,
+        "sample_size": 64,
+    },
+    "vae": _VAE_SD,
+    "text_encoder": {"class": "CLIPTextModel", **_CLIP_L},
+    "scheduler": {
+        "_class_name": "PNDMScheduler",
+        **_SCALED_LINEAR,
+        "set_alpha_to_one": False,
+        "skip_prk_steps": True,
+        "steps_offset": 1,
+        "clip_sample": False,
+    },
+    "tokenizer_pad": "<|endoftext|>",
+}
+
+_SD21 = {
+    "pipeline": "StableDiffusionPipeline",
+    "unet": {
+        **_SD15["unet"],
+        "attention_head_dim": [5, 10, 20, 20],
+        "cross_attention_dim": 1024,
+        "use_linear_projection": True,
+        "upcast_attention": True,
+        "sample_size": 96,
+    },
+    "vae": {**_VAE_SD, "sample_size": 768},
+    "text_encoder": {
+        "class": "CLIPTextModel",
+        **_CLIP_L,
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_attention_heads": 16,
+        "num_hidden_layers": 23,
+        "hidden_act": "gelu",
+        "projection_dim": 512,
+    },
+    "scheduler": {
+        "_class_name": "DDIMScheduler",
+        **_SCALED_LINEAR,
+        "clip_sample": False,
+        "set_alpha_to_one": False,
+        "steps_offset": 1,
+        "prediction_type": "v_prediction",
+    },
+    "tokenizer_pad": "!",
+}
+
+_SDXL = {
+    "pipeline": "StableDiffusionXLPipeline",
+    "unet": {
+        "act_fn": "silu",
+        "addition_embed_type": "text_time",
+        "addition_embed_type_num_heads": 64,
+        "addition_time_embed_dim": 256,
+        "attention_head_dim": [5, 10, 20],
+        "block_out_channels": [320, 640, 1280],
+        "cross_attention_dim": 2048,
+        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"],
+        "up_block_types": ["CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"],
+        "downsample_padding": 1,
+        "flip_sin_to_cos": True,
+        "freq_shift": 0,
+        "in_channels": 4,
+        "out_channels": 4,
+        "layers_per_block": 2,
+        "mid_block_scale_factor": 1,
+        "norm_eps": 1e-05,
+        "norm_num_groups": 32,
+        "projection_class_embeddings_input_dim": 2816,
+        "sample_size": 128,
+        "transformer_layers_per_block": [1, 2, 10],
+        "use_linear_projection": True,
+    },
+    "vae": {**_VAE_SD, "sample_size": 1024, "scaling_factor": 0.13025, "force_upcast": True},
+    "text_encoder": {"class": "CLIPTextModel", **_CLIP_L},
+    "text_encoder_2": {
+        "class": "CLIPTextModelWithProjection",
+        **_CLIP_L,
+        "hidden_size": 1280,
+        "intermediate_size": 5120,
+        "num_attention_heads": 20,
+        "num_hidden_layers": 32,
+        "hidden_act": "gelu",
+        "projection_dim": 1280,
+    },
+    "scheduler": {
+        "_class_name": "EulerDiscreteScheduler",
+        **_SCALED_LINEAR,
+        "interpolation_type": "linear",
+        "prediction_type": "epsilon",
+        "steps_offset": 1,
+        "timestep_spacing": "leading",
+        "use_karras_sigmas": False,
+    },
+    "tokenizer_pad": "<|endoftext|>",
+    "tokenizer_2_pad": "!",
+    "force_zeros_for_empty_prompt": True,
+}
+
+_TINY = {
+    "pipeline": "StableDiffusionPipeline",
+    "unet": {
+        "act_fn": "silu",
+        "attention_head_dim": 8,
+        "block_out_channels": [32, 64],
+        "cross_attention_dim": 32,
+        "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+        "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+        "in_channels": 4,
+        "out_channels": 4,
+        "layers_per_block": 1,
+        "norm_num_groups": 8,
+        "sample_size": 8,
+    },
+    "vae": {
+        **_VAE_SD,
+        "block_out_channels": [16, 16, 32, 32],
+        "layers_per_block": 1,
+        "norm_num_groups": 8,
+        "sample_size": 64,
+    },
+    "text_encoder": {
+        "class": "CLIPTextModel",
+        **_CLIP_L,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "projection_dim": 32,
+    },
+    "scheduler": _SD15["scheduler"],
+    "tokenizer_pad": "<|endoftext|>",
+}
+
+ARCHITECTURES: dict[str, dict] = {"tiny": _TINY, "sd15": _SD15, "sd21": _SD21, "sdxl": _SDXL}
+
+
+def get_architecture(name: str) -> dict:
+    """The config dict of a built-in architecture. Raises ``ValueError`` listing the known names."""
+    if name not in ARCHITECTURES:
+        raise ValueError(f"unknown built-in architecture 'random:{name}'; known: " + ", ".join(f"random:{n}" for n in ARCHITECTURES))
+    return ARCHITECTURES[name]
+
+
+def write_config_folder(name: str, path: str | Path) -> Path:
+    """Write a diffusers config folder (model_index.json + each component's config, no weights) for
+    ``name`` under ``path``: what ``from_single_file(..., config=path)`` needs to load a checkpoint offline."""
+    arch = get_architecture(name)
+    root = Path(path)
+    root.mkdir(parents=True, exist_ok=True)
+    index = {"_class_name": arch["pipeline"], "_diffusers_version": "0.42.1"}
+    components = {
+        "unet": ("diffusers", "UNet2DConditionModel"),
+        "vae": ("diffusers", "AutoencoderKL"),
+        "text_encoder": ("transformers", arch["text_encoder"]["class"]),
+        "tokenizer": ("transformers", "CLIPTokenizer"),
+        "scheduler": ("diffusers", arch["scheduler"]["_class_name"]),
+    }
+    if "text_encoder_2" in arch:
+        components["text_encoder_2"] = ("transformers", arch["text_encoder_2"]["class"])
+        components["tokenizer_2"] = ("transformers", "CLIPTokenizer")
+    else:
+        components.update(safety_checker=(None, None), feature_extractor=(None, None))
+        index["requires_safety_checker"] = False
+    index.update({k: list(v) for k, v in components.items()})
+    (root / "model_index.json").write_text(json.dumps(index, indent=2))
+    for key in ("unet", "vae", "scheduler"):
+        (root / key).mkdir(exist_ok=True)
+        fname = "scheduler_config.json" if key == "scheduler" else "config.json"
+        (root / key / fname).write_text(json.dumps(arch[key], indent=2))
+    for key in ("text_encoder", "text_encoder_2"):
+        if key in arch:
+            cfg = {k: v for k, v in arch[key].items() if k != "class"}
+            (root / key).mkdir(exist_ok=True)
+            (root / key / "config.json").write_text(json.dumps({"architectures": [arch[key]["class"]], "model_type": "clip_text_model", **cfg}, indent=2))
+    return root

@@ -1,0 +1,155 @@
+"""The ``sdfast`` command: ``sdfast txt2img``, ``sdfast serve``, ``sdfast bench``.
+
+Bad input (an argument out of range, a missing model, an unknown scheduler) prints one line
+``sdfast: error: ...`` and exits with code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+
+RANDOM_NOTE = (
+    "note: {model} has random weights, so the image is noise. For real images point --model at a "
+    "diffusers model folder, a .safetensors checkpoint or a hub id (e.g. --model ./stable-diffusion-v1-5)."
+)
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"size must look like WIDTHxHEIGHT, e.g. 512x512 (got {text!r})") from None
+    return w, h
+
+
+def default_model() -> str:
+    """``random:sd15`` on a GPU, ``random:tiny`` on a CPU."""
+    import torch
+
+    return "random:sd15" if torch.cuda.is_available() else "random:tiny"
+
+
+def _add_txt2img(sub) -> None:
+    p = sub.add_parser("txt2img", help="generate images from a prompt")
+    p.add_argument("prompt")
+    p.add_argument("--model", default=None, help="model folder, .safetensors file, hub id or random:<arch> (default: random:sd15 on a GPU, random:tiny on a CPU)")
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--guidance", type=float, default=7.5)
+    p.add_argument("--size", type=_size, default=None, help="WIDTHxHEIGHT in pixels (default: the model's native size)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--n", type=int, default=1, help="images to generate")
+    p.add_argument("--negative", default=None, help="negative prompt")
+    p.add_argument("--scheduler", default=None)
+    p.add_argument("--out", default="sdfast.png", help="output PNG path; with --n > 1, _0, _1, ... are appended")
+    p.add_argument("--no-optimize", action="store_true", help="run the stock diffusers pipeline")
+    p.set_defaults(func=cmd_txt2img)
+
+
+def _out_paths(out: str, n: int) -> list[Path]:
+    path = Path(out)
+    if n == 1:
+        return [path]
+    return [path.with_name(f"{path.stem}_{i}{path.suffix or '.png'}") for i in range(n)]
+
+
+def cmd_txt2img(args) -> int:
+    import sdfast
+    from sdfast.request import check_request
+
+    model = args.model or default_model()
+    width, height = args.size or (None, None)
+    # Validate before the (slow) load, so bad input answers at once.
+    check_request(prompt=args.prompt, height=height or 8, width=width or 8, num_inference_steps=args.steps,
+                  guidance_scale=args.guidance, num_images_per_prompt=args.n, scheduler=args.scheduler, seed=args.seed)
+    if model.startswith("random:"):
+        from sdfast.architectures import get_architecture
+
+        get_architecture(model.split(":", 1)[1])
+        print(RANDOM_NOTE.format(model=model), file=sys.stderr)
+    t0 = time.perf_counter()
+    engine = sdfast.load(model, **({"optimize": False} if args.no_optimize and _accepts_optimize() else {}))
+    print(f"loaded {model} on {engine.device} ({str(engine.dtype).replace('torch.', '')}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    t1 = time.perf_counter()
+    images = engine.txt2img(args.prompt, negative_prompt=args.negative, num_inference_steps=args.steps,
+                            guidance_scale=args.guidance, height=height, width=width, seed=args.seed,
+                            num_images_per_prompt=args.n, scheduler=args.scheduler, progress=True)
+    took = time.perf_counter() - t1
+    for img, path in zip(images, _out_paths(args.out, len(images))):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        img.save(path)
+        print(f"saved {path} ({img.width}x{img.height}, seed {img.info['seed']}) in {took:.2f} s")
+    return 0
+
+
+def _accepts_optimize() -> bool:
+    import inspect
+
+    import sdfast
+
+    return "optimize" in inspect.signature(sdfast.load).parameters
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="run the HTTP image-generation service")
+    p.add_argument("--model", default=None)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=4)
+    p.add_argument("--queue", type=int, default=64)
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    try:
+        from server.app import serve
+    except ImportError as e:
+        raise SystemExit(f"sdfast: error: the service needs the server extra (pip install 'sdfast[server]'): {e}")
+    return serve(model=args.model or default_model(), host=args.host, port=args.port,
+                 max_batch=args.max_batch, queue_size=args.queue) or 0
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark against stock diffusers and torch.compile", add_help=False)
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args, rest: list[str]) -> int:
+    from benchmarks.bench_txt2img import main as bench_main
+
+    return bench_main(rest) or 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sdfast", description="Fast Stable Diffusion inference")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log sdfast's decisions (kernel choices, fallbacks)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_txt2img(sub)
+    _add_serve(sub)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if args.command == "bench":
+        return cmd_bench(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    from sdfast.errors import HubOfflineError, InvalidRequestError, ModelNotFoundError
+
+    try:
+        return args.func(args)
+    except (InvalidRequestError, ModelNotFoundError, HubOfflineError, ValueError, TypeError) as e:
+        print(f"sdfast: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Errors sdfast raises for bad input. Each is a ``ValueError`` (or ``FileNotFoundError``/``ConnectionError``)
+so callers that catch the builtin still catch it; ``field`` names the offending argument where there is one."""
+
+from __future__ import annotations
+
+
+class InvalidRequestError(ValueError):
+    """A generation argument is out of range; ``field`` is its name (e.g. ``"height"``)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model path does not exist or is not a diffusers pipeline folder / checkpoint file."""
+
+
+class HubOfflineError(ConnectionError):
+    """A hub id was given but the Hugging Face Hub cannot be reached and the model is not cached."""
+
+
+class NonFiniteOutputError(RuntimeError):
+    """The pipeline produced NaN/Inf pixels (fp16 overflow, a broken kernel): never returned as a black image."""

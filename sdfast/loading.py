@@ -1,0 +1,202 @@
+"""Turning what a user names into a diffusers pipeline.
+
+``model`` may be: a local diffusers pipeline folder (SD 1.x, 2.x, SDXL); a single-file ``.safetensors``
+/ ``.ckpt`` checkpoint (loaded offline with the configs that ship with sdfast); a hub id; a built-in
+architecture with seeded random weights (``random:tiny|sd15|sd21|sdxl``); or a pipeline object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import socket
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from . import architectures
+from .errors import HubOfflineError, ModelNotFoundError
+
+log = logging.getLogger("sdfast")
+
+ASSETS = Path(__file__).parent / "assets"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def default_device_dtype(device=None, dtype=None) -> tuple[torch.device, torch.dtype]:
+    """CUDA and fp16 when a GPU is present, else CPU and fp32 (each overridable)."""
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype is None:
+        dtype = torch.float16 if dev.type == "cuda" else torch.float32
+    return dev, dtype
+
+
+@lru_cache(maxsize=4)
+def clip_tokenizer(pad_token: str = "<|endoftext|>"):
+    """The CLIP BPE tokenizer SD uses, from sdfast's package data (no network).
+
+    SD 1.x and SDXL's first tokenizer pad with ``<|endoftext|>``; SD 2.x and SDXL's second with ``!`` (id 0).
+    """
+    from transformers import CLIPTokenizer
+
+    return CLIPTokenizer.from_pretrained(str(ASSETS / "clip"), pad_token=pad_token, model_max_length=77)
+
+
+def _text_encoder(cfg: dict):
+    import transformers
+
+    cfg = dict(cfg)
+    cls = getattr(transformers, cfg.pop("class"))
+    config = transformers.CLIPTextConfig(**cfg)
+    config._attn_implementation = "sdpa"
+    return cls(config)
+
+
+def build_random_pipeline(name: str, *, device=None, dtype=None, seed: int = 0):
+    """The real architecture ``name`` with seeded random weights, built directly on ``device``.
+
+    The same (name, seed, device) gives the same weights. Raises ``ValueError`` for an unknown name.
+    """
+    import diffusers
+
+    arch = architectures.get_architecture(name)
+    device, dtype = default_device_dtype(device, dtype)
+    torch.manual_seed(seed)
+    # Built directly in ``dtype`` on ``device``: fast for SDXL's 2.6B parameters, and no later cast.
+    with torch.device(device), _default_dtype(dtype):
+        parts = {
+            "unet": diffusers.UNet2DConditionModel(**arch["unet"]),
+            "vae": diffusers.AutoencoderKL(**arch["vae"]),
+            "text_encoder": _text_encoder(arch["text_encoder"]),
+        }
+        if "text_encoder_2" in arch:
+            parts["text_encoder_2"] = _text_encoder(arch["text_encoder_2"])
+    sched_cfg = dict(arch["scheduler"])
+    parts["scheduler"] = getattr(diffusers, sched_cfg.pop("_class_name")).from_config(sched_cfg)
+    parts["tokenizer"] = clip_tokenizer(arch["tokenizer_pad"])
+    pipe_cls = getattr(diffusers, arch["pipeline"])
+    if "text_encoder_2" in arch:
+        parts["tokenizer_2"] = clip_tokenizer(arch["tokenizer_2_pad"])
+        pipe = pipe_cls(**parts, force_zeros_for_empty_prompt=arch.get("force_zeros_for_empty_prompt", True))
+    else:
+        pipe = pipe_cls(**parts, safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    for m in (pipe.unet, pipe.vae, pipe.text_encoder, getattr(pipe, "text_encoder_2", None)):
+        if m is not None:
+            m.eval().requires_grad_(False)
+    return pipe
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _check_pipeline_folder(path: Path) -> None:
+    index = path / "model_index.json"
+    if not index.is_file():
+        raise ModelNotFoundError(f"{path} is not a diffusers pipeline folder: {index} is missing")
+    import json
+
+    for key, value in json.loads(index.read_text()).items():
+        if key.startswith("_") or not isinstance(value, list) or value[0] is None:
+            continue
+        if not (path / key).is_dir():
+            raise ModelNotFoundError(f"{path} is not a complete pipeline folder: component folder {path / key} is missing")
+
+
+def _checkpoint_architecture(path: Path) -> str:
+    """Guess sd15 / sd21 / sdxl from a single-file checkpoint's keys (the original SD key names)."""
+    from safetensors import safe_open
+
+    if path.suffix != ".safetensors":
+        raise ModelNotFoundError(f"{path}: only .safetensors single-file checkpoints are supported (got {path.suffix})")
+    with safe_open(str(path), framework="pt") as f:
+        keys = list(f.keys())
+    if any(k.startswith("conditioner.embedders.1") for k in keys):
+        return "sdxl"
+    if any(k.startswith("cond_stage_model.model.") for k in keys):
+        return "sd21"
+    if any(k.startswith("cond_stage_model.transformer") for k in keys):
+        return "sd15"
+    raise ModelNotFoundError(f"{path}: not a Stable Diffusion checkpoint (no known text-encoder keys)")
+
+
+def load_single_file(path: Path, *, dtype, architecture: str | None = None):
+    """Load an original-format SD checkpoint offline, with the configs sdfast ships for its architecture."""
+    import diffusers
+
+    arch_name = architecture or _checkpoint_architecture(path)
+    arch = architectures.get_architecture(arch_name)
+    cls = getattr(diffusers, arch["pipeline"])
+    extra = {"tokenizer": clip_tokenizer(arch["tokenizer_pad"])}
+    if "tokenizer_2_pad" in arch:
+        extra["tokenizer_2"] = clip_tokenizer(arch["tokenizer_2_pad"])
+    else:
+        extra.update(safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        config = architectures.write_config_folder(arch_name, tmp)
+        return cls.from_single_file(str(path), config=str(config), local_files_only=True, torch_dtype=dtype, **extra)
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def load_hub(model_id: str, *, dtype):
+    import diffusers
+
+    try:
+        return diffusers.DiffusionPipeline.from_pretrained(model_id, torch_dtype=dtype, local_files_only=True)
+    except Exception:  # not in the local cache
+        pass
+    if not _hub_reachable():
+        raise HubOfflineError(
+            f"{model_id!r} looks like a Hugging Face Hub id, but the Hub cannot be reached (offline) and the model "
+            "is not in the local cache. Download it where there is network (`huggingface-cli download "
+            f"{model_id} --local-dir DIR`) and pass the local folder: sdfast.load('DIR')."
+        )
+    return diffusers.DiffusionPipeline.from_pretrained(model_id, torch_dtype=dtype)
+
+
+def load_pipeline(model, *, device=None, dtype=None, seed: int = 0):
+    """Resolve ``model`` (see module docstring) to a diffusers pipeline on ``device`` in ``dtype``.
+
+    Raises ``ModelNotFoundError`` (missing path or file, naming it), ``HubOfflineError``, ``ValueError``
+    (unknown ``random:`` architecture, listing the known ones), ``TypeError`` (unsupported object).
+    """
+    device, dtype = default_device_dtype(device, dtype)
+    if not isinstance(model, (str, os.PathLike)):
+        if hasattr(model, "unet") and hasattr(model, "vae"):
+            return model
+        raise TypeError(f"model must be a path, a hub id, 'random:<arch>' or a diffusers pipeline, not {type(model).__name__}")
+    name = str(model)
+    if name.startswith("random:"):
+        return build_random_pipeline(name.split(":", 1)[1], device=device, dtype=dtype, seed=seed)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        import diffusers
+
+        _check_pipeline_folder(path)
+        pipe = diffusers.DiffusionPipeline.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
+    elif path.is_file():
+        pipe = load_single_file(path, dtype=dtype)
+    elif _HUB_ID.match(name) and not name.startswith((".", "/", "~")):
+        pipe = load_hub(name, dtype=dtype)
+    else:
+        raise ModelNotFoundError(f"model {name!r}: no such folder or file (and not a hub id 'owner/name' or 'random:<arch>')")
+    return pipe.to(device)

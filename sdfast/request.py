@@ -1,0 +1,41 @@
+"""Validation of one txt2img request, done before any denoising step (shared by the API, CLI and service)."""
+
+from __future__ import annotations
+
+from .errors import InvalidRequestError
+from .schedulers import check_scheduler_name
+
+
+def check_request(
+    *,
+    prompt,
+    height: int,
+    width: int,
+    num_inference_steps: int,
+    guidance_scale: float,
+    num_images_per_prompt: int,
+    scheduler: str | None,
+    seed,
+) -> list[str]:
+    """Validate and normalise; returns the prompt as a list. Raises ``InvalidRequestError`` naming the field."""
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt) if prompt is not None else None
+    if not prompts or not all(isinstance(p, str) for p in prompts):
+        raise InvalidRequestError("prompt", "must be a string or a non-empty list of strings")
+    for field, v in (("height", height), ("width", width)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v % 8:
+            raise InvalidRequestError(field, f"must be a positive multiple of 8 (got {v!r})")
+    if not isinstance(num_inference_steps, int) or num_inference_steps < 1:
+        raise InvalidRequestError("num_inference_steps", f"must be an integer >= 1 (got {num_inference_steps!r})")
+    if not isinstance(guidance_scale, (int, float)) or guidance_scale < 0 or guidance_scale != guidance_scale:
+        raise InvalidRequestError("guidance_scale", f"must be a number >= 0 (got {guidance_scale!r})")
+    if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
+        raise InvalidRequestError("num_images_per_prompt", f"must be an integer >= 1 (got {num_images_per_prompt!r})")
+    if scheduler is not None:
+        check_scheduler_name(scheduler)
+    n = len(prompts) * num_images_per_prompt
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != n or not all(isinstance(s, int) and s >= 0 for s in seed):
+            raise InvalidRequestError("seed", f"a list of seeds needs {n} non-negative integers (one per image)")
+    elif seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise InvalidRequestError("seed", f"must be a non-negative integer (got {seed!r})")
+    return prompts

@@ -1,0 +1,36 @@
+"""Scheduler names users know, mapped onto diffusers' scheduler classes.
+
+Each entry is (diffusers class name, config overrides). A scheduler is built with
+``cls.from_config(pipe.scheduler.config, **overrides)``, so it keeps the model's beta schedule,
+prediction type and timestep spacing, exactly as diffusers' docs recommend for swapping schedulers.
+"""
+
+from __future__ import annotations
+
+import diffusers
+
+from .errors import InvalidRequestError
+
+SCHEDULERS: dict[str, tuple[str, dict]] = {
+    "ddim": ("DDIMScheduler", {}),
+    "pndm": ("PNDMScheduler", {}),
+    "euler": ("EulerDiscreteScheduler", {}),
+    "euler_a": ("EulerAncestralDiscreteScheduler", {}),
+    "dpmpp_2m": ("DPMSolverMultistepScheduler", {}),
+    "dpmpp_2m_karras": ("DPMSolverMultistepScheduler", {"use_karras_sigmas": True}),
+    "unipc": ("UniPCMultistepScheduler", {}),
+    "lcm": ("LCMScheduler", {}),
+}
+
+
+def check_scheduler_name(name: str) -> None:
+    """Raise ``InvalidRequestError`` (field ``scheduler``) unless ``name`` is a known scheduler."""
+    if name not in SCHEDULERS:
+        raise InvalidRequestError("scheduler", f"unknown scheduler {name!r}; known: {', '.join(SCHEDULERS)}")
+
+
+def make_scheduler(name: str, base_config) -> object:
+    """A new diffusers scheduler called ``name``, configured from the model's ``base_config``."""
+    check_scheduler_name(name)
+    cls_name, overrides = SCHEDULERS[name]
+    return getattr(diffusers, cls_name).from_config(base_config, **overrides)

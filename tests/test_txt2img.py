@@ -1,0 +1,83 @@
+"""Issue 2: txt2img on random:tiny: parity with diffusers, determinism, bad input."""
+
+import numpy as np
+import pytest
+import torch
+
+import sdfast
+from sdfast.errors import InvalidRequestError
+
+
+def _px(img):
+    return np.asarray(img).astype(np.int16)
+
+
+def test_same_pixels_as_diffusers(tiny_engine):
+    images = tiny_engine.txt2img("a photo of a cat", seed=7, num_inference_steps=3, guidance_scale=5.0)
+    stock = tiny_engine.pipe(
+        "a photo of a cat", num_inference_steps=3, guidance_scale=5.0,
+        generator=[torch.Generator("cpu").manual_seed(7)],
+    ).images
+    assert np.array_equal(_px(images[0]), _px(stock[0]))
+
+
+def test_seed_determinism(tiny_engine):
+    a = tiny_engine.txt2img("a cat", seed=1, num_inference_steps=2)[0]
+    b = tiny_engine.txt2img("a cat", seed=1, num_inference_steps=2)[0]
+    c = tiny_engine.txt2img("a cat", seed=2, num_inference_steps=2)[0]
+    assert np.array_equal(_px(a), _px(b))
+    assert np.abs(_px(a) - _px(c)).max() > 10
+
+
+def test_batch_image_k_equals_alone_with_its_seed(tiny_engine):
+    batch = tiny_engine.txt2img(["a cat", "a dog"], seed=10, num_inference_steps=2, num_images_per_prompt=2)
+    assert len(batch) == 4 and [im.info["seed"] for im in batch] == ["10", "11", "12", "13"]
+    alone = tiny_engine.txt2img("a dog", seed=13, num_inference_steps=2)[0]
+    assert np.abs(_px(batch[3]) - _px(alone)).max() <= 1
+
+
+def test_size_and_scheduler(tiny_engine):
+    img = tiny_engine.txt2img("a cat", seed=0, num_inference_steps=2, width=72, height=48, scheduler="euler_a")[0]
+    assert img.size == (72, 48)
+
+
+@pytest.mark.parametrize("name", sorted(sdfast.SCHEDULERS))
+def test_every_scheduler_runs(tiny_engine, name):
+    img = tiny_engine.txt2img("a cat", seed=0, num_inference_steps=2, scheduler=name)[0]
+    assert np.isfinite(_px(img)).all() and img.size == (64, 64)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"height": 100}, "height"),
+        ({"width": 0}, "width"),
+        ({"width": -8}, "width"),
+        ({"num_inference_steps": 0}, "num_inference_steps"),
+        ({"guidance_scale": -1.0}, "guidance_scale"),
+        ({"num_images_per_prompt": 0}, "num_images_per_prompt"),
+        ({"scheduler": "nope"}, "scheduler"),
+        ({"seed": -1}, "seed"),
+        ({"seed": [1, 2]}, "seed"),
+    ],
+)
+def test_bad_input_raises_before_any_step(tiny_engine, kwargs, field):
+    calls = []
+    tiny_engine.pipe.unet.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(InvalidRequestError) as e:
+        tiny_engine.txt2img("a cat", **kwargs)
+    assert e.value.field == field
+    assert not calls
+
+
+def test_unknown_scheduler_lists_known(tiny_engine):
+    with pytest.raises(ValueError, match="ddim.*euler_a.*lcm"):
+        tiny_engine.txt2img("a cat", scheduler="k_lms_fancy")
+
+
+def test_module_level_txt2img_keeps_one_engine():
+    a = sdfast.txt2img("a cat", model="random:tiny", seed=0, num_inference_steps=1)
+    n = len(sdfast._ENGINES)
+    b = sdfast.txt2img("a cat", model="random:tiny", seed=0, num_inference_steps=1)
+    assert len(sdfast._ENGINES) == n
+    assert np.array_equal(_px(a[0]), _px(b[0]))
