@@ -1,0 +1,38 @@
+"""``OptimizeConfig``: the one frozen config of ``sdfast.optimize``; each flag states its trade-off."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class OptimizeConfig:
+    """What ``sdfast.optimize`` changes. Defaults are the fast, image-preserving choices.
+
+    attention: route every diffusers ``Attention`` through sdfast's dispatching processor (the fastest
+        exact backend per shape, measured at warm-up). Numerics: fp32 softmax accumulation in every backend;
+        differences from stock are fp16 rounding.
+    fuse_qkv: fuse Q/K/V (self-attention) and K/V (cross-attention) projections into one GEMM each.
+        Speed: fewer, larger GEMMs. Numerics: identical math, different GEMM tiling (rounding-level).
+    fuse_norms: GroupNorm(+time-embedding bias)(+SiLU), LayerNorm(+residual) and GEGLU run as single
+        Triton kernels (fp32 statistics). Speed: one pass over memory instead of three to five.
+    channels_last: convolutions and norms run in NHWC with no layout round trips. Speed: cuDNN's
+        fastest fp16 convolutions; on CPU it changes nothing numerically.
+    cuda_graphs: the UNet step, the text encoder(s) and the VAE decoder replay CUDA graphs, one per input
+        signature, over one shared memory pool. Speed: no launch overhead; costs one capture (about a
+        second) per new shape, and graph memory. CUDA only.
+    max_graphs: graphs kept per module; the least recently used shape is dropped beyond this.
+    vae_fp32_when_asked: when the VAE config says ``force_upcast`` and the pipeline is fp16, keep the VAE
+        in fp32 permanently (what stock diffusers does per call, without casting weights back and forth).
+    """
+
+    attention: bool = True
+    fuse_qkv: bool = True
+    fuse_norms: bool = True
+    channels_last: bool = True
+    cuda_graphs: bool = True
+    max_graphs: int = 8
+    vae_fp32_when_asked: bool = True
+
+    def as_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,115 @@
+"""``optimize(pipe, config)``: compose sdfast's passes on a diffusers pipeline, in place, reversibly.
+
+Order: attention processor -> norm fusion -> channels_last layout -> CUDA graphs. Each pass is its
+own module (``sdfast.passes``, ``sdfast.runtime``), counts what it changed, and can be undone
+(``unoptimize``). The pipeline object stays the same diffusers pipeline.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import OptimizeConfig
+
+log = logging.getLogger("sdfast")
+
+
+@dataclass
+class OptimizeState:
+    """What ``optimize`` did to one pipeline: the config, modules changed per pass, and the graph cache."""
+
+    config: OptimizeConfig
+    counts: dict = field(default_factory=dict)
+    graphs: object | None = None  # runtime.cuda_graphs.GraphCache
+    vae_upcast: bool = False
+
+
+def _denoisers(pipe) -> list[torch.nn.Module]:
+    return [m for m in (getattr(pipe, "unet", None), getattr(pipe, "vae", None)) if m is not None]
+
+
+def _vae_decode_in_own_dtype(vae):
+    """Rebind ``vae.decode`` to cast latents to the VAE's dtype (for a VAE kept in fp32)."""
+    original = vae.decode
+
+    def decode(self, z, *args, **kwargs):
+        return original(z.to(self.dtype), *args, **kwargs)
+
+    vae.decode = types.MethodType(decode, vae)
+
+
+def _install_graphs(pipe, state: OptimizeState) -> None:
+    from .runtime.cuda_graphs import GraphCache
+
+    cache = GraphCache(max_graphs=state.config.max_graphs)
+    cache.install("unet", pipe.unet)
+    for name in ("text_encoder", "text_encoder_2"):
+        if getattr(pipe, name, None) is not None:
+            cache.install(name, getattr(pipe, name))
+    cache.install("vae_decoder", pipe.vae.decoder)
+    original_check = pipe.check_inputs
+
+    def check_inputs(self, *args, **kwargs):  # runs at the start of every pipeline call
+        cache.check()
+        return original_check(*args, **kwargs)
+
+    pipe.check_inputs = types.MethodType(check_inputs, pipe)
+    state.graphs = cache
+
+
+def optimize(pipe, config: OptimizeConfig | None = None):
+    """Optimize a diffusers SD/SDXL pipeline in place and return it.
+
+    Raises ``TypeError`` if ``pipe`` has no ``unet`` and ``vae``. Calling it again on an optimized
+    pipeline returns it unchanged (``unoptimize`` first to change the config).
+    """
+    from .passes import attention, layout, norms
+
+    if not (hasattr(pipe, "unet") and hasattr(pipe, "vae")):
+        raise TypeError(f"optimize expects a diffusers Stable Diffusion pipeline, got {type(pipe).__name__}")
+    if getattr(pipe, "_sdfast", None) is not None:
+        return pipe
+    config = config or OptimizeConfig()
+    state = OptimizeState(config=config)
+    vae = pipe.vae
+    if config.vae_fp32_when_asked and hasattr(pipe, "upcast_vae") and vae.dtype == torch.float16 and vae.config.force_upcast:
+        vae.to(torch.float32)
+        _vae_decode_in_own_dtype(vae)
+        state.vae_upcast = True
+    if config.attention:
+        state.counts["attention"] = sum(attention.apply(m, fuse_projections=config.fuse_qkv) for m in _denoisers(pipe))
+    if config.fuse_norms:
+        state.counts["norms"] = sum(norms.apply(m) for m in _denoisers(pipe))
+    if config.channels_last:
+        state.counts["layout"] = sum(layout.apply(m) for m in _denoisers(pipe))
+    if config.cuda_graphs and pipe.unet.device.type == "cuda":
+        _install_graphs(pipe, state)
+        state.counts["cuda_graphs"] = len(state.graphs.runners)
+    pipe._sdfast = state
+    log.info("sdfast: optimized %s: %s", type(pipe).__name__, state.counts)
+    return pipe
+
+
+def unoptimize(pipe):
+    """Undo ``optimize``: the stock modules, processors, layouts and forwards come back. Returns ``pipe``."""
+    from .passes import attention, layout, norms
+
+    state: OptimizeState | None = getattr(pipe, "_sdfast", None)
+    if state is None:
+        return pipe
+    if state.graphs is not None:
+        state.graphs.uninstall()
+        del pipe.check_inputs
+    for m in _denoisers(pipe):
+        layout.undo(m)
+        norms.undo(m)
+        attention.undo(m)
+    if state.vae_upcast:
+        del pipe.vae.decode
+        pipe.vae.to(torch.float16)
+    pipe._sdfast = None
+    return pipe

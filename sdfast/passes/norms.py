@@ -1,0 +1,197 @@
+"""Norm fusion: GroupNorm(+time-embedding bias)(+SiLU), LayerNorm(+residual add) and GEGLU on sdfast's
+fused kernels (``kernels.norm``), wired in at block level.
+
+Rewrites (each per module instance, reversible with ``undo``):
+- ``ResnetBlock2D`` (time_embedding_norm "default", no up/down-sampling): ``forward`` is rebound to one
+  that runs norm1+SiLU as one kernel, and adds the time-embedding projection as a per-(batch, channel)
+  bias inside norm2+SiLU. diffusers reuses ``self.nonlinearity`` on the time embedding, so SiLU is fused
+  here at block level rather than by replacing the SiLU module.
+- ``conv_norm_out`` + ``conv_act`` (UNet and VAE decoder tails): GroupNorm+SiLU as one kernel.
+- every other ``nn.GroupNorm`` (Transformer2D input norm, VAE attention group_norm): the fused GroupNorm.
+- ``BasicTransformerBlock`` (norm_type "layer_norm"): norm2/norm3 fused with the residual add before them.
+- ``GEGLU``: projection, then one kernel for ``a * gelu(g)``.
+Sources of the fusion patterns: stable-fast, Paddle Inference and TensorRT's SD demo (GroupNorm+SiLU,
+bias-add+norm), Liger-Kernel (fused norms).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.norm import geglu, group_norm, layer_norm
+
+FilterFn = Callable[[nn.Module, str], bool]
+
+
+class FusedGroupNorm(nn.GroupNorm):
+    """``nn.GroupNorm`` (optionally + SiLU) on sdfast's fused kernel; shares the original's parameters.
+
+    Input (B, C, H, W) in NCHW or NHWC memory, output in the same layout; (B, C, L) inputs are viewed
+    as (B, C, L, 1). ``activation`` is None or "silu".
+    """
+
+    def __init__(self, source: nn.GroupNorm, activation: str | None = None):
+        nn.Module.__init__(self)
+        self.num_groups, self.num_channels, self.eps, self.affine = source.num_groups, source.num_channels, source.eps, source.affine
+        self.weight, self.bias = source.weight, source.bias  # the same Parameter objects: in-place updates are seen
+        self.activation = activation
+        self.source = [source]  # not a submodule: keeps state_dict keys unchanged
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 3:
+            return self.forward(x.unsqueeze(-1)).squeeze(-1)
+        return group_norm(x, self.num_groups, self.weight, self.bias, self.eps, activation=self.activation)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", activation={self.activation}"
+
+
+def _resnet_supported(m: nn.Module) -> bool:
+    from diffusers.models.resnet import ResnetBlock2D
+
+    return (
+        isinstance(m, ResnetBlock2D)
+        and m.time_embedding_norm == "default"
+        and m.upsample is None
+        and m.downsample is None
+        and isinstance(m.nonlinearity, nn.SiLU)
+        and type(m.norm1) is nn.GroupNorm
+        and type(m.norm2) is nn.GroupNorm
+    )
+
+
+def fused_resnet_forward(self, input_tensor: torch.Tensor, temb: torch.Tensor | None, *args, **kwargs) -> torch.Tensor:
+    """diffusers ``ResnetBlock2D.forward`` (default time-embedding norm) with the norms fused."""
+    n1, n2 = self.norm1, self.norm2
+    h = group_norm(input_tensor, n1.num_groups, n1.weight, n1.bias, n1.eps, activation="silu")
+    h = self.conv1(h)
+    channel_bias = None
+    if self.time_emb_proj is not None and temb is not None:
+        channel_bias = self.time_emb_proj(temb if self.skip_time_act else F.silu(temb))
+    h = group_norm(h, n2.num_groups, n2.weight, n2.bias, n2.eps, channel_bias=channel_bias, activation="silu")
+    h = self.dropout(h)
+    h = self.conv2(h)
+    shortcut = self.conv_shortcut(input_tensor) if self.conv_shortcut is not None else input_tensor
+    out = shortcut + h
+    return out if self.output_scale_factor == 1 else out / self.output_scale_factor
+
+
+def _block_supported(m: nn.Module) -> bool:
+    from diffusers.models.attention import BasicTransformerBlock
+
+    return (
+        isinstance(m, BasicTransformerBlock)
+        and m.norm_type == "layer_norm"
+        and m.pos_embed is None
+        and not m.only_cross_attention
+        and m.attn2 is not None
+        and m._chunk_size is None
+        and all(type(n) is nn.LayerNorm and n.weight is not None for n in (m.norm1, m.norm2, m.norm3))
+    )
+
+
+def fused_transformer_block_forward(
+    self,
+    hidden_states: torch.Tensor,
+    attention_mask=None,
+    encoder_hidden_states=None,
+    encoder_attention_mask=None,
+    timestep=None,
+    cross_attention_kwargs=None,
+    class_labels=None,
+    added_cond_kwargs=None,
+) -> torch.Tensor:
+    """diffusers ``BasicTransformerBlock.forward`` (layer_norm variant) with residual adds fused into norms."""
+    kwargs = dict(cross_attention_kwargs or {})
+    if "gligen" in kwargs:  # GLIGEN control needs the library's path
+        return type(self).forward(self, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
+                                  timestep, cross_attention_kwargs, class_labels, added_cond_kwargs)
+    n1, n2, n3 = self.norm1, self.norm2, self.norm3
+    x = layer_norm(hidden_states, n1.weight, n1.bias, n1.eps)
+    a = self.attn1(x, encoder_hidden_states=None, attention_mask=attention_mask, **kwargs)
+    x, h = layer_norm(a, n2.weight, n2.bias, n2.eps, residual=hidden_states, return_sum=True)
+    a = self.attn2(x, encoder_hidden_states=encoder_hidden_states, attention_mask=encoder_attention_mask, **kwargs)
+    x, h = layer_norm(a, n3.weight, n3.bias, n3.eps, residual=h, return_sum=True)
+    return self.ff(x) + h
+
+
+def fused_geglu_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """diffusers ``GEGLU.forward``: ``proj`` then ``a * gelu(g)`` as one kernel."""
+    return geglu(self.proj(hidden_states))
+
+
+def _rebind(module: nn.Module, fn) -> None:
+    module.forward = types.MethodType(fn, module)
+    module._sdfast_norms = True
+
+
+def apply(model: nn.Module, *, filter_fn: FilterFn | None = None) -> int:
+    """Fuse the norms of ``model`` (a UNet, a VAE or any module holding them). Returns modules changed.
+
+    Skips what is already converted and what ``filter_fn(module, name)`` rejects.
+    """
+    from diffusers.models.activations import GEGLU
+
+    changed = 0
+    seen_tails: set[int] = set()
+    for name, m in list(model.named_modules()):
+        if getattr(m, "_sdfast_norms", False) or isinstance(m, FusedGroupNorm) or (filter_fn and not filter_fn(m, name)):
+            continue
+        if _resnet_supported(m):
+            _rebind(m, fused_resnet_forward)
+        elif _block_supported(m):
+            _rebind(m, fused_transformer_block_forward)
+        elif isinstance(m, GEGLU) and isinstance(m.proj, nn.Linear):
+            _rebind(m, fused_geglu_forward)
+        elif type(getattr(m, "conv_norm_out", None)) is nn.GroupNorm and isinstance(getattr(m, "conv_act", None), nn.SiLU):
+            m._sdfast_tail = (m.conv_norm_out, m.conv_act)
+            m.conv_norm_out = FusedGroupNorm(m.conv_norm_out, activation="silu")
+            m.conv_act = nn.Identity()
+            seen_tails.add(id(m.conv_norm_out.source[0]))
+            m._sdfast_norms = True
+        else:
+            continue
+        changed += 1
+    changed += _swap_plain_group_norms(model, filter_fn, skip=seen_tails)
+    return changed
+
+
+def _swap_plain_group_norms(model: nn.Module, filter_fn: FilterFn | None, skip: set[int]) -> int:
+    """Every remaining ``nn.GroupNorm`` that is a direct child of a module not already rebound."""
+    changed = 0
+    for pname, parent in list(model.named_modules()):
+        if _resnet_supported(parent) and getattr(parent, "_sdfast_norms", False):
+            continue  # its norms run inside the fused forward
+        for cname, child in list(parent.named_children()):
+            if type(child) is not nn.GroupNorm or id(child) in skip:
+                continue
+            full = f"{pname}.{cname}" if pname else cname
+            if filter_fn and not filter_fn(child, full):
+                continue
+            setattr(parent, cname, FusedGroupNorm(child))
+            changed += 1
+    return changed
+
+
+def undo(model: nn.Module) -> int:
+    """Restore every module ``apply`` changed. Returns how many were restored."""
+    restored = 0
+    for _, m in list(model.named_modules()):
+        if getattr(m, "_sdfast_norms", False):
+            if hasattr(m, "_sdfast_tail"):
+                m.conv_norm_out, m.conv_act = m._sdfast_tail
+                del m._sdfast_tail
+            else:
+                del m.forward
+            del m._sdfast_norms
+            restored += 1
+        for cname, child in list(m.named_children()):
+            if isinstance(child, FusedGroupNorm):
+                setattr(m, cname, child.source[0])
+                restored += 1
+    return restored

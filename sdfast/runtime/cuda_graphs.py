@@ -1,0 +1,168 @@
+"""CUDA graphs for a module's forward, one per input signature, over one shared memory pool.
+
+``GraphedForward`` replaces ``module.forward`` on the instance. A call whose signature (the pytree of
+its arguments: tensor shapes, strides, dtypes, devices and every non-tensor value) was seen before
+copies its tensors into that graph's static input buffers, replays the graph, and returns clones of
+the static outputs, so no caller ever holds a view of a graph's buffer. A new signature is warmed up
+eagerly on a side stream (cuDNN/cuBLAS handles, Triton compilation, the attention dispatcher's
+measurements all happen there) and captured. Graphs share the engine's memory pool: their
+intermediates reuse one planned workspace, safe because graphs replay one at a time and outputs are
+copied out at once. At most ``max_graphs`` are kept (least recently used dropped).
+
+Parameters are read by the graph from their storage, so in-place weight updates (``param.copy_``, a
+fused LoRA) are seen by the next replay; replacing a parameter's storage (``module.to(dtype)``, new
+modules) changes ``weights_signature`` and ``GraphCache.check`` drops the stale graphs.
+
+Method: ``torch.cuda.CUDAGraph`` as in PyTorch's "CUDA Graphs" notes; graph pools as in
+``torch.cuda.make_graphed_callables``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils import _pytree as pytree
+
+log = logging.getLogger("sdfast.runtime")
+
+
+def weights_signature(module: torch.nn.Module) -> tuple:
+    """Storage pointers of every parameter and buffer (in order): changes when one is replaced."""
+    return tuple(t.data_ptr() for t in module.parameters()) + tuple(t.data_ptr() for t in module.buffers())
+
+
+def _leaf_key(x):
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(x.shape), x.stride(), x.dtype, x.device)
+    try:
+        hash(x)
+    except TypeError:
+        return ("U", id(x))  # unhashable non-tensor: never matches another call
+    return ("V", type(x), x)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    static_inputs: list  # tensors, in leaf order (None for non-tensor leaves)
+    static_output: object
+
+
+@dataclass
+class GraphStats:
+    captures: int = 0
+    replays: int = 0
+    evictions: int = 0
+    eager_calls: int = 0
+    failures: list = field(default_factory=list)
+
+
+class GraphedForward:
+    """A callable that replaces ``module.forward`` (see the module docstring)."""
+
+    def __init__(self, module: torch.nn.Module, *, pool, max_graphs: int = 8, warmup_iters: int = 2, name: str = ""):
+        self.module = module
+        self.eager = module.forward  # the forward as it was (possibly already patched by other passes)
+        self.rebound = "forward" in module.__dict__  # was forward already an instance attribute?
+        self.pool = pool
+        self.max_graphs = max_graphs
+        self.warmup_iters = warmup_iters
+        self.name = name or type(module).__name__
+        self.graphs: OrderedDict[tuple, _Graph | None] = OrderedDict()  # None: this signature runs eagerly
+        self.stats = GraphStats()
+        self.weights = weights_signature(module)
+
+    def __call__(self, *args, **kwargs):
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in leaves)
+        if not on_cuda or torch.cuda.is_current_stream_capturing() or torch.is_grad_enabled():
+            self.stats.eager_calls += 1
+            return self.eager(*args, **kwargs)
+        key = (spec, tuple(_leaf_key(x) for x in leaves))
+        if key not in self.graphs:
+            self._capture(key, leaves, spec)
+        entry = self.graphs[key]
+        self.graphs.move_to_end(key)
+        if entry is None:
+            self.stats.eager_calls += 1
+            return self.eager(*args, **kwargs)
+        for static, x in zip(entry.static_inputs, leaves):
+            if static is not None:
+                static.copy_(x)
+        entry.graph.replay()
+        self.stats.replays += 1
+        return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.static_output)
+
+    def _capture(self, key, leaves, spec) -> None:
+        static_inputs = [x.clone() if isinstance(x, torch.Tensor) else None for x in leaves]
+        s_args, s_kwargs = pytree.tree_unflatten([s if s is not None else x for s, x in zip(static_inputs, leaves)], spec)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup_iters):
+                    self.eager(*s_args, **s_kwargs)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = self.eager(*s_args, **s_kwargs)
+        except Exception as e:  # the one logged fallback point of the graph runtime
+            torch.cuda.synchronize()
+            log.warning("sdfast: CUDA graph capture of %s failed (%s: %s); this input signature runs eagerly",
+                        self.name, type(e).__name__, e)
+            self.stats.failures.append(f"{type(e).__name__}: {e}")
+            self.graphs[key] = None
+            return
+        self.graphs[key] = _Graph(graph, static_inputs, out)
+        self.stats.captures += 1
+        log.info("sdfast: captured a CUDA graph of %s (%d cached)", self.name, len(self.graphs))
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+            self.stats.evictions += 1
+
+    def invalidate(self) -> None:
+        """Drop every captured graph (after weights were replaced)."""
+        self.graphs.clear()
+        self.weights = weights_signature(self.module)
+
+
+class GraphCache:
+    """The graphed modules of one pipeline and their shared memory pool."""
+
+    def __init__(self, max_graphs: int = 8):
+        self.pool = torch.cuda.graph_pool_handle()
+        self.max_graphs = max_graphs
+        self.runners: dict[str, GraphedForward] = {}
+
+    def install(self, name: str, module: torch.nn.Module) -> GraphedForward:
+        runner = GraphedForward(module, pool=self.pool, max_graphs=self.max_graphs, name=name)
+        module.forward = runner
+        self.runners[name] = runner
+        return runner
+
+    def check(self) -> int:
+        """Invalidate every runner whose module's weights were replaced since capture. Returns how many."""
+        stale = 0
+        for runner in self.runners.values():
+            if weights_signature(runner.module) != runner.weights:
+                log.info("sdfast: weights of %s were replaced; dropping its CUDA graphs", runner.name)
+                runner.invalidate()
+                stale += 1
+        return stale
+
+    def uninstall(self) -> int:
+        for runner in self.runners.values():
+            if runner.module.__dict__.get("forward") is runner:
+                if runner.rebound:
+                    runner.module.forward = runner.eager
+                else:
+                    del runner.module.forward
+        n = len(self.runners)
+        self.runners.clear()
+        return n
+
+    def stats(self) -> dict:
+        return {name: vars(r.stats) | {"graphs": len(r.graphs)} for name, r in self.runners.items()}
