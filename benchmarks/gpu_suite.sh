@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The one GPU call: GPU tests, kernel benchmarks, the txt2img benchmark and the service benchmark,
+# each stage optional; full results under $OUT (tarred, so they come back as few files), a short table last.
+#
+# On the device machine (see README "GPU runs"):
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+#     && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && bash benchmarks/gpu_suite.sh tests kernels txt2img
+# Stages: env tests kernels txt2img server (default: all). Extra pytest args: PYTEST_ARGS; bench args: BENCH_ARGS.
+set -uo pipefail
+OUT=${OUT:-$PWD/out/gpu}
+RAW=$OUT/raw
+mkdir -p "$RAW"
+stages=${*:-env tests kernels txt2img server}
+summary=$OUT/summary.md
+: > "$summary"
+run() { # name, command...
+  local name=$1; shift
+  local t0=$SECONDS
+  "$@" > "$RAW/$name.log" 2>&1
+  local rc=$?
+  echo "| $name | rc=$rc | $((SECONDS - t0)) s |" >> "$summary"
+  tail -n 40 "$RAW/$name.log"
+  return $rc
+}
+for stage in $stages; do
+  echo "=== $stage"
+  case $stage in
+    env) run env bash -c 'nvidia-smi; python3 -c "import torch, triton, diffusers, transformers; print(torch.__version__, torch.version.cuda, triton.__version__, diffusers.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
+    tests) run tests python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider --junitxml "$RAW/gpu-tests.xml" ${PYTEST_ARGS:-} tests ;;
+    kernels) run kernels python3 -m benchmarks.bench_kernels --out "$RAW" ${KERNEL_ARGS:-} ;;
+    txt2img) run txt2img python3 -m benchmarks.bench_txt2img --out "$RAW" ${BENCH_ARGS:-} ;;
+    server) run server python3 -m benchmarks.bench_server --out "$RAW" ${SERVER_ARGS:-} ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
+tar -czf "$OUT/results.tgz" -C "$RAW" .
+echo
+echo "=== summary (stage | exit | seconds)"
+cat "$summary"
+for f in "$RAW"/txt2img.md "$RAW"/kernels.md; do [ -f "$f" ] && { echo "--- $(basename "$f")"; cat "$f"; }; done
+exit 0

@@ -1,0 +1,106 @@
+"""Issue 5 (GPU): the optimized pipeline's fidelity and runtime behaviour on the real architectures."""
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+import sdfast
+
+pytestmark = pytest.mark.gpu
+
+PROMPT = "a photo of an astronaut riding a horse on mars"
+
+
+def psnr(a, b) -> float:
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    mse = np.mean((a - b) ** 2)
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def _free():
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.fixture(scope="module")
+def sd15():
+    stock = sdfast.load("random:sd15", optimize=False)
+    fast = sdfast.load("random:sd15", optimize=True)
+    yield stock, fast
+    del stock, fast
+    _free()
+
+
+def test_sd15_parity_psnr_and_fp32_error(sd15, record_property):
+    stock, fast = sd15
+    kw = dict(seed=0, num_inference_steps=30)
+    ref16, ours = stock.txt2img(PROMPT, **kw)[0], fast.txt2img(PROMPT, **kw)[0]
+    p = psnr(ours, ref16)
+    stock.pipe.to(torch.float32)
+    ref32 = stock.txt2img(PROMPT, **kw)[0]
+    stock.pipe.to(torch.float16)
+    err_stock = np.abs(np.asarray(ref16, float) - np.asarray(ref32, float)).mean()
+    err_ours = np.abs(np.asarray(ours, float) - np.asarray(ref32, float)).mean()
+    record_property("psnr_db", p)
+    record_property("err_vs_fp32_ratio", err_ours / max(err_stock, 1e-9))
+    print(f"sd15 PSNR vs stock fp16 {p:.2f} dB; mean|err| vs fp32: stock fp16 {err_stock:.3f}, sdfast {err_ours:.3f}")
+    assert p >= 35
+    assert err_ours <= 1.5 * err_stock + 0.05
+
+
+def test_sd15_second_resolution_and_cfg_switch(sd15):
+    stock, fast = sd15
+    for kw in (dict(height=384, width=640), dict(height=512, width=512, guidance_scale=1.0)):
+        a = stock.txt2img(PROMPT, seed=1, num_inference_steps=8, **kw)[0]
+        b = fast.txt2img(PROMPT, seed=1, num_inference_steps=8, **kw)[0]
+        assert b.size == a.size and psnr(a, b) >= 35, kw
+    assert fast.pipe._sdfast.graphs.runners["unet"].stats.captures >= 3
+
+
+def test_in_place_weight_change_is_seen_by_graphs(sd15):
+    _, fast = sd15
+    kw = dict(seed=2, num_inference_steps=4)
+    before = fast.txt2img(PROMPT, **kw)[0]
+    w = fast.pipe.unet.conv_out.weight
+    saved = w.detach().clone()
+    with torch.no_grad():
+        w.mul_(0.5)  # like a fused LoRA: same storage, new values
+    try:
+        changed = fast.txt2img(PROMPT, **kw)[0]
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+    again = fast.txt2img(PROMPT, **kw)[0]
+    assert psnr(before, changed) < 40
+    assert np.array_equal(np.asarray(before), np.asarray(again))
+
+
+def test_replaced_weights_invalidate_graphs(sd15):
+    _, fast = sd15
+    kw = dict(seed=3, num_inference_steps=4)
+    before = fast.txt2img(PROMPT, **kw)[0]
+    conv = fast.pipe.unet.conv_out
+    old = conv.weight
+    conv.weight = torch.nn.Parameter(old.detach() * 0.5, requires_grad=False)
+    try:
+        changed = fast.txt2img(PROMPT, **kw)[0]
+    finally:
+        conv.weight = old
+    assert psnr(before, changed) < 40
+
+
+def test_sdxl_parity():
+    stock = sdfast.load("random:sdxl", optimize=False)
+    kw = dict(seed=0, num_inference_steps=30)
+    ref = stock.txt2img(PROMPT, **kw)[0]
+    del stock
+    _free()
+    fast = sdfast.load("random:sdxl", optimize=True)
+    ours = fast.txt2img(PROMPT, **kw)[0]
+    p = psnr(ours, ref)
+    print(f"sdxl PSNR vs stock fp16 {p:.2f} dB")
+    del fast
+    _free()
+    assert p >= 35

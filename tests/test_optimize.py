@@ -1,0 +1,119 @@
+"""Issue 5 (CPU): each pass is counted, reversible, honours filter_fn, and keeps the output; the whole
+optimized tiny pipeline gives stock's image (kernels run in Triton's interpreter)."""
+
+import numpy as np
+import pytest
+import torch
+
+import sdfast
+from sdfast.config import OptimizeConfig
+from sdfast.passes import layout, norms
+
+
+@pytest.fixture
+def unet_inputs():
+    g = torch.Generator().manual_seed(0)
+    return dict(
+        sample=torch.randn(2, 4, 8, 8, generator=g),
+        timestep=torch.tensor(10),
+        encoder_hidden_states=torch.randn(2, 7, 32, generator=g),
+    )
+
+
+def _run(unet, inputs):
+    with torch.no_grad():
+        return unet(**inputs, return_dict=False)[0]
+
+
+def test_norm_pass_counts_keeps_output_and_undoes(unet_inputs):
+    unet = sdfast.load("random:tiny", optimize=False).pipe.unet
+    stock = _run(unet, unet_inputs)
+    n = norms.apply(unet)
+    # 8 ResnetBlock2D, 4 BasicTransformerBlock, 4 GEGLU, the UNet tail, 4 Transformer2D GroupNorms
+    assert n == 21
+    assert norms.apply(unet) == 0  # already converted
+    fused = _run(unet, unet_inputs)
+    torch.testing.assert_close(fused, stock, atol=2e-4, rtol=1e-4)
+    assert norms.undo(unet) == n
+    assert torch.equal(_run(unet, unet_inputs), stock)
+
+
+def test_norm_pass_uses_fused_kernels(unet_inputs, monkeypatch):
+    from sdfast.passes import norms as mod
+
+    calls = {"gn": 0, "ln": 0, "geglu": 0}
+    gn, ln, gg = mod.group_norm, mod.layer_norm, mod.geglu
+
+    def count(key, fn):
+        def wrapped(*a, **k):
+            calls[key] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(mod, "group_norm", count("gn", gn))
+    monkeypatch.setattr(mod, "layer_norm", count("ln", ln))
+    monkeypatch.setattr(mod, "geglu", count("geglu", gg))
+    unet = sdfast.load("random:tiny", optimize=False).pipe.unet
+    norms.apply(unet)
+    _run(unet, unet_inputs)
+    assert calls["gn"] == 8 * 2 + 1 + 4 and calls["ln"] == 4 * 3 and calls["geglu"] == 4
+
+
+def test_norm_pass_filter_fn(unet_inputs):
+    unet = sdfast.load("random:tiny", optimize=False).pipe.unet
+    n = norms.apply(unet, filter_fn=lambda m, name: name.startswith("down_blocks"))
+    assert 0 < n < 21
+    assert all(name.startswith("down_blocks") for name, m in unet.named_modules() if getattr(m, "_sdfast_norms", False))
+
+
+def test_fused_resnet_adds_time_embedding_inside_the_norm(monkeypatch, unet_inputs):
+    from sdfast.passes import norms as mod
+
+    seen = []
+    real = mod.group_norm
+    monkeypatch.setattr(mod, "group_norm", lambda *a, **k: seen.append(k.get("channel_bias") is not None) or real(*a, **k))
+    unet = sdfast.load("random:tiny", optimize=False).pipe.unet
+    norms.apply(unet)
+    _run(unet, unet_inputs)
+    assert any(seen)
+
+
+def test_layout_pass_makes_convs_channels_last_and_keeps_output(unet_inputs):
+    unet = sdfast.load("random:tiny", optimize=False).pipe.unet
+    stock = _run(unet, unet_inputs)
+    n = layout.apply(unet)
+    assert n > 10 and layout.apply(unet) == 0
+    assert unet.conv_in.weight.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(_run(unet, unet_inputs), stock, atol=1e-5, rtol=1e-5)
+    assert layout.undo(unet) == n
+    assert unet.conv_in.weight.is_contiguous()
+
+
+def _px(img):
+    return np.asarray(img).astype(np.int16)
+
+
+def test_optimized_tiny_pipeline_matches_stock():
+    stock = sdfast.load("random:tiny", optimize=False)
+    fast = sdfast.load("random:tiny", optimize=True)
+    state = fast.pipe._sdfast
+    assert state.counts["attention"] > 0 and state.counts["norms"] > 0 and state.counts["layout"] > 0
+    kw = dict(seed=5, num_inference_steps=3, guidance_scale=7.5)
+    a, b = stock.txt2img("a photo of a cat", **kw)[0], fast.txt2img("a photo of a cat", **kw)[0]
+    assert np.abs(_px(a) - _px(b)).max() <= 2
+
+
+def test_optimize_is_idempotent_and_undoable():
+    engine = sdfast.load("random:tiny", optimize=False)
+    ref = engine.txt2img("a cat", seed=1, num_inference_steps=2)[0]
+    pipe = sdfast.optimize(engine.pipe, OptimizeConfig())
+    counts = dict(pipe._sdfast.counts)
+    assert sdfast.optimize(pipe) is pipe and pipe._sdfast.counts == counts
+    sdfast.unoptimize(pipe)
+    assert pipe._sdfast is None
+    assert np.array_equal(_px(engine.txt2img("a cat", seed=1, num_inference_steps=2)[0]), _px(ref))
+
+
+def test_optimize_rejects_non_pipelines():
+    with pytest.raises(TypeError, match="Stable Diffusion pipeline"):
+        sdfast.optimize(torch.nn.Linear(2, 2))
