@@ -4,16 +4,17 @@
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# CPU machines take the CPU build of torch that lies on local disk; a CUDA machine keeps pip's default.
-TORCH_PIN := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0")
+# CPU machines take the CPU build of torch that lies on local disk (and the Triton whose interpreter CI uses);
+# a CUDA machine keeps pip's default torch, which brings its own Triton.
+TORCH_PIN := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo "torch" || echo "torch==2.13.0 triton==3.6.0")
 
 .PHONY: setup demo test gpu clean
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml .ci/constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q "$(TORCH_PIN)"
-	$(BIN)/pip install -q -e ".[test,server,bench]"
+	$(BIN)/pip install -q $(TORCH_PIN)
+	$(BIN)/pip install -q -c .ci/constraints.txt -e ".[test,server,bench]"
 	touch $@
 
 setup: $(BIN)/.installed
