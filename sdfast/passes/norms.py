@@ -112,6 +112,8 @@ def fused_transformer_block_forward(
         return type(self).forward(self, hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
                                   timestep, cross_attention_kwargs, class_labels, added_cond_kwargs)
     n1, n2, n3 = self.norm1, self.norm2, self.norm3
+    if hidden_states.stride(-1) != 1:  # the token view of an NCHW tensor; channels_last gives contiguous rows
+        hidden_states = hidden_states.contiguous()
     x = layer_norm(hidden_states, n1.weight, n1.bias, n1.eps)
     a = self.attn1(x, encoder_hidden_states=None, attention_mask=attention_mask, **kwargs)
     x, h = layer_norm(a, n2.weight, n2.bias, n2.eps, residual=hidden_states, return_sum=True)
