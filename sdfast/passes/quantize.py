@@ -1,0 +1,288 @@
+"""Quantization pass: swap the UNet's ``nn.Linear`` layers for quantized ones, and back.
+
+    from sdfast.passes.quantize import quantize_, dequantize_, W8A8Config, W4A16Config, Int8OutlierConfig
+
+    n = quantize_(pipe.unet, W8A8Config(alpha=0.5),
+                  calibration=lambda: pipe("a photo of a cat", num_inference_steps=2))
+    print(int(n), n.skipped_shape, n.weight_bytes_after / n.weight_bytes_before)
+    dequantize_(pipe.unet)   # back to nn.Linear
+
+Methods (papers): W8A8 SmoothQuant (Xiao et al. 2022; int8, or FP8 E4M3 on sm_89+; with
+``group_size`` the ZeroQuant-style group-wise weights of Yao et al. 2022), W4A16 AWQ (Lin et al.
+2023) / GPTQ (Frantar et al. 2022) / round-to-nearest, LLM.int8() (Dettmers et al. 2022).
+
+``calibration`` is a callable that runs the model (e.g. the whole pipeline on a few prompts); while
+it runs, forward pre-hooks on the targeted linears collect what the method needs (per-input-channel
+absmax for SmoothQuant and LLM.int8(), mean |x| and input rows for AWQ, X^T X for GPTQ). SmoothQuant
+without calibration is plain per-token W8A8 (no smoothing); LLM.int8() without calibration finds
+outlier columns per call; AWQ and GPTQ require calibration.
+
+Default targets (:func:`default_filter`): the UNet transformer blocks' linears (attention
+``to_q/to_k/to_v/to_out``, feed-forward ``ff``) and ``proj_in`` / ``proj_out`` where they are linear.
+The VAE and the text encoder have none of these names, so they stay in their dtype unless a
+``filter_fn`` selects them. Layers with ``min(in_features, out_features) < config.min_features`` are
+skipped and counted (``QuantizeStats.skipped_shape``): they are too small for an 8/4-bit kernel to pay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from sdfast.quantization.calibration import collect_linear_stats
+from sdfast.quantization.modules import Int8OutlierLinear, QuantizedLinear, W4A16Linear, W8A8Linear
+
+FilterFn = Callable[[nn.Module, str], bool]
+
+
+# --------------------------------------------------------------------------------------------
+# configs
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class W8A8Config:
+    """W8A8: 8-bit weights (per output channel) and activations (per token, dynamic).
+
+    alpha: SmoothQuant migration strength in [0, 1] (0: no smoothing). Needs calibration to apply.
+        Numerics: 0.5 balances activation and weight ranges (paper default).
+    dtype: ``"int8"`` (int8 tl.dot, int32 accumulation) or ``"fp8"`` (E4M3, sm_89+ only).
+    group_size: None (per-channel weights) or a multiple of 32 (ZeroQuant group-wise weights, smaller
+        weight error, one fp32 scale per group per row).
+    min_features: layers with in or out features below this are skipped (speed: too small to pay).
+    """
+
+    alpha: float = 0.5
+    dtype: str = "int8"
+    group_size: int | None = None
+    min_features: int = 320
+
+    def __post_init__(self):
+        if self.dtype not in ("int8", "fp8"):
+            raise ValueError(f"W8A8Config: dtype must be 'int8' or 'fp8', got {self.dtype!r}")
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"W8A8Config: alpha must be in [0, 1], got {self.alpha}")
+        if self.group_size is not None and (self.group_size <= 0 or self.group_size % 32):
+            raise ValueError(f"W8A8Config: group_size must be None or a positive multiple of 32, got {self.group_size}")
+
+
+@dataclass(frozen=True)
+class W4A16Config:
+    """W4A16 weight-only int4 (asymmetric, per group of ``group_size`` input channels; fp16 activations).
+
+    method: ``"awq"`` (activation-aware scale search; needs calibration), ``"gptq"`` (Hessian error
+        compensation; needs calibration; K² fp32 per layer during calibration) or ``"rtn"``
+        (round-to-nearest; no calibration).
+    group_size: multiple of 16 (128 is standard). Smaller groups: less error, more scale bytes.
+    backend: ``"triton"`` or ``"csrc"`` (CUDA C++ cp.async kernel, built on first use; fp16, K % 32 == 0).
+    damp: GPTQ diagonal damping (fraction of the mean Hessian diagonal).
+    n_grid: AWQ grid points for the scale exponent. n_samples: calibration input rows kept per layer (AWQ).
+    min_features: layers with in or out features below this are skipped.
+    """
+
+    method: str = "awq"
+    group_size: int = 128
+    backend: str = "triton"
+    damp: float = 0.01
+    n_grid: int = 20
+    n_samples: int = 256
+    min_features: int = 320
+
+    def __post_init__(self):
+        if self.method not in ("awq", "gptq", "rtn"):
+            raise ValueError(f"W4A16Config: method must be 'awq', 'gptq' or 'rtn', got {self.method!r}")
+        if self.group_size <= 0 or self.group_size % 16:
+            raise ValueError(f"W4A16Config: group_size must be a positive multiple of 16, got {self.group_size}")
+        if self.backend not in ("triton", "csrc"):
+            raise ValueError(f"W4A16Config: backend must be 'triton' or 'csrc', got {self.backend!r}")
+
+
+@dataclass(frozen=True)
+class Int8OutlierConfig:
+    """LLM.int8(): int8 weights and activations, input columns with any |x| > ``threshold`` in 16-bit.
+
+    static_outliers: with calibration, fix the outlier columns to those seen during calibration
+        (no per-call reduction, CUDA-graph friendly); otherwise find them per call (the paper's way).
+    min_features: layers with in or out features below this are skipped.
+    """
+
+    threshold: float = 6.0
+    static_outliers: bool = True
+    min_features: int = 320
+
+    def __post_init__(self):
+        if self.threshold <= 0:
+            raise ValueError(f"Int8OutlierConfig: threshold must be > 0, got {self.threshold}")
+
+
+QuantConfig = W8A8Config | W4A16Config | Int8OutlierConfig
+
+
+class QuantizeStats(int):
+    """The number of layers quantized (an ``int``), with details as attributes.
+
+    skipped_shape: targeted layers below ``min_features``; skipped_already: layers already quantized;
+    weight_bytes_before / weight_bytes_after: bytes of the quantized layers' weights before / after
+    (bias excluded); layers: the quantized module names.
+    """
+
+    skipped_shape: int
+    skipped_already: int
+    weight_bytes_before: int
+    weight_bytes_after: int
+    layers: list
+
+    def __new__(cls, quantized: int, **kw: Any) -> "QuantizeStats":
+        obj = super().__new__(cls, quantized)
+        obj.skipped_shape = kw.get("skipped_shape", 0)
+        obj.skipped_already = kw.get("skipped_already", 0)
+        obj.weight_bytes_before = kw.get("weight_bytes_before", 0)
+        obj.weight_bytes_after = kw.get("weight_bytes_after", 0)
+        obj.layers = list(kw.get("layers", []))
+        return obj
+
+    @property
+    def quantized(self) -> int:
+        return int(self)
+
+    @property
+    def weight_ratio(self) -> float:
+        """weight_bytes_after / weight_bytes_before (nan when nothing was quantized)."""
+        return self.weight_bytes_after / self.weight_bytes_before if self.weight_bytes_before else float("nan")
+
+    def __repr__(self) -> str:
+        return (f"QuantizeStats(quantized={int(self)}, skipped_shape={self.skipped_shape}, "
+                f"skipped_already={self.skipped_already}, weight_ratio={self.weight_ratio:.3f})")
+
+
+# --------------------------------------------------------------------------------------------
+# targets
+# --------------------------------------------------------------------------------------------
+_UNET_LINEAR_SUFFIXES = ("proj_in", "proj_out")
+
+
+def default_filter(module: nn.Module, name: str) -> bool:
+    """The UNet's transformer linears: anything under ``transformer_blocks`` (attn1/attn2 ``to_q/k/v/out``,
+    ``ff``) and linear ``proj_in`` / ``proj_out``. VAE attention (``mid_block.attentions.0.to_q``) and
+    CLIP layers (``q_proj``, ``fc1``) do not match."""
+    if not isinstance(module, nn.Linear):
+        return False
+    parts = name.split(".")
+    if any(p in ("vae", "text_encoder", "text_encoder_2") for p in parts):
+        return False
+    return "transformer_blocks" in parts or parts[-1] in _UNET_LINEAR_SUFFIXES
+
+
+def _root(module: Any) -> nn.Module:
+    if isinstance(module, nn.Module):
+        return module
+    unet = getattr(module, "unet", None)  # a diffusers pipeline: quantize its UNet
+    if isinstance(unet, nn.Module):
+        return unet
+    raise TypeError(f"quantize_: expected an nn.Module or a pipeline with .unet, got {type(module).__name__}")
+
+
+def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = root.get_submodule(parent_name) if parent_name else root
+    setattr(parent, attr, new)
+
+
+# --------------------------------------------------------------------------------------------
+# the pass
+# --------------------------------------------------------------------------------------------
+def quantize_(
+    module: nn.Module,
+    config: QuantConfig,
+    *,
+    filter_fn: FilterFn | None = None,
+    calibration: Callable[[], Any] | None = None,
+    keep_original: bool = False,
+) -> QuantizeStats:
+    """Replace the targeted ``nn.Linear`` layers of ``module`` (in place) by quantized modules.
+
+    module: an ``nn.Module`` (e.g. ``pipe.unet``) or a pipeline with ``.unet``.
+    config: :class:`W8A8Config`, :class:`W4A16Config` or :class:`Int8OutlierConfig`.
+    filter_fn: ``(module, name) -> bool`` choosing layers (default :func:`default_filter`); only exact
+        ``nn.Linear`` instances are converted, already-quantized layers are skipped and counted.
+    calibration: callable that runs the model once; pre-hooks collect the statistics the method needs.
+    keep_original: keep a CPU copy of each original weight so :func:`dequantize_` restores it exactly
+        (otherwise it restores the dequantized weight).
+
+    Returns a :class:`QuantizeStats` (an int: the number of layers converted).
+    Raises: TypeError (bad module / config), ValueError (AWQ / GPTQ without calibration).
+    """
+    root = _root(module)
+    if not isinstance(config, (W8A8Config, W4A16Config, Int8OutlierConfig)):
+        raise TypeError(f"quantize_: config must be W8A8Config, W4A16Config or Int8OutlierConfig, got {type(config).__name__}")
+    filter_fn = filter_fn or default_filter
+    targets: dict[str, nn.Linear] = {}
+    skipped_shape = skipped_already = 0
+    for name, m in root.named_modules():
+        if isinstance(m, QuantizedLinear):
+            skipped_already += 1
+            continue
+        if type(m) is not nn.Linear or not filter_fn(m, name):
+            continue
+        if min(m.in_features, m.out_features) < config.min_features:
+            skipped_shape += 1
+            continue
+        targets[name] = m
+    if not targets:
+        return QuantizeStats(0, skipped_shape=skipped_shape, skipped_already=skipped_already)
+
+    needs_cal = isinstance(config, W4A16Config) and config.method in ("awq", "gptq")
+    if needs_cal and calibration is None:
+        raise ValueError(f"quantize_: W4A16 method {config.method!r} needs calibration=<callable running the model>")
+    stats = {}
+    use_cal = calibration is not None and not (isinstance(config, W4A16Config) and config.method == "rtn") and not (
+        isinstance(config, Int8OutlierConfig) and not config.static_outliers) and not (
+        isinstance(config, W8A8Config) and config.alpha == 0)
+    if use_cal:
+        hessian = isinstance(config, W4A16Config) and config.method == "gptq"
+        n_samples = config.n_samples if isinstance(config, W4A16Config) and config.method == "awq" else 0
+        stats = collect_linear_stats(targets, calibration, hessian=hessian, n_samples=n_samples)
+        missing = [n for n in targets if n not in stats]
+        if needs_cal and missing:
+            raise ValueError(f"quantize_: calibration did not run {len(missing)} targeted layers (e.g. {missing[0]})")
+
+    before = after = 0
+    done = []
+    for name, lin in targets.items():
+        st = stats.get(name)
+        with torch.no_grad():
+            if isinstance(config, W8A8Config):
+                q = W8A8Linear.from_linear(lin, act_absmax=None if st is None else st.absmax, alpha=config.alpha,
+                                           dtype=config.dtype, group_size=config.group_size)
+            elif isinstance(config, W4A16Config):
+                q = W4A16Linear.from_linear(lin, method=config.method, group_size=config.group_size, stats=st,
+                                            damp=config.damp, n_grid=config.n_grid, backend=config.backend)
+            else:
+                q = Int8OutlierLinear.from_linear(lin, threshold=config.threshold,
+                                                  act_absmax=None if st is None else st.absmax)
+        if keep_original:
+            q.keep_original(lin)
+        before += lin.weight.numel() * lin.weight.element_size()
+        after += q.weight_nbytes()
+        _set_submodule(root, name, q)
+        done.append(name)
+    del stats
+    return QuantizeStats(len(done), skipped_shape=skipped_shape, skipped_already=skipped_already,
+                         weight_bytes_before=before, weight_bytes_after=after, layers=done)
+
+
+def dequantize_(module: nn.Module, *, filter_fn: FilterFn | None = None) -> int:
+    """Undo :func:`quantize_`: replace every :class:`QuantizedLinear` (passing ``filter_fn`` when given)
+    by an ``nn.Linear`` (the kept original weight, else the dequantized one). Returns how many."""
+    root = _root(module)
+    names = [n for n, m in root.named_modules() if isinstance(m, QuantizedLinear) and (filter_fn is None or filter_fn(m, n))]
+    for n in names:
+        _set_submodule(root, n, root.get_submodule(n).to_linear())
+    return len(names)
+
+
+__all__ = [
+    "quantize_", "dequantize_", "default_filter", "W8A8Config", "W4A16Config", "Int8OutlierConfig", "QuantizeStats",
+]
+

@@ -1,0 +1,12 @@
+"""Post-training quantization for the UNet's linear layers (the pass is ``sdfast.passes.quantize``).
+
+* ``calibration``: forward pre-hooks collecting per-input-channel absmax / mean |x|, X^T X, input rows.
+* ``awq``: AWQ scale search (Lin et al. 2023); ``gptq``: GPTQ (Frantar et al. 2022).
+* ``modules``: ``W8A8Linear`` (SmoothQuant int8 / FP8, ZeroQuant groups), ``W4A16Linear``
+  (AWQ / GPTQ / RTN), ``Int8OutlierLinear`` (LLM.int8()).
+"""
+
+from .calibration import LinearStats, collect_linear_stats
+from .modules import Int8OutlierLinear, QuantizedLinear, W4A16Linear, W8A8Linear
+
+__all__ = ["LinearStats", "collect_linear_stats", "QuantizedLinear", "W8A8Linear", "W4A16Linear", "Int8OutlierLinear"]

@@ -1,0 +1,255 @@
+"""Quantized replacements for ``nn.Linear`` (built by ``sdfast.passes.quantize.quantize_``).
+
+Every module keeps ``in_features`` / ``out_features``, takes (..., K) input in fp16 / bf16 / fp32 and
+returns (..., N) in the input's dtype, stores its quantized tensors as buffers (so ``.to(device)``
+moves them; integer buffers are never cast by ``.half()``), and can give back an ``nn.Linear``
+(:meth:`QuantizedLinear.to_linear`): the exact original when one was kept, else the dequantized weight.
+
+* :class:`W8A8Linear`: SmoothQuant int8 or FP8 E4M3 (``kernels.gemm.w8a8``), optional ZeroQuant groups.
+* :class:`W4A16Linear`: packed int4, AWQ / GPTQ / RTN (``kernels.gemm.w4a16``; ``backend="csrc"`` uses
+  the CUDA C++ cp.async kernel where it applies).
+* :class:`Int8OutlierLinear`: LLM.int8() (``kernels.gemm.int8_outlier``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.gemm.int8_outlier import int8_outlier_linear
+from kernels.gemm.w4a16 import dequantize_w4, pack_int4, quantize_int4_groups, w4a16_linear
+from kernels.gemm.w8a8 import dequantize_weight, quantize_weight_per_channel, smoothquant_scales, w8a8_linear
+
+from .calibration import LinearStats
+
+
+def _nbytes(*ts: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+class QuantizedLinear(nn.Module):
+    """Base class of sdfast's quantized linears (``quantize_`` skips modules of this type)."""
+
+    in_features: int
+    out_features: int
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, orig_dtype: torch.dtype):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.orig_dtype = orig_dtype
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self._original: tuple[torch.Tensor, torch.Tensor | None] | None = None  # CPU copy for an exact undo
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """(N, K) fp32 weight the module effectively multiplies by (``x @ W^T``, smoothing folded back)."""
+        raise NotImplementedError
+
+    def weight_nbytes(self) -> int:
+        """Bytes of the stored weight representation (quantized weight, scales, zeros, smoothing)."""
+        raise NotImplementedError
+
+    def keep_original(self, linear: nn.Linear) -> None:
+        """Keep a CPU copy of ``linear``'s weight and bias so :meth:`to_linear` restores it exactly."""
+        self._original = (
+            linear.weight.detach().to("cpu", copy=True),
+            None if linear.bias is None else linear.bias.detach().to("cpu", copy=True),
+        )
+
+    def to_linear(self) -> nn.Linear:
+        """An ``nn.Linear`` on this module's device: the kept original, else the dequantized weight in ``orig_dtype``."""
+        dev = next((b.device for b in self.buffers() if b is not None), torch.device("cpu"))
+        lin = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None, device=dev, dtype=self.orig_dtype)
+        with torch.no_grad():
+            if self._original is not None:
+                lin.weight.copy_(self._original[0])
+                if self._original[1] is not None:
+                    lin.bias.copy_(self._original[1])
+            else:
+                lin.weight.copy_(self.dequantized_weight())
+                if self.bias is not None:
+                    lin.bias.copy_(self.bias)
+        return lin
+
+
+class W8A8Linear(QuantizedLinear):
+    """SmoothQuant W8A8 (int8 or FP8 E4M3) linear: per-channel (or per-group) weights, per-token activations.
+
+    Buffers: ``qweight`` (N, K) int8 (FP8 is stored as its uint8 bit pattern so dtype casts leave it
+    alone), ``w_scale`` fp32 (N,) or (N, ceil(K/group_size)), ``smooth`` fp32 (K,) or None, ``bias``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, qweight, w_scale, smooth, bias, dtype: str,
+                 group_size: int | None, orig_dtype: torch.dtype, alpha: float | None = None):
+        super().__init__(in_features, out_features, bias, orig_dtype)
+        if dtype not in ("int8", "fp8"):
+            raise ValueError(f"W8A8Linear: dtype must be 'int8' or 'fp8', got {dtype!r}")
+        self.qdtype = dtype
+        self.group_size = group_size
+        self.alpha = alpha
+        self.register_buffer("qweight", qweight.view(torch.uint8) if dtype == "fp8" else qweight)
+        self.register_buffer("w_scale", w_scale)
+        self.register_buffer("smooth", smooth)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, act_absmax: torch.Tensor | None = None, alpha: float = 0.5,
+                    dtype: str = "int8", group_size: int | None = None) -> "W8A8Linear":
+        """Quantize ``linear``. With ``act_absmax`` (K,) the SmoothQuant factors (``alpha``) are applied;
+        without it the layer is plain per-token × per-channel W8A8 (no smoothing)."""
+        w = linear.weight.detach().float()
+        smooth = None
+        if act_absmax is not None and alpha > 0:
+            s = smoothquant_scales(act_absmax.to(w.device), w, alpha)
+            w = w * s[None, :]
+            smooth = (1.0 / s).contiguous()
+        tdt = torch.float8_e4m3fn if dtype == "fp8" else torch.int8
+        q, scale = quantize_weight_per_channel(w, tdt, group_size)
+        return cls(linear.in_features, linear.out_features, qweight=q, w_scale=scale, smooth=smooth,
+                   bias=linear.bias, dtype=dtype, group_size=group_size, orig_dtype=linear.weight.dtype,
+                   alpha=alpha if smooth is not None else None)
+
+    @property
+    def weight_q(self) -> torch.Tensor:
+        """The quantized weight in its real dtype (int8 or float8_e4m3fn)."""
+        return self.qweight.view(torch.float8_e4m3fn) if self.qdtype == "fp8" else self.qweight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return w8a8_linear(x, self.weight_q, self.w_scale, self.bias, smooth=self.smooth, group_size=self.group_size)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        w = dequantize_weight(self.weight_q, self.w_scale, self.group_size)
+        if self.smooth is not None:
+            w = w * self.smooth.float()[None, :]
+        return w
+
+    def weight_nbytes(self) -> int:
+        return _nbytes(self.qweight, self.w_scale, self.smooth)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.qdtype}, "
+                f"smooth={'alpha=%g' % self.alpha if self.smooth is not None else None}, group_size={self.group_size}, "
+                f"bias={self.bias is not None}")
+
+
+class W4A16Linear(QuantizedLinear):
+    """Weight-only int4 linear (AWQ / GPTQ / RTN), dequantized inside the GEMM main loop.
+
+    Buffers: ``qweight`` int32 (N, ceil(K/8)), ``scales`` (N, G) in the layer's dtype, ``zeros`` uint8
+    (N, G), ``smooth`` fp32 (K,) (AWQ's ``1/s``) or None, ``bias``. ``backend``: ``"triton"`` or
+    ``"csrc"`` (the CUDA C++ kernel for fp16 CUDA input with K % 32 == 0 and group_size % 32 == 0;
+    anything else, and ``smooth`` handling, goes through Triton / a torch multiply).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, qweight, scales, zeros, smooth, bias,
+                 group_size: int, method: str, orig_dtype: torch.dtype, backend: str = "triton"):
+        super().__init__(in_features, out_features, bias, orig_dtype)
+        if backend not in ("triton", "csrc"):
+            raise ValueError(f"W4A16Linear: backend must be 'triton' or 'csrc', got {backend!r}")
+        self.group_size = group_size
+        self.method = method
+        self.backend = backend
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scales", scales)
+        self.register_buffer("zeros", zeros)
+        self.register_buffer("smooth", smooth)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, method: str = "rtn", group_size: int = 128,
+                    stats: LinearStats | None = None, damp: float = 0.01, n_grid: int = 20,
+                    backend: str = "triton") -> "W4A16Linear":
+        """Quantize ``linear`` with ``method`` ``"rtn"``, ``"awq"`` (needs ``stats`` with samples) or
+        ``"gptq"`` (needs ``stats`` with ``xtx``). Raises ValueError when the statistics are missing."""
+        w = linear.weight.detach().float()
+        smooth = None
+        if method == "rtn":
+            q, s, z = quantize_int4_groups(w, group_size)
+        elif method == "awq":
+            if stats is None or stats.samples is None:
+                raise ValueError("W4A16 AWQ needs calibration statistics with input samples")
+            from .awq import awq_quantize
+
+            q, s, z, smooth = awq_quantize(w, stats.absmean, stats.samples, group_size, n_grid)
+        elif method == "gptq":
+            if stats is None or stats.xtx is None:
+                raise ValueError("W4A16 GPTQ needs calibration statistics with X^T X (hessian=True)")
+            from .gptq import gptq_quantize
+
+            q, s, z = gptq_quantize(w, stats.hessian, group_size, damp)
+        else:
+            raise ValueError(f"W4A16: method must be 'awq', 'gptq' or 'rtn', got {method!r}")
+        return cls(linear.in_features, linear.out_features, qweight=pack_int4(q), scales=s.to(linear.weight.dtype),
+                   zeros=z, smooth=smooth, bias=linear.bias, group_size=group_size, method=method,
+                   orig_dtype=linear.weight.dtype, backend=backend)
+
+    def _csrc_ok(self, x: torch.Tensor) -> bool:
+        return (self.backend == "csrc" and x.is_cuda and x.dtype == torch.float16 and self.in_features % 32 == 0
+                and self.group_size % 32 == 0 and self.scales.dtype == torch.float16
+                and (self.bias is None or self.bias.dtype == torch.float16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._csrc_ok(x):
+            from kernels.csrc.build import gemm_w4a16
+
+            x2 = x.reshape(-1, self.in_features)
+            if self.smooth is not None:
+                x2 = x2 * self.smooth.to(x2.dtype)
+            y = gemm_w4a16(x2, self.qweight, self.scales, self.zeros, self.bias, group_size=self.group_size)
+            return y.reshape(*x.shape[:-1], self.out_features)
+        return w4a16_linear(x, self.qweight, self.scales, self.zeros, self.bias, group_size=self.group_size,
+                            smooth=self.smooth)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        w = dequantize_w4(self.qweight, self.scales, self.zeros, self.in_features, self.group_size)
+        if self.smooth is not None:
+            w = w * self.smooth.float()[None, :]
+        return w
+
+    def weight_nbytes(self) -> int:
+        return _nbytes(self.qweight, self.scales, self.zeros, self.smooth)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, method={self.method}, "
+                f"group_size={self.group_size}, backend={self.backend}, bias={self.bias is not None}")
+
+
+class Int8OutlierLinear(QuantizedLinear):
+    """LLM.int8() linear: int8 per-channel weight; outlier input columns (|x| > threshold) in 16-bit.
+
+    ``outlier_mask`` (K,) bool buffer: fixed from calibration when given (static), else None and the
+    columns are found per call (dynamic, as in the paper).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, qweight, w_scale, bias, threshold: float,
+                 outlier_mask: torch.Tensor | None, orig_dtype: torch.dtype):
+        super().__init__(in_features, out_features, bias, orig_dtype)
+        self.threshold = float(threshold)
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("w_scale", w_scale)
+        self.register_buffer("outlier_mask", outlier_mask)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, threshold: float = 6.0,
+                    act_absmax: torch.Tensor | None = None) -> "Int8OutlierLinear":
+        """Quantize ``linear``; with ``act_absmax`` (K,) the outlier columns are fixed to ``act_absmax > threshold``."""
+        q, scale = quantize_weight_per_channel(linear.weight.detach().float(), torch.int8)
+        mask = None if act_absmax is None else (act_absmax.to(q.device) > threshold).contiguous()
+        return cls(linear.in_features, linear.out_features, qweight=q, w_scale=scale, bias=linear.bias,
+                   threshold=threshold, outlier_mask=mask, orig_dtype=linear.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return int8_outlier_linear(x, self.qweight, self.w_scale, self.bias, threshold=self.threshold,
+                                   outlier_mask=self.outlier_mask)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        return dequantize_weight(self.qweight, self.w_scale)
+
+    def weight_nbytes(self) -> int:
+        return _nbytes(self.qweight, self.w_scale, self.outlier_mask)
+
+    def extra_repr(self) -> str:
+        n_out = None if self.outlier_mask is None else int(self.outlier_mask.sum())
+        return (f"in_features={self.in_features}, out_features={self.out_features}, threshold={self.threshold}, "
+                f"static_outliers={n_out}, bias={self.bias is not None}")
+
+
+__all__ = ["QuantizedLinear", "W8A8Linear", "W4A16Linear", "Int8OutlierLinear"]
