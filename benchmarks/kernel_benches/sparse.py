@@ -49,7 +49,7 @@ def _shapes(quick: bool) -> list[dict]:
     """SD1.5 512^2 and SDXL 1024^2, batch 1 with CFG (UNet batch 2): M = 2 x tokens, (K, N) per linear."""
     rows = []
 
-    def level(model, tokens, c, cross_k=None):
+    def level(model, tokens, c):
         m = 2 * tokens
         rows.append(dict(model=model, layer=f"attn q/k/v/out, proj_in/out C={c}", M=m, K=c, N=c, ff=False))
         rows.append(dict(model=model, layer=f"ff GEGLU proj {c}->{8 * c}", M=m, K=c, N=8 * c, ff=True))

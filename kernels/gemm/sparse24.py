@@ -104,9 +104,13 @@ __all__ = [
     "sparse24_linear_configs",
     "CusparseltPlan",
     "cusparselt_available",
+    "backend_supports",
     "cusparselt_search",
     "cusparselt_linear",
     "cutlass_linear",
+    "time_us_eager",
+    "time_us_graph",
+    "clear_decisions",
     "SparseLinear",
 ]
 
