@@ -1,5 +1,6 @@
 """The built-in architectures: the published diffusers configs of SD 1.5, SD 2.1 and SDXL base 1.0, and a
-tiny SD1-shaped one that runs in seconds on a CPU.
+tiny SD1-shaped one that runs in seconds on a CPU, with a tiny SD 2.x-shaped (``tiny-v``) and a tiny
+SDXL-shaped (``tiny-xl``) sibling that exercise the same code paths as the real variants.
 
 These dicts are the configs of the public model repos (runwayml/stable-diffusion-v1-5,
 stabilityai/stable-diffusion-2-1, stabilityai/stable-diffusion-xl-base-1.0), kept here so that
@@ -193,7 +194,71 @@ _TINY = {
     "tokenizer_pad": "<|endoftext|>",
 }
 
-ARCHITECTURES: dict[str, dict] = {"tiny": _TINY, "sd15": _SD15, "sd21": _SD21, "sdxl": _SDXL}
+# A tiny SD 2.x-shaped model: linear projections in the transformers, attention computed in fp32
+# (``upcast_attention``), v-prediction, a GELU text encoder and a tokenizer padding with "!" (id 0).
+_TINY_V = {
+    "pipeline": "StableDiffusionPipeline",
+    "unet": {
+        **_TINY["unet"],
+        "attention_head_dim": [2, 4],
+        "use_linear_projection": True,
+        "upcast_attention": True,
+    },
+    "vae": _TINY["vae"],
+    "text_encoder": {**_TINY["text_encoder"], "hidden_act": "gelu"},
+    "scheduler": _SD21["scheduler"],
+    "tokenizer_pad": "!",
+}
+
+# A tiny SDXL-shaped model (close to diffusers' own SDXL pipeline tests): two text encoders of different
+# widths (as CLIP-L and OpenCLIP bigG are, which single-file loading relies on) whose penultimate hidden
+# states are concatenated (32 + 48 = 80 = cross_attention_dim), the second one's pooled projection and six
+# time ids as the "text_time" added embedding (6 * 8 + 48 = 96 inputs), and a VAE whose config asks for
+# fp32 decoding (``force_upcast``).
+_TINY_XL = {
+    "pipeline": "StableDiffusionXLPipeline",
+    "unet": {
+        "act_fn": "silu",
+        "addition_embed_type": "text_time",
+        "addition_time_embed_dim": 8,
+        "attention_head_dim": [2, 4],
+        "block_out_channels": [32, 64],
+        "cross_attention_dim": 80,
+        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+        "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
+        "in_channels": 4,
+        "out_channels": 4,
+        "layers_per_block": 1,
+        "norm_num_groups": 8,
+        "projection_class_embeddings_input_dim": 96,
+        "sample_size": 8,
+        "transformer_layers_per_block": [1, 2],
+        "use_linear_projection": True,
+    },
+    "vae": {**_TINY["vae"], "scaling_factor": 0.13025, "force_upcast": True},
+    "text_encoder": _TINY["text_encoder"],
+    "text_encoder_2": {
+        **_TINY["text_encoder"],
+        "class": "CLIPTextModelWithProjection",
+        "hidden_size": 48,
+        "intermediate_size": 96,
+        "projection_dim": 48,
+        "hidden_act": "gelu",
+    },
+    "scheduler": _SDXL["scheduler"],
+    "tokenizer_pad": "<|endoftext|>",
+    "tokenizer_2_pad": "!",
+    "force_zeros_for_empty_prompt": True,
+}
+
+ARCHITECTURES: dict[str, dict] = {
+    "tiny": _TINY,
+    "tiny-v": _TINY_V,
+    "tiny-xl": _TINY_XL,
+    "sd15": _SD15,
+    "sd21": _SD21,
+    "sdxl": _SDXL,
+}
 
 
 def get_architecture(name: str) -> dict:

@@ -2,7 +2,7 @@
 
 ``model`` may be: a local diffusers pipeline folder (SD 1.x, 2.x, SDXL); a single-file ``.safetensors``
 / ``.ckpt`` checkpoint (loaded offline with the configs that ship with sdfast); a hub id; a built-in
-architecture with seeded random weights (``random:tiny|sd15|sd21|sdxl``); or a pipeline object.
+architecture with seeded random weights (``random:tiny|tiny-v|tiny-xl|sd15|sd21|sdxl``); or a pipeline object.
 """
 
 from __future__ import annotations
@@ -113,21 +113,46 @@ def _check_pipeline_folder(path: Path) -> None:
             raise ModelNotFoundError(f"{path} is not a complete pipeline folder: component folder {path / key} is missing")
 
 
+# Built-in architectures per original-format family, told apart by the UNet's conv_in width.
+_FAMILIES = {"sdxl": ("sdxl", "tiny-xl"), "sd2": ("sd21", "tiny-v"), "sd1": ("sd15", "tiny")}
+_CONV_IN = "model.diffusion_model.input_blocks.0.0.weight"
+
+
 def _checkpoint_architecture(path: Path) -> str:
-    """Guess sd15 / sd21 / sdxl from a single-file checkpoint's keys (the original SD key names)."""
+    """The built-in architecture of a single-file checkpoint (original SD key names): the family from the
+    text-encoder keys (SD 1.x: CLIP ``cond_stage_model.transformer``; SD 2.x: OpenCLIP ``cond_stage_model.model``;
+    SDXL: ``conditioner.embedders.1``), then the member whose UNet ``conv_in`` width matches.
+
+    Raises ``ModelNotFoundError`` for a non-``.safetensors`` file, a file that is not an SD checkpoint, or an
+    SD checkpoint whose shapes match no built-in config.
+    """
     from safetensors import safe_open
 
     if path.suffix != ".safetensors":
         raise ModelNotFoundError(f"{path}: only .safetensors single-file checkpoints are supported (got {path.suffix})")
-    with safe_open(str(path), framework="pt") as f:
-        keys = list(f.keys())
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            keys = set(f.keys())
+            width = f.get_slice(_CONV_IN).get_shape()[0] if _CONV_IN in keys else None
+    except Exception as e:  # not a safetensors file at all
+        raise ModelNotFoundError(f"{path}: cannot be read as a .safetensors checkpoint ({type(e).__name__}: {e})") from e
     if any(k.startswith("conditioner.embedders.1") for k in keys):
-        return "sdxl"
-    if any(k.startswith("cond_stage_model.model.") for k in keys):
-        return "sd21"
-    if any(k.startswith("cond_stage_model.transformer") for k in keys):
-        return "sd15"
-    raise ModelNotFoundError(f"{path}: not a Stable Diffusion checkpoint (no known text-encoder keys)")
+        family = "sdxl"
+    elif any(k.startswith("cond_stage_model.model.") for k in keys):
+        family = "sd2"
+    elif any(k.startswith("cond_stage_model.transformer") for k in keys):
+        family = "sd1"
+    else:
+        raise ModelNotFoundError(f"{path}: not a Stable Diffusion checkpoint (no known text-encoder keys)")
+    if width is None:
+        raise ModelNotFoundError(f"{path}: not a Stable Diffusion checkpoint (no UNet key {_CONV_IN})")
+    for name in _FAMILIES[family]:
+        if architectures.get_architecture(name)["unet"]["block_out_channels"][0] == width:
+            return name
+    raise ModelNotFoundError(
+        f"{path}: a {family} checkpoint whose UNet has {width} conv_in channels; sdfast ships configs only for "
+        + ", ".join(f"{n} ({architectures.get_architecture(n)['unet']['block_out_channels'][0]})" for n in _FAMILIES[family])
+    )
 
 
 def load_single_file(path: Path, *, dtype, architecture: str | None = None):
