@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
+import warnings
 
 import numpy as np
 import torch
 
+from . import prompts as prompt_policy
 from .errors import NonFiniteOutputError
-from .request import check_request
+from .request import check_long_prompt, check_negative_prompt, check_request
 from .schedulers import make_scheduler
+
+log = logging.getLogger("sdfast")
+
+
+class PromptTruncatedWarning(UserWarning):
+    """A prompt longer than CLIP's 75 content tokens was truncated (``long_prompt="truncate"``)."""
 
 
 class Engine:
@@ -26,6 +35,7 @@ class Engine:
         self._default_scheduler = pipe.scheduler
         self._schedulers: dict[str, object] = {}
         self.last_timings: dict[str, float] = {}
+        self.last_prompt_report: prompt_policy.PromptReport | None = None
 
     @property
     def device(self) -> torch.device:
@@ -60,12 +70,13 @@ class Engine:
         num_images_per_prompt: int = 1,
         scheduler: str | None = None,
         progress: bool = False,
+        long_prompt: str = "chunk",
     ):
         """Generate images from text.
 
         Args:
             prompt: a string or a list of strings (one batch entry each).
-            negative_prompt: string or list (as long as ``prompt``), or None.
+            negative_prompt: a string (for every prompt), a list (as long as ``prompt``), or None.
             num_inference_steps: denoising steps, >= 1.
             guidance_scale: classifier-free guidance (CFG) weight; <= 1 runs the UNet once per step, without CFG.
             height, width: pixels, positive multiples of 8 (default: the model's native size).
@@ -75,10 +86,19 @@ class Engine:
             num_images_per_prompt: images per prompt, >= 1.
             scheduler: one of ``sdfast.schedulers.SCHEDULERS`` (default: the model's own).
             progress: show a progress bar over the denoising steps.
+            long_prompt: what to do with a prompt (or negative prompt) over CLIP's 75 content tokens:
+                "chunk" (default) encodes it in 75-token windows and concatenates the embeddings;
+                "truncate" drops the tokens after the 75th (stock diffusers) and warns
+                (``PromptTruncatedWarning``). See ``sdfast.prompts``.
 
-        Returns: a list of ``PIL.Image.Image`` (RGB, ``width``×``height``); each carries ``info["seed"]``.
+        Returns: a list of ``PIL.Image.Image`` (RGB, ``width``×``height``). Each carries, as strings,
+            ``info["seed"]``, ``info["prompt_tokens"]`` (CLIP content tokens of its prompt),
+            ``info["prompt_chunks"]`` (77-token windows used) and ``info["prompt_truncated_tokens"]``
+            (tokens dropped from its prompt, plus ``info["negative_prompt_truncated_tokens"]`` with a
+            negative prompt). ``engine.last_prompt_report`` holds the same for the whole request.
         Raises: ``InvalidRequestError`` (a ``ValueError`` naming the field) before any step runs;
-            ``NonFiniteOutputError`` if the pipeline produced NaN/Inf.
+            ``NonFiniteOutputError`` if the pipeline produced NaN/Inf (checked on the VAE's output,
+            before pixels are clamped), never a black image.
         """
         height = self.default_size if height is None else height
         width = self.default_size if width is None else width
@@ -87,34 +107,65 @@ class Engine:
             guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt,
             scheduler=scheduler, seed=seed,
         )
+        negatives = check_negative_prompt(negative_prompt, len(prompts))
+        check_long_prompt(long_prompt)
         n = len(prompts) * num_images_per_prompt
         if seed is None:
             seed = secrets.randbelow(2**31 - n)
         seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed + i for i in range(n)]
         generators = [torch.Generator("cpu").manual_seed(s) for s in seeds]
         pipe = self.pipe
+        do_cfg = guidance_scale > 1 and pipe.unet.config.get("time_cond_proj_dim") is None
+        report = prompt_policy.plan(pipe, prompts, negatives if do_cfg else None, long_prompt)
+        self.last_prompt_report = report
+        if report.any_truncated:
+            warnings.warn(
+                f"prompt truncated to CLIP's {prompt_policy.WINDOW} tokens (long_prompt='truncate'): dropped "
+                f"{report.truncated} token(s) of the prompt(s)"
+                + (f" and {report.negative_truncated} of the negative prompt(s)" if report.negative_truncated else "")
+                + "; use long_prompt='chunk' to keep them",
+                PromptTruncatedWarning,
+                stacklevel=2,
+            )
+        if report.chunks > 1:
+            log.info("sdfast: long prompt encoded in %d windows of %d tokens", report.chunks, prompt_policy.WINDOW)
+            text = prompt_policy.encode_chunked(pipe, prompts, negatives, report.chunks, do_cfg=do_cfg)
+        else:
+            text = {"prompt": prompts, "negative_prompt": negatives}
         pipe.scheduler = self._scheduler(scheduler)
         pipe.set_progress_bar_config(disable=not progress)
-        t0 = time.perf_counter()
-        out = pipe(
-            prompt=prompts,
-            negative_prompt=negative_prompt,
-            num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale,
-            height=height,
-            width=width,
-            num_images_per_prompt=num_images_per_prompt,
-            generator=generators,
-            output_type="np",
+        finite = []
+        hook = pipe.vae.decoder.register_forward_hook(
+            lambda module, args, output: finite.append(bool(torch.isfinite(output).all()))
         )
+        t0 = time.perf_counter()
+        try:
+            out = pipe(
+                **text,
+                num_inference_steps=num_inference_steps,
+                guidance_scale=guidance_scale,
+                height=height,
+                width=width,
+                num_images_per_prompt=num_images_per_prompt,
+                generator=generators,
+                output_type="np",
+            )
+        finally:
+            hook.remove()
         images = out.images
         self.last_timings = {"total_s": time.perf_counter() - t0}
-        if not np.isfinite(images).all():
+        if not all(finite) or not np.isfinite(images).all():
             raise NonFiniteOutputError(
-                "the pipeline produced NaN/Inf pixels (fp16 overflow or a broken kernel); "
-                "try dtype=torch.float32 or report it"
+                "the pipeline produced NaN/Inf values (fp16 overflow or a broken kernel); no image is returned. "
+                "Try dtype=torch.float32, optimize=False, or report it"
             )
         pil = pipe.image_processor.numpy_to_pil(images)
-        for img, s in zip(pil, seeds):
+        for i, (img, s) in enumerate(zip(pil, seeds)):
+            p = i // num_images_per_prompt
             img.info["seed"] = str(s)
+            img.info["prompt_tokens"] = str(report.tokens[p])
+            img.info["prompt_chunks"] = str(report.chunks)
+            img.info["prompt_truncated_tokens"] = str(report.truncated[p])
+            if report.negative_truncated is not None:
+                img.info["negative_prompt_truncated_tokens"] = str(report.negative_truncated[p])
         return pil

@@ -39,3 +39,28 @@ def check_request(
     elif seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
         raise InvalidRequestError("seed", f"must be a non-negative integer (got {seed!r})")
     return prompts
+
+
+def check_negative_prompt(negative_prompt, n_prompts: int) -> list[str] | None:
+    """Normalise ``negative_prompt`` to None or a list of ``n_prompts`` strings (a string applies to every
+    prompt). Raises ``InvalidRequestError`` (field ``negative_prompt``) on another type or length."""
+    if negative_prompt is None:
+        return None
+    if isinstance(negative_prompt, str):
+        return [negative_prompt] * n_prompts
+    if isinstance(negative_prompt, (list, tuple)) and all(isinstance(p, str) for p in negative_prompt):
+        if len(negative_prompt) != n_prompts:
+            raise InvalidRequestError(
+                "negative_prompt", f"a list of negative prompts needs {n_prompts} strings (one per prompt), got {len(negative_prompt)}"
+            )
+        return list(negative_prompt)
+    raise InvalidRequestError("negative_prompt", f"must be None, a string or a list of strings (got {type(negative_prompt).__name__})")
+
+
+def check_long_prompt(policy: str) -> str:
+    """Validate the long-prompt policy (see ``sdfast.prompts``): "chunk" or "truncate"."""
+    from .prompts import POLICIES
+
+    if policy not in POLICIES:
+        raise InvalidRequestError("long_prompt", f"must be one of {', '.join(POLICIES)} (got {policy!r})")
+    return policy

@@ -1,0 +1,153 @@
+"""Prompts longer than CLIP's 77-token window: chunked embeddings, or truncation reported to the caller.
+
+CLIP's text encoders see at most 77 tokens: BOS, 75 content tokens, EOS (then padding). Stock diffusers
+truncates anything longer, and only logs it for the positive prompt (the negative prompt is truncated
+without a word). sdfast offers two policies, both reported (``warnings.warn`` and each image's ``info``):
+
+- ``"chunk"`` (default): the content tokens are split into windows of 75; each window is encoded on
+  its own as ``[BOS] + window + [EOS] + padding`` (77 tokens) and the window embeddings are concatenated
+  along the sequence, so the UNet cross-attends to 77·k tokens. Prompt and negative prompt (and every
+  prompt of a batch) are padded to the same number of windows with empty windows (``[BOS, EOS, pad…]``,
+  the encoding of ""). SDXL: both encoders are chunked the same way (penultimate hidden states,
+  concatenated along features as diffusers does) and the pooled embedding is the second encoder's pooled
+  output of the first window. This is the method of AUTOMATIC1111's web UI and of compel (without their
+  comma-aware window boundaries and emphasis weights). A prompt that fits in one window is left to
+  diffusers' own encoding, so it gives stock's image exactly.
+- ``"truncate"``: stock diffusers' behaviour (tokens after the 75th are dropped), with the number of
+  dropped tokens reported.
+
+Token counts are in CLIP BPE tokens, after textual-inversion expansion (``maybe_convert_prompt``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+WINDOW = 75  # content tokens per CLIP window (77 minus BOS and EOS)
+POLICIES = ("chunk", "truncate")
+
+
+@dataclass(frozen=True)
+class PromptReport:
+    """Token accounting of one request.
+
+    tokens / negative_tokens: content tokens of each prompt (of each negative prompt, or None).
+    chunks: 77-token windows each prompt was encoded in (1 when every text fits, or with "truncate").
+    truncated / negative_truncated: tokens dropped from each prompt (all 0 with "chunk").
+    """
+
+    policy: str
+    tokens: list[int]
+    negative_tokens: list[int] | None
+    chunks: int
+    truncated: list[int]
+    negative_truncated: list[int] | None
+
+    @property
+    def any_truncated(self) -> bool:
+        return any(self.truncated) or any(self.negative_truncated or ())
+
+
+def _tokenizers(pipe) -> list:
+    return [t for t in (getattr(pipe, "tokenizer", None), getattr(pipe, "tokenizer_2", None)) if t is not None]
+
+
+def _convert(pipe, texts: list[str], tokenizer) -> list[str]:
+    """Textual-inversion expansion of multi-vector tokens, as diffusers' ``encode_prompt`` does."""
+    convert = getattr(pipe, "maybe_convert_prompt", None)
+    return convert(list(texts), tokenizer) if convert is not None else list(texts)
+
+
+def content_ids(pipe, texts: list[str], tokenizer=None) -> list[list[int]]:
+    """CLIP token ids of each text, without BOS/EOS and without truncation."""
+    tokenizer = tokenizer or _tokenizers(pipe)[0]
+    texts = _convert(pipe, texts, tokenizer)
+    return [tokenizer(t, add_special_tokens=False, verbose=False).input_ids for t in texts]
+
+
+def windows_needed(n_tokens: int) -> int:
+    """77-token windows that ``n_tokens`` content tokens need (at least 1)."""
+    return max(1, math.ceil(n_tokens / WINDOW))
+
+
+def plan(pipe, prompts: list[str], negative_prompts: list[str] | None, policy: str) -> PromptReport:
+    """Count tokens and decide the number of windows (see the module docstring). No encoder runs."""
+    if policy not in POLICIES:
+        raise ValueError(f"long_prompt must be one of {POLICIES}, got {policy!r}")
+    tokens = [len(i) for i in content_ids(pipe, prompts)]
+    neg = [len(i) for i in content_ids(pipe, negative_prompts)] if negative_prompts is not None else None
+    if policy == "chunk":
+        chunks = max(windows_needed(n) for n in tokens + (neg or []))
+        truncated, neg_truncated = [0] * len(tokens), ([0] * len(neg) if neg is not None else None)
+    else:
+        chunks = 1
+        truncated = [max(0, n - WINDOW) for n in tokens]
+        neg_truncated = [max(0, n - WINDOW) for n in neg] if neg is not None else None
+    return PromptReport(policy, tokens, neg, chunks, truncated, neg_truncated)
+
+
+def _window_ids(tokenizer, ids: list[int], k: int) -> list[torch.Tensor]:
+    """The k (1, 77) id tensors of one text: its 75-token windows, then empty windows up to k."""
+    bos, eos, pad = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
+    pieces = [ids[i : i + WINDOW] for i in range(0, len(ids), WINDOW)] or [[]]
+    pieces += [[]] * (k - len(pieces))
+    return [torch.tensor([[bos, *p, eos] + [pad] * (WINDOW - len(p))]) for p in pieces]
+
+
+def _attention_mask(window: torch.Tensor, n_content: int) -> torch.Tensor:
+    mask = torch.zeros_like(window)
+    mask[:, : n_content + 2] = 1
+    return mask
+
+
+def _encode_windows(pipe, texts: list[str], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, 77·k, D) embeddings of ``texts`` (and SDXL's (B, D2) pooled embedding of window 0)."""
+    device = pipe._execution_device
+    is_xl = getattr(pipe, "text_encoder_2", None) is not None
+    per_encoder, pooled = [], None
+    for tokenizer, encoder in zip(_tokenizers(pipe), [e for e in (pipe.text_encoder, getattr(pipe, "text_encoder_2", None)) if e is not None]):
+        ids = content_ids(pipe, texts, tokenizer)
+        windows = [_window_ids(tokenizer, i, k) for i in ids]  # B lists of k (1, 77) tensors
+        outs = []
+        for w in range(k):
+            batch = torch.cat([windows[b][w] for b in range(len(texts))]).to(device)
+            if is_xl:
+                out = encoder(batch, output_hidden_states=True)
+                if w == 0 and out[0].ndim == 2:  # CLIPTextModelWithProjection: the pooled projection
+                    pooled = out[0]
+                outs.append(out.hidden_states[-2])
+            else:
+                mask = None
+                if getattr(encoder.config, "use_attention_mask", False):
+                    mask = torch.cat([
+                        _attention_mask(windows[b][w], max(0, min(WINDOW, len(ids[b]) - w * WINDOW)))
+                        for b in range(len(texts))
+                    ]).to(device)
+                outs.append(encoder(batch, attention_mask=mask)[0])
+        per_encoder.append(torch.cat(outs, dim=1))
+    embeds = torch.cat(per_encoder, dim=-1)
+    dtype = pipe.text_encoder_2.dtype if is_xl else pipe.text_encoder.dtype
+    return embeds.to(device=device, dtype=dtype), (pooled.to(device=device, dtype=dtype) if pooled is not None else None)
+
+
+@torch.no_grad()
+def encode_chunked(pipe, prompts: list[str], negative_prompts: list[str] | None, k: int, *, do_cfg: bool) -> dict:
+    """Pipeline keyword arguments (``prompt_embeds``, ``negative_prompt_embeds`` and, for SDXL, the pooled
+    ones) that encode every text in k windows. For SDXL without a negative prompt and with
+    ``force_zeros_for_empty_prompt``, the negative embeddings are left to diffusers (zeros of the same shape)."""
+    is_xl = getattr(pipe, "text_encoder_2", None) is not None
+    embeds, pooled = _encode_windows(pipe, prompts, k)
+    kwargs = {"prompt_embeds": embeds}
+    if is_xl:
+        kwargs["pooled_prompt_embeds"] = pooled
+    if do_cfg:
+        zeros = is_xl and negative_prompts is None and pipe.config.force_zeros_for_empty_prompt
+        if not zeros:
+            neg_embeds, neg_pooled = _encode_windows(pipe, negative_prompts or [""] * len(prompts), k)
+            kwargs["negative_prompt_embeds"] = neg_embeds
+            if is_xl:
+                kwargs["negative_pooled_prompt_embeds"] = neg_pooled
+    return kwargs
