@@ -1,0 +1,422 @@
+"""The HTTP image-generation service: a FastAPI app around one ``sdfast.Engine``.
+
+    from server.app import create_app, serve
+    app = create_app("random:tiny")            # or an Engine; run with any ASGI server
+    serve(model="./stable-diffusion-v1-5")     # what `sdfast serve` calls (uvicorn)
+
+Endpoints (every one but ``/health`` answers 401 without the key when an API key is set):
+
+- ``POST /v1/txt2img``: ``Txt2ImgRequest`` -> ``image/png`` (one image) or, with
+  ``response_format: "b64_json"``, ``Txt2ImgResponse`` (each image as base64 PNG with its seed, and timings);
+- ``POST /v1/images/generations``: the OpenAI Images API (``prompt``, ``n``, ``size``,
+  ``response_format: "b64_json"``) -> ``{"created", "data": [{"b64_json"}]}``;
+- ``GET /health``: model, device and GPU, queue depth (503 if the worker thread is gone);
+- ``GET /metrics``: Prometheus text format (see ``server.metrics``);
+- ``GET /``: the web page (``server/static/index.html``).
+
+Errors are JSON in the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``:
+422 bad input (``param`` names the field), 401 no/wrong key, 429 queue full (answered at once),
+503 GPU out of memory (the service goes on), 504 deadline passed, 500 the engine failed on that batch.
+A client that disconnects while waiting releases its place in the queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import hmac
+import io
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .metrics import Metrics, MetricsMiddleware
+from .schemas import (
+    MAX_SEED,
+    Health,
+    ImageOut,
+    ImagesGenerationsRequest,
+    ImagesGenerationsResponse,
+    OpenAIImage,
+    Timings,
+    Txt2ImgRequest,
+    Txt2ImgResponse,
+)
+from .worker import DeadlineExceeded, InvalidRequest, Job, JobResult, ServiceError, Worker
+
+log = logging.getLogger("sdfast.server")
+
+STATIC = Path(__file__).parent / "static"
+API_KEY_ENV = "SDFAST_API_KEY"
+PUBLIC_PATHS = frozenset({"/health"})
+ENDPOINTS = ("/", "/v1/txt2img", "/v1/images/generations", "/health", "/metrics")
+DEFAULT_TIMEOUT_S = 300.0
+CLIENT_CLOSED = 499  # nginx's "client closed request": recorded in metrics, never seen by the client
+
+
+def _error_body(status: int, message: str, type_: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None, headers=None) -> JSONResponse:
+    return JSONResponse(_error_body(status, message, type_, param), status_code=status, headers=headers)
+
+
+# -- API key ---------------------------------------------------------------------------------------
+
+
+def _presented_keys(headers: dict[bytes, bytes]) -> list[bytes]:
+    keys = []
+    if b"x-api-key" in headers:
+        keys.append(headers[b"x-api-key"].strip())
+    auth = headers.get(b"authorization", b"")
+    scheme, _, value = auth.partition(b" ")
+    if scheme.lower() == b"bearer":
+        keys.append(value.strip())
+    elif scheme.lower() == b"basic":  # browsers: any user name, the key as password
+        with contextlib.suppress(binascii.Error, ValueError):
+            keys.append(base64.b64decode(value.strip(), validate=True).partition(b":")[2])
+    return keys
+
+
+class APIKeyMiddleware:
+    """Pure ASGI middleware: 401 on every path but ``PUBLIC_PATHS`` unless the request carries the key
+    as ``Authorization: Bearer KEY``, ``X-API-Key: KEY`` or HTTP Basic with the key as password (so a
+    browser can open the page: it asks for a password once and sends it with the page's requests)."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path") in PUBLIC_PATHS:
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        if any(hmac.compare_digest(k, self.key) for k in _presented_keys(headers)):
+            return await self.app(scope, receive, send)
+        challenge = 'Basic realm="sdfast", charset="UTF-8"' if scope.get("path") == "/" else 'Bearer realm="sdfast"'
+        response = error_response(
+            401, "missing or wrong API key: send 'Authorization: Bearer <key>' or 'X-API-Key: <key>'",
+            "authentication_error", headers={"WWW-Authenticate": challenge},
+        )
+        await response(scope, receive, send)
+
+
+# -- images ----------------------------------------------------------------------------------------
+
+
+def encode_png(image, params: dict | None = None) -> bytes:
+    """PNG bytes of a PIL image; ``params`` (prompt, seed, ...) go into a ``tEXt`` chunk ``sdfast``."""
+    from PIL.PngImagePlugin import PngInfo
+
+    info = None
+    if params:
+        info = PngInfo()
+        info.add_text("sdfast", json.dumps(params, sort_keys=True))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG", pnginfo=info, compress_level=4)
+    return buf.getvalue()
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+# -- the app ---------------------------------------------------------------------------------------
+
+
+class Service:
+    """What the endpoints share: the engine's description, the worker, the metrics, the deadline."""
+
+    def __init__(self, engine, *, max_batch: int, queue_size: int, request_timeout_s: float, poll_s: float):
+        if not request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0 (got {request_timeout_s!r})")
+        self.engine = engine
+        self.model = str(getattr(engine, "name", type(engine).__name__))
+        device = getattr(engine, "device", None)
+        self.device = str(device) if device is not None else "cpu"
+        self.gpu = None
+        if getattr(device, "type", None) == "cuda":
+            import torch
+
+            self.gpu = torch.cuda.get_device_name(device)
+        self.dtype = str(getattr(engine, "dtype", "unknown")).replace("torch.", "")
+        self.default_size = int(getattr(engine, "default_size", 512))
+        self.request_timeout_s = float(request_timeout_s)
+        self.poll_s = poll_s
+        self._count_windows = _window_counter(engine)
+        self.metrics = Metrics(endpoints=ENDPOINTS, queue_depth=lambda: self.worker.depth, device=device)
+        self.worker = Worker(engine, max_batch=max_batch, queue_size=queue_size, on_batch=self.metrics.observe_batch)
+
+    async def generate(self, request: Request, *, prompt: str, negative_prompt: str | None, seed: int | None,
+                       num_images: int, width: int | None, height: int | None, num_inference_steps: int,
+                       guidance_scale: float, scheduler: str | None) -> tuple[Job, JobResult] | None:
+        """Queue one request and wait for it. Returns None if the client disconnected (its job is
+        cancelled); raises ``ServiceError`` (429 full, 504 deadline, 503/500/422 from the worker)."""
+        if seed is None:
+            seed = secrets.randbelow(MAX_SEED + 1)
+        job = Job(
+            prompt=prompt, negative_prompt=negative_prompt, seeds=[seed + i for i in range(num_images)],
+            width=width or self.default_size, height=height or self.default_size,
+            num_inference_steps=num_inference_steps, guidance_scale=float(guidance_scale),
+            scheduler=scheduler, timeout_s=self.request_timeout_s,
+            text_windows=(self._count_windows(prompt), self._count_windows(negative_prompt or "")),
+        )
+        self.worker.submit(job)  # QueueFull -> 429 at once
+        waiter = asyncio.wrap_future(job.future)
+        try:
+            while True:
+                left = job.deadline - time.monotonic()
+                if left <= 0:
+                    self.worker.cancel(job)
+                    raise DeadlineExceeded(
+                        f"no image within the {self.request_timeout_s:g} s deadline "
+                        f"({self.worker.depth} request(s) waiting); retry later")
+                done, _ = await asyncio.wait({waiter}, timeout=min(self.poll_s, left))
+                if done:
+                    return job, waiter.result()
+                if await request.is_disconnected():
+                    self.worker.cancel(job)
+                    log.info("client left; its request was %s", "dropped from the queue" if job.future.cancelled()
+                             else "already running, its result is discarded")
+                    return None
+        except asyncio.CancelledError:  # the server cancelled the handler (shutdown, disconnect)
+            self.worker.cancel(job)
+            raise
+
+    def health(self) -> Health:
+        from sdfast.schedulers import SCHEDULERS
+
+        alive = self.worker.alive
+        return Health(
+            status="ok" if alive else "degraded", model=self.model, model_loaded=self.engine is not None,
+            device=self.device, gpu=self.gpu, dtype=self.dtype, default_size=self.default_size,
+            queue_depth=self.worker.depth, queue_size=self.worker.queue_size, max_batch=self.worker.max_batch,
+            busy=self.worker.busy, worker_alive=alive, schedulers=sorted(SCHEDULERS),
+        )
+
+
+def _window_counter(engine):
+    """A function text -> the 77-token CLIP windows the engine encodes it in (``sdfast.prompts``), using
+    a private copy of the engine's tokenizer (the worker thread uses the engine's own). Returns 1 for
+    every text when the engine has no tokenizer or no long-prompt support."""
+    import copy
+
+    pipe = getattr(engine, "pipe", None)
+    tokenizer = getattr(pipe, "tokenizer", None)
+    try:
+        from sdfast import prompts
+    except ImportError:
+        prompts = None
+    if tokenizer is None or prompts is None or not hasattr(prompts, "content_ids"):
+        return lambda text: 1
+    tokenizer = copy.deepcopy(tokenizer)
+
+    def count(text: str) -> int:
+        return prompts.windows_needed(len(prompts.content_ids(pipe, [text], tokenizer)[0]))
+
+    return count
+
+
+def _params(job: Job, seed: int) -> dict:
+    return {"prompt": job.prompt, "negative_prompt": job.negative_prompt, "seed": seed,
+            "steps": job.num_inference_steps, "guidance_scale": job.guidance_scale, "scheduler": job.scheduler,
+            "width": job.width, "height": job.height}
+
+
+def _timings(result: JobResult, arrived: float) -> Timings:
+    return Timings(queue_s=round(result.queue_s, 4), generate_s=round(result.generate_s, 4),
+                   total_s=round(time.monotonic() - arrived, 4), batch_images=result.batch_images)
+
+
+def _validation_response(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """422 naming the field of the first error; ``detail`` lists them all."""
+    items = []
+    for err in exc.errors():
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        field = ".".join(loc) or "body"
+        msg = str(err.get("msg", "invalid"))
+        msg = msg.removeprefix("Value error, ")
+        if err.get("type") == "extra_forbidden":
+            model = ImagesGenerationsRequest if request.url.path == "/v1/images/generations" else Txt2ImgRequest
+            msg = f"unknown field; this endpoint accepts: {', '.join(model.model_fields)}"
+        elif err.get("type") == "json_invalid":
+            field, msg = "body", f"not valid JSON ({err.get('ctx', {}).get('error', msg)})"
+        items.append({"field": field, "message": f"{field}: {msg}"})
+    first = items[0] if items else {"field": "body", "message": "body: invalid request"}
+    body = _error_body(422, first["message"], "invalid_request_error", first["field"])
+    body["detail"] = items
+    return JSONResponse(body, status_code=422)
+
+
+def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api_key: str | None = None,
+               request_timeout_s: float = DEFAULT_TIMEOUT_S, poll_interval_s: float = 0.05) -> FastAPI:
+    """The FastAPI app serving ``engine_or_model`` (an ``sdfast.Engine``, or anything ``sdfast.load`` takes).
+
+    Args:
+        max_batch: at most this many images in one engine call (1: no batching).
+        queue_size: requests that may wait; one more answers 429 at once.
+        api_key: required on every endpoint but ``/health``; default: the ``SDFAST_API_KEY``
+            environment variable; None or empty: no key.
+        request_timeout_s: seconds a request may wait for its images (queue + generation) before 504.
+        poll_interval_s: how often a waiting request checks whether its client is still connected.
+    Raises ``ValueError`` for a bad ``max_batch``/``queue_size``/``request_timeout_s``, and what
+    ``sdfast.load`` raises for a bad model.
+    """
+    engine = engine_or_model
+    if isinstance(engine_or_model, (str, os.PathLike)):
+        import sdfast
+
+        engine = sdfast.load(os.fspath(engine_or_model))
+    if api_key is None:
+        api_key = os.environ.get(API_KEY_ENV) or None
+    service = Service(engine, max_batch=max_batch, queue_size=queue_size,
+                      request_timeout_s=request_timeout_s, poll_s=poll_interval_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        service.worker.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(service.worker.stop)
+
+    app = FastAPI(title="sdfast", version=_version(), lifespan=lifespan,
+                  description="Stable Diffusion image generation (txt2img) on one loaded model.")
+    app.state.service = service
+
+    @app.exception_handler(ServiceError)
+    async def _service_error(request: Request, exc: ServiceError):
+        headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
+        return error_response(exc.status, exc.message, exc.type, exc.field, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return _validation_response(request, exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail), "http_error", headers=getattr(exc, "headers", None))
+
+    @app.post("/v1/txt2img", responses={200: {"content": {"image/png": {}}, "model": Txt2ImgResponse}})
+    async def txt2img(body: Txt2ImgRequest, request: Request):
+        """Generate ``num_images`` images; ``png`` returns the image file, ``b64_json`` a JSON list."""
+        arrived = time.monotonic()
+        if body.response_format == "png" and body.num_images != 1:
+            raise InvalidRequest(
+                f"num_images: response_format 'png' returns one image (got num_images={body.num_images}); "
+                "use response_format 'b64_json' for several", field="num_images")
+        out = await service.generate(
+            request, prompt=body.prompt, negative_prompt=body.negative_prompt, seed=body.seed,
+            num_images=body.num_images, width=body.width, height=body.height,
+            num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale,
+            scheduler=body.scheduler)
+        if out is None:
+            return Response(status_code=CLIENT_CLOSED)
+        job, result = out
+        pngs = await run_in_threadpool(
+            lambda: [encode_png(img, _params(job, s)) for img, s in zip(result.images, job.seeds)])
+        timings = _timings(result, arrived)
+        if body.response_format == "png":
+            headers = {
+                "X-Seed": str(job.seeds[0]),
+                "Server-Timing": f"queue;dur={timings.queue_s * 1e3:.1f}, generate;dur={timings.generate_s * 1e3:.1f}",
+                "X-Batch-Images": str(result.batch_images),
+            }
+            return Response(pngs[0], media_type="image/png", headers=headers)
+        images = [ImageOut(b64_json=_b64(p), seed=s, width=job.width, height=job.height)
+                  for p, s in zip(pngs, job.seeds)]
+        return Txt2ImgResponse(images=images, timings=timings, model=service.model)
+
+    @app.post("/v1/images/generations", response_model=ImagesGenerationsResponse)
+    async def images_generations(body: ImagesGenerationsRequest, request: Request):
+        """The OpenAI Images API: ``prompt``, ``n``, ``size``; answers base64 PNGs. ``model`` and
+        ``user`` are ignored; ``negative_prompt``, ``num_inference_steps``, ``guidance_scale`` and
+        ``seed`` are optional sdfast extensions."""
+        width, height = body.dimensions()
+        out = await service.generate(
+            request, prompt=body.prompt, negative_prompt=body.negative_prompt, seed=body.seed, num_images=body.n,
+            width=width, height=height, num_inference_steps=body.num_inference_steps,
+            guidance_scale=body.guidance_scale, scheduler=None)
+        if out is None:
+            return Response(status_code=CLIENT_CLOSED)
+        job, result = out
+        pngs = await run_in_threadpool(
+            lambda: [encode_png(img, _params(job, s)) for img, s in zip(result.images, job.seeds)])
+        return ImagesGenerationsResponse(created=int(time.time()), data=[OpenAIImage(b64_json=_b64(p)) for p in pngs])
+
+    @app.get("/health", response_model=Health)
+    async def health():
+        """Always public. 200 while the worker runs, else 503."""
+        h = service.health()
+        return JSONResponse(h.model_dump(), status_code=200 if h.status == "ok" else 503)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics():
+        return Response(service.metrics.render(), media_type=service.metrics.content_type)
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
+
+    # Order: metrics outermost, so answers of the key check are counted too.
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(MetricsMiddleware, metrics=service.metrics)
+    return app
+
+
+def _version() -> str:
+    try:
+        import sdfast
+
+        return sdfast.__version__
+    except Exception:  # noqa: BLE001
+        return "0"
+
+
+def serve(*, model: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 4, queue_size: int = 64,
+          api_key: str | None = None, request_timeout_s: float = DEFAULT_TIMEOUT_S, optimize: bool = True,
+          log_level: str = "info") -> int:
+    """Load ``model`` and serve it with uvicorn until interrupted (what ``sdfast serve`` runs).
+
+    The key comes from ``api_key`` or the ``SDFAST_API_KEY`` environment variable. ``optimize``:
+    passed to ``sdfast.load`` (False: the stock diffusers pipeline). Bad ``max_batch``/``queue_size``
+    raise ``ValueError`` before the model is loaded.
+    """
+    import uvicorn
+
+    import sdfast
+
+    for flag, v in (("--max-batch", max_batch), ("--queue", queue_size)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{flag} must be an integer >= 1 (got {v!r})")
+    if not request_timeout_s > 0:
+        raise ValueError(f"request_timeout_s must be > 0 (got {request_timeout_s!r})")
+    import inspect
+
+    t0 = time.perf_counter()
+    kwargs = {"optimize": optimize} if "optimize" in inspect.signature(sdfast.load).parameters else {}
+    engine = sdfast.load(model, **kwargs)
+    print(f"sdfast: loaded {model} on {engine.device} in {time.perf_counter() - t0:.1f} s; "
+          f"max batch {max_batch} images, queue {queue_size} requests", file=sys.stderr)
+    if str(model).startswith("random:"):
+        print(f"sdfast: note: {model} has random weights, so its images are noise", file=sys.stderr)
+    app = create_app(engine, max_batch=max_batch, queue_size=queue_size, api_key=api_key,
+                     request_timeout_s=request_timeout_s)
+    if any(m.cls is APIKeyMiddleware for m in app.user_middleware):
+        print("sdfast: an API key is required on every endpoint but /health", file=sys.stderr)
+    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    return 0

@@ -1,0 +1,333 @@
+"""The one thread that owns the engine (and so the GPU), its bounded queue, and request batching.
+
+HTTP handlers run on the event loop; they never touch the engine. They ``submit`` a ``Job`` and
+wait on its ``future``. The worker thread takes the oldest live job, adds every later queued job
+with the same ``BatchKey`` while the batch stays within ``max_batch`` images, and runs them as one
+``engine.txt2img`` call with a list of prompts and one seed per image. The engine draws image
+``i``'s noise from its own seeded CPU generator, so each job's images are the ones it would get
+alone (up to batch-size-dependent float rounding: at most 1/255 on the CPU).
+
+Failure isolation: ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``) fails the jobs of
+that batch with ``GPUOutOfMemory`` (503), drops every reference to what the failed call held
+(the exception and its traceback are not kept) and returns cached blocks to the driver
+(``torch.cuda.empty_cache()``); any other exception fails that batch with ``GenerationFailed``
+(500). The thread itself never dies from a batch.
+
+A job leaves the queue when the worker takes it, when its handler cancels it (client gone,
+deadline passed: ``Worker.cancel``), or when the worker finds it past its deadline.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+log = logging.getLogger("sdfast.server")
+
+
+class ServiceError(Exception):
+    """An error that becomes an HTTP answer: ``status``, ``message`` and (optionally) the ``field``."""
+
+    status = 500
+    type = "server_error"
+
+    def __init__(self, message: str, *, field: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+class InvalidRequest(ServiceError):
+    status, type = 422, "invalid_request_error"
+
+
+class QueueFull(ServiceError):
+    status, type = 429, "queue_full"
+
+
+class GenerationFailed(ServiceError):
+    status, type = 500, "generation_failed"
+
+
+class GPUOutOfMemory(ServiceError):
+    status, type = 503, "gpu_out_of_memory"
+
+
+class ShuttingDown(ServiceError):
+    status, type = 503, "shutting_down"
+
+
+class DeadlineExceeded(ServiceError):
+    status, type = 504, "deadline_exceeded"
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """Jobs with equal keys can share one engine call.
+
+    ``has_negative``: a batch passes either ``negative_prompt=None`` to every image or a list of
+    strings; both cannot mix (SDXL encodes "no negative prompt" as zeros, not as the empty string).
+    ``text_windows``: 77-token CLIP windows of the prompt and of the negative prompt. The engine pads
+    every prompt of a call to the longest one's windows, which would change a shorter prompt's
+    image, so only equal counts share a call.
+    """
+
+    width: int
+    height: int
+    num_inference_steps: int
+    guidance_scale: float
+    scheduler: str | None
+    has_negative: bool
+    text_windows: tuple[int, int] = (1, 1)
+
+
+@dataclass
+class JobResult:
+    """``images``: PIL images, one per seed; seconds waited (``queue_s``) and spent in the engine call
+    (``generate_s``, shared by the batch); ``batch_images``: images in that call."""
+
+    images: list
+    queue_s: float
+    generate_s: float
+    batch_images: int
+
+
+@dataclass(eq=False)
+class Job:
+    """One request: ``prompt`` for each of ``seeds`` (one image per seed)."""
+
+    prompt: str
+    negative_prompt: str | None
+    seeds: list[int]
+    width: int
+    height: int
+    num_inference_steps: int
+    guidance_scale: float
+    scheduler: str | None
+    timeout_s: float
+    text_windows: tuple[int, int] = (1, 1)
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def n(self) -> int:
+        return len(self.seeds)
+
+    @property
+    def deadline(self) -> float:
+        return self.enqueued_at + self.timeout_s
+
+    @property
+    def key(self) -> BatchKey:
+        return BatchKey(self.width, self.height, self.num_inference_steps, float(self.guidance_scale),
+                        self.scheduler, self.negative_prompt is not None, tuple(self.text_windows))
+
+
+def _is_oom(exc: BaseException) -> bool:
+    import torch
+
+    oom = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    return oom is not None and isinstance(exc, oom)
+
+
+def free_gpu_memory() -> None:
+    """Collect garbage and hand the CUDA caching allocator's free blocks back (no-op without CUDA)."""
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+class Worker:
+    """Owns ``engine``; runs queued jobs in batches of at most ``max_batch`` images.
+
+    ``queue_size``: jobs that may wait (the running batch not counted); ``submit`` raises
+    ``QueueFull`` beyond it. ``on_batch(images, seconds, outcome)`` is called after each engine call,
+    ``outcome`` one of ``"ok"``, ``"oom"``, ``"error"`` (used for metrics).
+    """
+
+    def __init__(self, engine, *, max_batch: int = 4, queue_size: int = 64,
+                 on_batch: Callable[[int, float, str], None] | None = None):
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1 (got {max_batch!r})")
+        if not isinstance(queue_size, int) or queue_size < 1:
+            raise ValueError(f"queue_size must be an integer >= 1 (got {queue_size!r})")
+        self.engine = engine
+        self.max_batch = max_batch
+        self.queue_size = queue_size
+        self.on_batch = on_batch
+        self._queue: deque[Job] = deque()
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._running: list[Job] = []
+        self._thread: threading.Thread | None = None
+        self.batches_run = 0
+
+    # -- state -------------------------------------------------------------------------------
+    @property
+    def depth(self) -> int:
+        """Jobs waiting (not counting the batch being generated)."""
+        return len(self._queue)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._running)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        with self._cond:
+            if self.alive:
+                return
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="sdfast-worker", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Finish the running batch, fail the waiting jobs with ``ShuttingDown``, join the thread."""
+        with self._cond:
+            self._stopping = True
+            waiting, self._queue = list(self._queue), deque()
+            self._cond.notify_all()
+        for job in waiting:
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(ShuttingDown("the service is shutting down"))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- called from the event loop ------------------------------------------------------------
+    def submit(self, job: Job) -> concurrent.futures.Future:
+        """Queue ``job`` (starting the thread on first use); raises ``QueueFull`` at once when full,
+        ``ShuttingDown`` after ``stop``."""
+        if self._thread is None:
+            self.start()
+        with self._cond:
+            if self._stopping:
+                raise ShuttingDown("the service is shutting down")
+            if len(self._queue) >= self.queue_size:
+                raise QueueFull(f"the queue is full ({self.queue_size} requests waiting); retry later")
+            self._queue.append(job)
+            self._cond.notify()
+        return job.future
+
+    def cancel(self, job: Job) -> bool:
+        """Take ``job`` out of the queue (its place is released at once). True if it had not started;
+        a job already running finishes with its batch and its result is dropped."""
+        with self._cond:
+            try:
+                self._queue.remove(job)
+            except ValueError:
+                pass
+        return job.future.cancel()
+
+    # -- the thread -----------------------------------------------------------------------------
+    def _take_batch(self) -> list[Job]:
+        """Under the lock: the oldest live job plus later compatible ones, within ``max_batch`` images."""
+        now = time.monotonic()
+        batch: list[Job] = []
+        total = 0
+        left: deque[Job] = deque()
+        for job in self._queue:
+            if batch and (job.key != batch[0].key or total + job.n > self.max_batch):
+                left.append(job)
+                continue
+            if not job.future.set_running_or_notify_cancel():
+                continue  # cancelled: the client left
+            if now > job.deadline:
+                job.future.set_exception(DeadlineExceeded(
+                    f"waited {now - job.enqueued_at:.1f} s in the queue, past the {job.timeout_s:g} s deadline"))
+                continue
+            batch.append(job)
+            total += job.n
+        self._queue = left
+        return batch
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if self._stopping:
+                    return
+                batch = self._take_batch()
+                self._running = batch
+            try:
+                if batch:
+                    self._run_batch(batch)
+            except BaseException:  # never let the thread die
+                log.exception("worker: unexpected error around a batch")
+                for job in batch:
+                    if not job.future.done():
+                        job.future.set_exception(GenerationFailed("internal error in the worker (logged)"))
+            finally:
+                self._running = []
+
+    def _run_batch(self, batch: list[Job]) -> None:
+        key = batch[0].key
+        prompts = [job.prompt for job in batch for _ in job.seeds]
+        seeds = [s for job in batch for s in job.seeds]
+        negative = [job.negative_prompt for job in batch for _ in job.seeds] if key.has_negative else None
+        started = time.monotonic()
+        error: ServiceError | None = None
+        outcome = "ok"
+        images = None
+        try:
+            images = self.engine.txt2img(
+                prompts, negative_prompt=negative, num_inference_steps=key.num_inference_steps,
+                guidance_scale=key.guidance_scale, height=key.height, width=key.width, seed=seeds,
+                num_images_per_prompt=1, scheduler=key.scheduler,
+            )
+            if len(images) != len(seeds):
+                raise RuntimeError(f"the engine returned {len(images)} images for {len(seeds)} seeds")
+        except Exception as e:  # noqa: BLE001 - each failure becomes an answer; the thread goes on
+            # Answer from the message only, and clear the locals of the failed call's frames: its
+            # traceback holds them (and so its tensors) for as long as anyone keeps the exception.
+            if _is_oom(e):
+                outcome = "oom"
+                error = GPUOutOfMemory(
+                    f"out of GPU memory generating {len(seeds)} image(s) of {key.width}x{key.height} "
+                    f"(this request was batched with {len(batch) - 1} other(s)); the memory was freed, "
+                    "retry, or ask for fewer or smaller images"
+                )
+                log.warning("worker: CUDA out of memory on a batch of %d images at %dx%d",
+                            len(seeds), key.width, key.height)
+            elif isinstance(e, ValueError) and getattr(e, "field", None):
+                outcome = "error"
+                error = InvalidRequest(str(e), field=e.field)
+            else:
+                outcome = "error"
+                log.exception("worker: the engine failed on a batch of %d images", len(seeds))
+                error = GenerationFailed(f"image generation failed ({type(e).__name__}: {e})")
+            traceback.clear_frames(e.__traceback__)
+            e.__traceback__ = None
+            images = None
+        if outcome == "oom":
+            free_gpu_memory()
+        seconds = time.monotonic() - started
+        self.batches_run += 1
+        if self.on_batch is not None:
+            try:
+                self.on_batch(len(seeds) if error is None else 0, seconds, outcome)
+            except Exception:  # noqa: BLE001 - metrics must not break serving
+                log.exception("worker: on_batch callback failed")
+        i = 0
+        for job in batch:
+            if error is not None:
+                job.future.set_exception(type(error)(error.message, field=error.field))
+                continue
+            job.future.set_result(JobResult(
+                images=images[i:i + job.n], queue_s=started - job.enqueued_at, generate_s=seconds,
+                batch_images=len(seeds),
+            ))
+            i += job.n
