@@ -1,0 +1,111 @@
+"""Shared pieces of the service tests: fake engines, a free port, an in-process uvicorn server."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+import weakref
+
+import httpx
+import torch
+from PIL import Image
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def seed_color(seed: int, prompt: str) -> tuple[int, int, int]:
+    """The colour FakeEngine paints for (seed, prompt): lets a test check which image went where."""
+    return (seed % 251, (seed // 251) % 251, len(prompt) % 251)
+
+
+class FakeEngine:
+    """Stands in for ``sdfast.Engine``: records each call, paints one flat image per seed.
+
+    ``gate``: each call blocks until it is set (``started`` is set when a call begins).
+    ``failures``: exceptions to raise, one per call, in order (None: succeed).
+    ``hold``: on a failing call, a tensor is allocated first and a weak reference kept in ``held``,
+    so a test can check that nothing keeps the failed call's memory alive.
+    """
+
+    name = "fake"
+    device = torch.device("cpu")
+    dtype = torch.float32
+    default_size = 64
+
+    def __init__(self, *, gate: threading.Event | None = None, failures=(), hold: bool = False):
+        self.gate = gate
+        self.failures = list(failures)
+        self.hold = hold
+        self.held: list[weakref.ref] = []
+        self.calls: list[dict] = []
+        self.started = threading.Event()
+
+    def txt2img(self, prompt, *, negative_prompt=None, num_inference_steps=30, guidance_scale=7.5, height=None,
+                width=None, seed=None, num_images_per_prompt=1, scheduler=None):
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        self.calls.append(dict(prompts=prompts, negative_prompt=negative_prompt, seeds=list(seed),
+                               steps=num_inference_steps, guidance_scale=guidance_scale, width=width,
+                               height=height, num_images_per_prompt=num_images_per_prompt, scheduler=scheduler))
+        self.started.set()
+        if self.gate is not None:
+            assert self.gate.wait(30), "test gate never opened"
+        failure = self.failures.pop(0) if self.failures else None
+        if failure is not None:
+            if self.hold:
+                held = torch.ones(1 << 16)
+                self.held.append(weakref.ref(held))
+            raise failure
+        images = []
+        for p, s in zip(prompts, seed):
+            img = Image.new("RGB", (width, height), seed_color(s, p))
+            img.info["seed"] = str(s)
+            images.append(img)
+        return images
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@contextlib.contextmanager
+def serving(app):
+    """Run ``app`` with uvicorn on 127.0.0.1:<free port> in a thread; yields the base URL."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, timeout=20, what="uvicorn to start")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+def metric_value(text: str, name: str, **labels) -> float:
+    """The value of sample ``name`` with exactly these labels in Prometheus text (0 if absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def health(client: httpx.Client) -> dict:
+    return client.get("/health").json()

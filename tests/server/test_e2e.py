@@ -1,0 +1,210 @@
+"""Issue 9 acceptance: the real service (uvicorn subprocess, random:tiny on the CPU) over HTTP:
+each endpoint, 16 concurrent requests equal to the same requests alone, each bad input, the API
+key, and /metrics counting what happened."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from .conftest import MAX_BATCH
+from .helpers import metric_value
+
+STEPS = 2
+
+
+def _png(data: bytes) -> Image.Image:
+    img = Image.open(io.BytesIO(data))
+    assert img.format == "PNG"
+    return img.convert("RGB")
+
+
+def _pixels(img: Image.Image) -> np.ndarray:
+    return np.asarray(img).astype(np.int16)
+
+
+def _same_image(a: Image.Image, b: Image.Image) -> bool:
+    """Equal up to the engine's batch-size rounding (1/255 per channel on the CPU)."""
+    return a.size == b.size and int(np.abs(_pixels(a) - _pixels(b)).max()) <= 1
+
+
+def test_health_is_public_and_describes_the_model(live):
+    with live.client(key=False) as c:
+        r = c.get("/health")
+    assert r.status_code == 200
+    h = r.json()
+    assert h["status"] == "ok" and h["model_loaded"] and h["model"] == "random:tiny"
+    assert h["device"] == "cpu" and h["gpu"] is None and h["queue_depth"] == 0
+    assert h["max_batch"] == MAX_BATCH and h["default_size"] == 64 and "euler" in h["schedulers"]
+
+
+def test_txt2img_png_is_one_deterministic_image(live):
+    body = {"prompt": "a photo of a cat", "num_inference_steps": STEPS, "seed": 5}
+    with live.client() as c:
+        a = c.post("/v1/txt2img", json=body)
+        b = c.post("/v1/txt2img", json=body)
+        other = c.post("/v1/txt2img", json={**body, "seed": 6})
+    assert a.status_code == 200 and a.headers["content-type"] == "image/png"
+    assert a.headers["x-seed"] == "5" and "generate;dur=" in a.headers["server-timing"]
+    img = _png(a.content)
+    assert img.size == (64, 64)
+    assert json.loads(Image.open(io.BytesIO(a.content)).text["sdfast"])["seed"] == 5
+    assert _same_image(img, _png(b.content))
+    assert np.abs(_pixels(img) - _pixels(_png(other.content))).max() > 10
+
+
+def test_txt2img_b64_json_gives_every_image_its_seed_and_timings(live):
+    body = {"prompt": "a red bird", "negative_prompt": "blurry", "num_inference_steps": STEPS, "seed": 7,
+            "num_images": 2, "width": 96, "height": 64, "scheduler": "euler", "guidance_scale": 5.0,
+            "response_format": "b64_json"}
+    with live.client() as c:
+        r = c.post("/v1/txt2img", json=body)
+        alone = c.post("/v1/txt2img", json={**body, "seed": 8, "num_images": 1, "response_format": "png"})
+    assert r.status_code == 200
+    data = r.json()
+    assert data["model"] == "random:tiny"
+    assert [im["seed"] for im in data["images"]] == [7, 8]
+    assert all(im["width"] == 96 and im["height"] == 64 for im in data["images"])
+    t = data["timings"]
+    assert t["total_s"] >= t["generate_s"] > 0 and t["queue_s"] >= 0 and t["batch_images"] == 2
+    second = _png(base64.b64decode(data["images"][1]["b64_json"]))
+    assert second.size == (96, 64)
+    assert _same_image(second, _png(alone.content))  # image 2 of a request == that seed alone
+
+
+def test_openai_images_generations(live):
+    with live.client() as c:
+        r = c.post("/v1/images/generations", json={"prompt": "a cat", "n": 2, "size": "64x64",
+                                                   "response_format": "b64_json", "num_inference_steps": STEPS})
+    assert r.status_code == 200
+    data = r.json()
+    assert isinstance(data["created"], int) and len(data["data"]) == 2
+    imgs = [_png(base64.b64decode(d["b64_json"])) for d in data["data"]]
+    assert all(im.size == (64, 64) for im in imgs)
+    assert np.abs(_pixels(imgs[0]) - _pixels(imgs[1])).max() > 10  # two seeds, two images
+
+
+def test_16_concurrent_requests_equal_the_same_requests_alone(live):
+    bodies = [{"prompt": ["a cat", "a dog", "a red car", "a castle"][i % 4], "seed": 1000 + 17 * i,
+               "num_inference_steps": STEPS, "response_format": "b64_json"} for i in range(16)]
+    with live.client() as c, ThreadPoolExecutor(16) as pool:
+        together = list(pool.map(lambda b: c.post("/v1/txt2img", json=b), bodies))
+        alone = [c.post("/v1/txt2img", json=b) for b in bodies]  # one at a time: each its own batch
+    assert [r.status_code for r in together] == [200] * 16
+    assert [r.status_code for r in alone] == [200] * 16
+    batch_sizes = [r.json()["timings"]["batch_images"] for r in together]
+    assert max(batch_sizes) > 1, f"16 concurrent requests were never batched: {batch_sizes}"
+    assert max(batch_sizes) <= MAX_BATCH
+    assert all(r.json()["timings"]["batch_images"] == 1 for r in alone)
+    for body, t, a in zip(bodies, together, alone):
+        (ti,), (ai,) = t.json()["images"], a.json()["images"]
+        assert ti["seed"] == ai["seed"] == body["seed"]
+        assert _same_image(_png(base64.b64decode(ti["b64_json"])), _png(base64.b64decode(ai["b64_json"]))), body
+
+
+def test_long_prompts_batch_only_with_their_window_count(live):
+    """A prompt over CLIP's 75 tokens is encoded in two windows; batched with short prompts it would be
+    padded differently, so the service batches it only with prompts of the same window count."""
+    long_prompt = ", ".join(["a very detailed oil painting of a quiet harbour town at dawn"] * 8)  # > 75 tokens
+    bodies = [{"prompt": p, "seed": 50 + i, "num_inference_steps": STEPS, "response_format": "b64_json"}
+              for i, p in enumerate([long_prompt, "a cat", long_prompt + " with boats", "a dog"])]
+    with live.client() as c, ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda b: c.post("/v1/txt2img", json=b), bodies * 2))
+        alone = [c.post("/v1/txt2img", json=b) for b in bodies]
+    assert all(r.status_code == 200 for r in together + alone)
+    for t, a in zip(together, alone * 2):
+        (ti,), (ai,) = t.json()["images"], a.json()["images"]
+        assert _same_image(_png(base64.b64decode(ti["b64_json"])), _png(base64.b64decode(ai["b64_json"])))
+
+
+TXT = "/v1/txt2img"
+OAI = "/v1/images/generations"
+BAD = [
+    (TXT, {"width": 100}, "width", "multiple of 8"),
+    (TXT, {"height": 4096}, "height", "[64, 2048]"),
+    (TXT, {"width": 32}, "width", "[64, 2048]"),
+    (TXT, {"num_inference_steps": 0}, "num_inference_steps", "[1, 150]"),
+    (TXT, {"num_inference_steps": 151}, "num_inference_steps", "[1, 150]"),
+    (TXT, {"num_images": 0, "response_format": "b64_json"}, "num_images", "[1, 8]"),
+    (TXT, {"num_images": 9, "response_format": "b64_json"}, "num_images", "[1, 8]"),
+    (TXT, {"num_images": 2}, "num_images", "b64_json"),
+    (TXT, {"guidance_scale": -0.5}, "guidance_scale", "[0.0, 30.0]"),
+    (TXT, {"guidance_scale": 30.5}, "guidance_scale", "[0.0, 30.0]"),
+    (TXT, {"prompt": ""}, "prompt", "non-empty"),
+    (TXT, {"prompt": "   "}, "prompt", "non-empty"),
+    (TXT, {"prompt": "a" * 1001}, "prompt", "77 tokens"),
+    (TXT, {"scheduler": "nope"}, "scheduler", "euler_a"),
+    (TXT, {"seed": -1}, "seed", "[0, 4294967295]"),
+    (TXT, {"model": "/etc/passwd"}, "model", "unknown field"),
+    (TXT, {"model_path": "/models/x.safetensors"}, "model_path", "unknown field"),
+    (TXT, {"response_format": "jpeg"}, "response_format", "png"),
+    (OAI, {"n": 0}, "n", "[1, 8]"),
+    (OAI, {"n": 9}, "n", "[1, 8]"),
+    (OAI, {"size": "100x100"}, "size", "multiple of 8"),
+    (OAI, {"size": "huge"}, "size", "WIDTHxHEIGHT"),
+    (OAI, {"response_format": "url"}, "response_format", "b64_json"),
+    (OAI, {"prompt": ""}, "prompt", "non-empty"),
+    (OAI, {"quality": "hd"}, "quality", "unknown field"),
+]
+
+
+@pytest.mark.parametrize("path, change, field, hint", BAD,
+                         ids=[f"{p.split('/')[-1]}-{f}-{i}" for i, (p, _, f, _) in enumerate(BAD)])
+def test_bad_input_answers_422_naming_the_field(live, path, change, field, hint):
+    body = {"prompt": "a cat", "num_inference_steps": STEPS}
+    body.update(change)
+    with live.client() as c:
+        r = c.post(path, json=body)
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["message"].startswith(f"{field}:") and hint in err["message"], err
+    assert err["type"] == "invalid_request_error"
+
+
+def test_every_endpoint_but_health_needs_the_key(live):
+    with live.client(key=False) as c:
+        for method, path in [("GET", "/"), ("GET", "/metrics"), ("POST", TXT), ("POST", OAI)]:
+            r = c.request(method, path, json={"prompt": "a cat", "num_inference_steps": STEPS})
+            assert r.status_code == 401, path
+            assert "API key" in r.json()["error"]["message"]
+        assert c.get("/health").status_code == 200
+        assert c.get("/metrics", headers={"X-API-Key": "wrong"}).status_code == 401
+    with live.client() as c:
+        assert c.get("/").status_code == 200 and 'id="generate"' in c.get("/").text
+        assert c.get("/metrics").status_code == 200
+
+
+def test_metrics_count_what_happened(live):
+    def scrape(c):
+        r = c.get("/metrics")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+        return r.text
+
+    body = {"prompt": "a cat", "num_inference_steps": STEPS}
+    with live.client() as c, live.client(key=False) as anon:
+        before = scrape(c)
+        assert c.post(TXT, json={**body, "num_images": 3, "response_format": "b64_json"}).status_code == 200
+        assert c.post(TXT, json=body).status_code == 200
+        assert c.post(TXT, json={**body, "width": 1}).status_code == 422
+        assert anon.post(TXT, json=body).status_code == 401
+        assert c.post(OAI, json={"prompt": "a cat", "n": 2, "num_inference_steps": STEPS}).status_code == 200
+        after = scrape(c)
+
+    def delta(name, **labels):
+        return metric_value(after, name, **labels) - metric_value(before, name, **labels)
+
+    assert delta("sdfast_requests_total", endpoint=TXT, status="200") == 2
+    assert delta("sdfast_requests_total", endpoint=TXT, status="422") == 1
+    assert delta("sdfast_requests_total", endpoint=TXT, status="401") == 1
+    assert delta("sdfast_requests_total", endpoint=OAI, status="200") == 1
+    assert delta("sdfast_images_generated_total") == 6
+    assert delta("sdfast_request_latency_seconds_count", endpoint=TXT) == 4
+    assert delta("sdfast_batches_total", outcome="ok") == 3
+    assert metric_value(after, "sdfast_queue_depth") == 0
+    assert "sdfast_gpu_memory_allocated_bytes 0.0" in after  # CPU: no CUDA memory

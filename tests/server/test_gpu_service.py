@@ -1,0 +1,47 @@
+"""Issue 9 on the GPU (marker ``gpu``): a real CUDA out-of-memory inside the engine answers 503, the
+allocated memory returns to its baseline, and the service keeps serving; /health and /metrics show
+the GPU. The OOM is real: the test caps this process's CUDA memory
+(``torch.cuda.set_per_process_memory_fraction``) and asks for 8 images of 2048x2048."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+
+from .helpers import metric_value, serving
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("optimize", [False, True], ids=["stock", "optimized"])
+def test_real_cuda_oom_answers_503_and_memory_returns_to_baseline(optimize):
+    import sdfast
+    from server.app import create_app
+
+    engine = sdfast.load("random:tiny", optimize=optimize)
+    app = create_app(engine, max_batch=8, api_key="")
+    small = {"prompt": "a cat", "num_inference_steps": 2, "seed": 1, "width": 64, "height": 64}
+    huge = {**small, "width": 2048, "height": 2048, "num_images": 8, "response_format": "b64_json"}
+    total = torch.cuda.get_device_properties(0).total_memory
+    with serving(app) as url, httpx.Client(base_url=url, timeout=300) as c:
+        assert c.post("/v1/txt2img", json=small).status_code == 200  # warm: graphs, workspaces
+        torch.cuda.synchronize()
+        baseline = torch.cuda.memory_allocated()
+        cap = baseline + (2 << 30)  # 2 GiB above what the model holds: far less than 8 x 2048² needs
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+        try:
+            r = c.post("/v1/txt2img", json=huge)
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["type"] == "gpu_out_of_memory"
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() <= baseline + (64 << 20), (torch.cuda.memory_allocated(), baseline)
+        ok = c.post("/v1/txt2img", json=small)
+        assert ok.status_code == 200 and ok.headers["content-type"] == "image/png"
+        h = c.get("/health").json()
+        text = c.get("/metrics").text
+    assert h["status"] == "ok" and h["gpu"] and h["device"].startswith("cuda")
+    assert metric_value(text, "sdfast_gpu_memory_allocated_bytes") > 0
+    assert metric_value(text, "sdfast_batches_total", outcome="oom") == 1

@@ -1,0 +1,185 @@
+"""Issue 9: the HTTP service with a fake engine, served by uvicorn in a thread (real sockets):
+429 with a full queue, 504 past the deadline, a client that leaves releases its place, GPU OOM
+answers 503 and the next request succeeds, other engine errors 500, the API key, metrics."""
+
+from __future__ import annotations
+
+import base64
+import io
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+from PIL import Image
+
+from server.app import create_app
+
+from .helpers import FakeEngine, health, metric_value, seed_color, serving, wait_for
+
+REQ = {"prompt": "a cat", "num_inference_steps": 2, "seed": 1}
+
+
+def _client(url, **kw):
+    return httpx.Client(base_url=url, timeout=kw.pop("timeout", 20), **kw)
+
+
+@pytest.fixture
+def gated_service():
+    """(url, engine, gate): max_batch 1, queue 1, an engine that blocks until ``gate`` is set."""
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate)
+    app = create_app(engine, max_batch=1, queue_size=1, api_key="")
+    with serving(app) as url:
+        yield url, engine, gate
+        gate.set()
+
+
+def test_full_queue_answers_429_at_once(gated_service):
+    url, engine, gate = gated_service
+    with ThreadPoolExecutor(2) as pool, _client(url) as c:
+        running = pool.submit(c.post, "/v1/txt2img", json={**REQ, "seed": 1})
+        assert engine.started.wait(10)
+        waiting = pool.submit(c.post, "/v1/txt2img", json={**REQ, "seed": 2})
+        wait_for(lambda: health(c)["queue_depth"] == 1, what="second request queued")
+        t0 = time.monotonic()
+        r = c.post("/v1/txt2img", json={**REQ, "seed": 3})
+        assert r.status_code == 429 and time.monotonic() - t0 < 2
+        assert r.headers["retry-after"] == "1" and "queue is full" in r.json()["error"]["message"]
+        gate.set()
+        assert running.result(20).status_code == 200 and waiting.result(20).status_code == 200
+        text = c.get("/metrics").text
+    assert metric_value(text, "sdfast_requests_total", endpoint="/v1/txt2img", status="429") == 1
+    assert metric_value(text, "sdfast_requests_total", endpoint="/v1/txt2img", status="200") == 2
+    assert [call["seeds"] for call in engine.calls] == [[1], [2]]
+
+
+def test_deadline_answers_504_and_frees_the_queue():
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate)
+    app = create_app(engine, max_batch=1, queue_size=4, api_key="", request_timeout_s=0.6)
+    with serving(app) as url, ThreadPoolExecutor(2) as pool, _client(url) as c:
+        running = pool.submit(c.post, "/v1/txt2img", json=REQ)
+        assert engine.started.wait(10)
+        r = c.post("/v1/txt2img", json={**REQ, "seed": 2})  # waits in the queue past its deadline
+        assert r.status_code == 504 and "deadline" in r.json()["error"]["message"]
+        assert health(c)["queue_depth"] == 0
+        assert running.result(20).status_code == 504  # still generating when its deadline passed
+        gate.set()
+        wait_for(lambda: not health(c)["busy"], what="worker idle")
+        assert [call["seeds"] for call in engine.calls] == [[1]], "the expired request still ran"
+
+
+def test_client_that_leaves_releases_its_place(gated_service):
+    url, engine, gate = gated_service
+    with ThreadPoolExecutor(2) as pool, _client(url) as c:
+        running = pool.submit(c.post, "/v1/txt2img", json=REQ)
+        assert engine.started.wait(10)
+        with pytest.raises(httpx.ReadTimeout), _client(url, timeout=0.5) as impatient:
+            impatient.post("/v1/txt2img", json={**REQ, "seed": 2})
+        wait_for(lambda: health(c)["queue_depth"] == 0, timeout=5, what="the place to be released")
+        # The released place takes a new request at once (queue_size is 1).
+        later = pool.submit(c.post, "/v1/txt2img", json={**REQ, "seed": 3})
+        wait_for(lambda: health(c)["queue_depth"] == 1, what="the new request queued")
+        gate.set()
+        assert running.result(20).status_code == 200 and later.result(20).status_code == 200
+        text = c.get("/metrics").text
+    assert [call["seeds"] for call in engine.calls] == [[1], [3]], "the departed client's request ran"
+    assert metric_value(text, "sdfast_requests_total", endpoint="/v1/txt2img", status="499") == 1
+
+
+def test_gpu_oom_answers_503_then_serves_again():
+    oom = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB")
+    engine = FakeEngine(failures=[oom], hold=True)
+    with serving(create_app(engine, api_key="")) as url, _client(url) as c:
+        r = c.post("/v1/txt2img", json={**REQ, "width": 2048, "height": 2048})
+        assert r.status_code == 503
+        err = r.json()["error"]
+        assert err["type"] == "gpu_out_of_memory" and "out of GPU memory" in err["message"]
+        assert "2048x2048" in err["message"]
+        assert engine.held[0]() is None, "memory of the failed request is still referenced"
+        r = c.post("/v1/txt2img", json=REQ)
+        assert r.status_code == 200 and r.headers["content-type"] == "image/png"
+        h = health(c)
+        text = c.get("/metrics").text
+    assert h["status"] == "ok" and h["worker_alive"]
+    assert metric_value(text, "sdfast_requests_total", endpoint="/v1/txt2img", status="503") == 1
+    assert metric_value(text, "sdfast_batches_total", outcome="oom") == 1
+    assert metric_value(text, "sdfast_images_generated_total") == 1
+
+
+def test_engine_error_answers_500_then_serves_again():
+    engine = FakeEngine(failures=[ValueError("weights went missing")])
+    with serving(create_app(engine, api_key="")) as url, _client(url) as c:
+        r = c.post("/v1/txt2img", json=REQ)
+        assert r.status_code == 500 and "weights went missing" in r.json()["error"]["message"]
+        assert c.post("/v1/txt2img", json=REQ).status_code == 200
+
+
+def test_batched_requests_get_their_own_images():
+    gate = threading.Event()
+    engine = FakeEngine(gate=gate)
+    app = create_app(engine, max_batch=4, queue_size=8, api_key="")
+    with serving(app) as url, ThreadPoolExecutor(4) as pool, _client(url) as c:
+        first = pool.submit(c.post, "/v1/txt2img", json={**REQ, "prompt": "blocker", "seed": 100})
+        assert engine.started.wait(10)
+        bodies = [{**REQ, "prompt": "p" * (i + 1), "seed": 10 * i, "num_images": 1 + (i == 1),
+                   "response_format": "b64_json"} for i in range(3)]
+        futures = [pool.submit(c.post, "/v1/txt2img", json=b) for b in bodies]
+        wait_for(lambda: health(c)["queue_depth"] == 3, what="three requests queued")
+        gate.set()
+        assert first.result(20).status_code == 200
+        for body, fut in zip(bodies, futures):
+            r = fut.result(20)
+            assert r.status_code == 200
+            data = r.json()
+            assert data["timings"]["batch_images"] == 4
+            seeds = [body["seed"] + k for k in range(body["num_images"])]
+            assert [im["seed"] for im in data["images"]] == seeds
+            for im, s in zip(data["images"], seeds):
+                pixel = Image.open(io.BytesIO(base64.b64decode(im["b64_json"]))).convert("RGB").getpixel((0, 0))
+                assert pixel == seed_color(s, body["prompt"])
+    assert len(engine.calls) == 2 and sorted(engine.calls[1]["seeds"]) == [0, 10, 11, 20]
+
+
+def test_api_key_by_header_and_basic_auth(monkeypatch):
+    monkeypatch.setenv("SDFAST_API_KEY", "s3cret")
+    with serving(create_app(FakeEngine())) as url, _client(url) as c:
+        assert c.get("/health").status_code == 200
+        for method, path in [("GET", "/"), ("GET", "/metrics"), ("POST", "/v1/txt2img"),
+                             ("POST", "/v1/images/generations"), ("GET", "/docs")]:
+            r = c.request(method, path, json=REQ)
+            assert r.status_code == 401, path
+            assert r.json()["error"]["type"] == "authentication_error"
+        assert c.get("/").headers["www-authenticate"].startswith("Basic")
+        assert c.post("/v1/txt2img", json=REQ, headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert c.post("/v1/txt2img", json=REQ, headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert c.post("/v1/txt2img", json=REQ, headers={"X-API-Key": "s3cret"}).status_code == 200
+        assert c.get("/", auth=("anyone", "s3cret")).status_code == 200
+        text = c.get("/metrics", headers={"X-API-Key": "s3cret"}).text
+    assert metric_value(text, "sdfast_requests_total", endpoint="/v1/txt2img", status="401") == 2
+    assert metric_value(text, "sdfast_requests_total", endpoint="other", status="401") == 1  # /docs
+
+
+def test_openai_endpoint_maps_n_and_size():
+    engine = FakeEngine()
+    with serving(create_app(engine, api_key="")) as url, _client(url) as c:
+        r = c.post("/v1/images/generations", json={"prompt": "a cat", "n": 3, "size": "128x64",
+                                                   "model": "dall-e-2", "response_format": "b64_json"})
+        assert r.status_code == 200
+        data = r.json()
+        assert set(data) == {"created", "data"} and len(data["data"]) == 3
+        img = Image.open(io.BytesIO(base64.b64decode(data["data"][0]["b64_json"])))
+        assert img.size == (128, 64)
+    assert engine.calls[0]["width"] == 128 and engine.calls[0]["height"] == 64 and len(engine.calls[0]["seeds"]) == 3
+
+
+def test_sdfast_serve_refuses_bad_flags_before_loading(capsys):
+    from sdfast.cli import main
+
+    assert main(["serve", "--model", "random:tiny", "--max-batch", "0"]) == 2
+    assert "--max-batch must be an integer >= 1" in capsys.readouterr().err
+    assert main(["serve", "--model", "random:tiny", "--queue", "0"]) == 2
+    assert "--queue must be an integer >= 1" in capsys.readouterr().err
