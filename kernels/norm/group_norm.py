@@ -1,0 +1,782 @@
+"""GroupNorm with fp32 statistics, fused pre-adds and SiLU, for NCHW and channels_last (NHWC) memory.
+
+    pre = x (+ channel_bias[b, c]) (+ residual)          # rounded to x.dtype, as eager PyTorch does
+    y   = (pre - mean[b, g]) * rstd[b, g] * weight[c] + bias[c]
+    y   = silu(y)                                         # activation="silu"
+
+This is the ResNet block's pattern in SD: ``norm2(conv1(h) + temb)`` + SiLU (``channel_bias`` is the
+time-embedding projection, (B, C)), and ``norm1`` of the next block after the residual add
+(``residual``; ``return_sum=True`` also returns ``pre`` so the residual stream is kept). The fusion
+list follows the fastest SD engines (TensorRT's GroupNorm plugins, stable-fast, Paddle's
+``fused_group_norm``); the channels_last method follows Apex/stable-fast NHWC GroupNorm: keep the
+memory order and reduce over channel groups inside each row, never copy to NCHW.
+
+Kernels (all read the input in its own layout through (batch, channel, hw) strides; a "channel tile"
+is ``GPT`` whole groups, so no program shares a group's channels with another in the same row range):
+
+* ``_gn_onepass_kernel``: small groups (the whole tile of ``GPT`` groups x H*W fits in registers):
+  one read, one write, one launch.
+* otherwise two passes: ``_gn_stats_kernel`` splits H*W over ``S`` programs per channel tile and
+  writes per-(batch, group, split) partial mean and M2 (Welford/Chan combination, per-channel
+  shifted sums inside a program, so no catastrophic cancellation); ``_gn_apply_kernel`` combines the
+  ``S`` partials of its groups (a few hundred bytes) and normalizes a tile. When ``S`` is large, a
+  tiny ``_gn_finalize_kernel`` combines the partials once instead. Tensors much larger than L2 are
+  processed in channel-tile chunks so the apply pass re-reads its input from L2, not HBM.
+
+Method: Wu & He 2018 (GroupNorm); Chan, Golub & LeVeque 1979 (pairwise variance combination).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from kernels.dispatch import use_triton
+
+ACTIVATIONS = (None, "silu")
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+# Tuning knobs (module constants, read at call time; tests lower them to reach every path on
+# small shapes). Element counts are padded tile sizes.
+_TUNING = {
+    "onepass_max_elems": 16384,  # whole channel tile x H*W in registers up to this many elements
+    "tile_elems": 4096,  # elements per loop iteration in the two-pass kernels
+    "target_programs": 528,  # stats programs to aim for (4 per SM on a 132-SM H200)
+    "max_inline_partials": 256,  # above this many partials per apply program, a finalize kernel combines them
+    "max_splits": 512,
+    "force_splits": None,  # tests: exactly this many H*W splits (capped by the blocks available)
+    "apply_programs": 4096,  # above this many apply tiles, one program loops over several (<= 8)
+    "l2_chunk_bytes": 16 << 20,  # per-chunk input bytes so the apply pass re-reads from L2
+}
+
+
+# --------------------------------------------------------------------------------------------
+# reference
+# --------------------------------------------------------------------------------------------
+def _is_channels_last(x: torch.Tensor) -> bool:
+    """True when ``x`` (4D) is in channels_last memory and not (also) NCHW-contiguous."""
+    return (not x.is_contiguous()) and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def _like_layout(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``t`` in the memory format of ``x`` (NCHW-contiguous or channels_last)."""
+    if _is_channels_last(x):
+        return t.contiguous(memory_format=torch.channels_last)
+    return t.contiguous()
+
+
+def _channel_bias_4d(channel_bias: torch.Tensor, B: int, C: int) -> torch.Tensor:
+    """A (C,), (B, C), (1, C), (B, C, 1, 1) or (1, C, 1, 1) channel bias as (B or 1, C, 1, 1)."""
+    cb = channel_bias
+    if cb.dim() == 4:
+        cb = cb.flatten(1)
+    if cb.dim() == 1:
+        cb = cb[None]
+    return cb.reshape(cb.shape[0], C, 1, 1)
+
+
+def group_norm_ref(
+    x: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    *,
+    channel_bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    activation: str | None = None,
+    return_sum: bool = False,
+    upcast: bool = True,
+):
+    """Plain-PyTorch GroupNorm with the same fusions as :func:`group_norm`.
+
+    x: (B, C, H, W), NCHW or channels_last; weight, bias: (C,) or None; channel_bias: (C,) or (B, C);
+    residual: like x. With ``upcast`` every step runs in fp32 and the outputs are cast back to
+    ``x.dtype``; without it the adds and the norm run in ``x.dtype`` (the "torch low precision"
+    baseline of the tolerance rule). Outputs are in x's memory format.
+    Returns ``y``, or ``(y, pre)`` with ``return_sum``.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    dt = x.dtype
+    cdt = torch.promote_types(dt, torch.float32) if upcast else dt  # fp64 stays fp64
+    B, C = x.shape[:2]
+    pre = x.to(cdt)
+    if channel_bias is not None:
+        pre = pre + _channel_bias_4d(channel_bias, B, C).to(cdt)
+    if residual is not None:
+        pre = pre + residual.to(cdt)
+    w = None if weight is None else weight.to(cdt)
+    b = None if bias is None else bias.to(cdt)
+    # NCHW: PyTorch's CPU channels_last GroupNorm uses sum/sum-of-squares statistics, which cancel
+    # when |mean| >> std; the reference should be the accurate one.
+    y = F.group_norm(pre.contiguous(), num_groups, w, b, eps)
+    if activation == "silu":
+        y = F.silu(y)
+    y = _like_layout(y.to(dt), x)
+    if return_sum:
+        return y, _like_layout(pre.to(dt), x)
+    return y
+
+
+# --------------------------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------------------------
+# Tile orientation: HW_AXIS = 1 for NCHW tiles (BLOCK_C, BLOCK_HW), each row a contiguous H*W run;
+# HW_AXIS = 0 for NHWC tiles (BLOCK_HW, BLOCK_C), channels contiguous. Per-channel vectors are
+# broadcast with tl.expand_dims(v, HW_AXIS) and reduced with tl.sum(t, axis=HW_AXIS). Loop trip
+# counts are constexpr (the Triton interpreter cannot loop to a runtime bound under numpy 2), and
+# the kernels call no nested @triton.jit helpers (each costs a re-patch in the interpreter).
+
+
+@triton.jit
+def _gn_onepass_kernel(
+    x_ptr,  # (B, C, H, W) input, strides (sxb, sxc, sxhw)
+    r_ptr,  # (B, C, H, W) residual, strides (srb, src, srhw); unused without HAS_RES
+    cb_ptr,  # (B or 1, C) channel bias, strides (scbb, scbc); unused without HAS_CB
+    w_ptr,  # (C,) weight; unused without HAS_W
+    b_ptr,  # (C,) bias; unused without HAS_B
+    y_ptr,  # (B, C, H, W) output, x's strides
+    pre_ptr,  # (B, C, H, W) pre-norm sum output, x's strides; unused without WRITE_PRE
+    HW,
+    G,
+    Cg,
+    GPT,  # groups per channel tile
+    eps,
+    sxb,
+    sxc,
+    sxhw,
+    srb,
+    src,
+    srhw,
+    scbb,
+    scbc,
+    BLOCK_C: tl.constexpr,  # >= GPT * Cg
+    BLOCK_HW: tl.constexpr,  # >= HW
+    GPT_P2: tl.constexpr,
+    HW_AXIS: tl.constexpr,  # 1: NCHW tile, 0: NHWC tile
+    HAS_CB: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    WRITE_PRE: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    ct = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    g0 = ct * GPT
+    n_ch = tl.minimum(GPT, G - g0) * Cg
+    cl = tl.arange(0, BLOCK_C)
+    cmask = cl < n_ch
+    c = g0 * Cg + cl
+    c2 = tl.expand_dims(c, HW_AXIS)
+    cmask2 = tl.expand_dims(cmask, HW_AXIS)
+    hw2 = tl.expand_dims(tl.arange(0, BLOCK_HW), 1 - HW_AXIS)
+    mask = cmask2 & (hw2 < HW)
+    x_offs = b * sxb + c2 * sxc + hw2 * sxhw
+    xv = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
+    pre = xv.to(tl.float32)
+    if HAS_CB:
+        pre += tl.load(cb_ptr + b * scbb + c2 * scbc, mask=cmask2, other=0.0).to(tl.float32)
+    if HAS_RES:
+        pre += tl.load(r_ptr + b * srb + c2 * src + hw2 * srhw, mask=mask, other=0.0).to(tl.float32)
+    if HAS_CB or HAS_RES:
+        pre = pre.to(xv.dtype).to(tl.float32)  # eager rounds the sum to x.dtype
+        pre = tl.where(mask, pre, 0.0)
+    if WRITE_PRE:
+        tl.store(pre_ptr + x_offs, pre.to(pre_ptr.dtype.element_ty), mask=mask)
+
+    # (BLOCK_C, GPT_P2) membership of each channel in the tile's local groups.
+    onehot = ((cl // Cg)[:, None] == tl.arange(0, GPT_P2)[None, :]) & cmask[:, None]
+    n_g = Cg * HW * 1.0
+    s1 = tl.sum(pre, axis=HW_AXIS)
+    mean_g = tl.sum(tl.where(onehot, s1[:, None], 0.0), axis=0) / n_g
+    mean_c = tl.sum(tl.where(onehot, mean_g[None, :], 0.0), axis=1)
+    d = tl.where(mask, pre - tl.expand_dims(mean_c, HW_AXIS), 0.0)
+    s2 = tl.sum(d * d, axis=HW_AXIS)
+    var_g = tl.sum(tl.where(onehot, s2[:, None], 0.0), axis=0) / n_g
+    rstd_g = 1.0 / tl.sqrt(var_g + eps)
+    a_c = tl.sum(tl.where(onehot, rstd_g[None, :], 0.0), axis=1)
+    if HAS_W:
+        a_c = a_c * tl.load(w_ptr + c, mask=cmask, other=0.0).to(tl.float32)
+    y = d * tl.expand_dims(a_c, HW_AXIS)
+    if HAS_B:
+        y += tl.load(b_ptr + c2, mask=cmask2, other=0.0).to(tl.float32)
+    if SILU:
+        y = y * tl.sigmoid(y)
+    tl.store(y_ptr + x_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _gn_stats_kernel(
+    x_ptr,  # (B, C, H, W) input, strides (sxb, sxc, sxhw)
+    r_ptr,  # (B, C, H, W) residual; unused without HAS_RES
+    cb_ptr,  # (B or 1, C) channel bias; unused without HAS_CB
+    pre_ptr,  # (B, C, H, W) pre-norm sum output, x's strides; unused without WRITE_PRE
+    mean_ptr,  # (B, G, S) fp32 partial means
+    m2_ptr,  # (B, G, S) fp32 partial sums of squared deviations (M2)
+    HW,
+    G,
+    Cg,
+    GPT,  # groups per channel tile (1 when a group spans several BLOCK_C sub-blocks)
+    S,  # H*W splits
+    HWS,  # H*W positions per split (ITERS * BLOCK_HW)
+    ct_base,  # first channel tile of this launch (L2 chunking)
+    sxb,
+    sxc,
+    sxhw,
+    srb,
+    src,
+    srhw,
+    scbb,
+    scbc,
+    N_CB: tl.constexpr,  # channel sub-blocks per tile: cdiv(GPT * Cg, BLOCK_C)
+    ITERS: tl.constexpr,  # BLOCK_HW blocks per split
+    BLOCK_C: tl.constexpr,
+    BLOCK_HW: tl.constexpr,
+    GPT_P2: tl.constexpr,
+    HW_AXIS: tl.constexpr,
+    HAS_CB: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    WRITE_PRE: tl.constexpr,
+):
+    ct = ct_base + tl.program_id(0)
+    s = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    g0 = ct * GPT
+    n_gt = tl.minimum(GPT, G - g0)
+    n_ch = n_gt * Cg
+    hw_lo = s * HWS
+    hw_hi = tl.minimum(hw_lo + HWS, HW)
+    n_hw = (hw_hi - hw_lo).to(tl.float32)
+    j = tl.arange(0, GPT_P2)
+    hw_r = tl.arange(0, BLOCK_HW)
+
+    run_n = tl.zeros((GPT_P2,), dtype=tl.float32)
+    run_mean = tl.zeros((GPT_P2,), dtype=tl.float32)
+    run_m2 = tl.zeros((GPT_P2,), dtype=tl.float32)
+    for cbk in range(N_CB):
+        cl = cbk * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cl < n_ch
+        c = g0 * Cg + cl
+        c2 = tl.expand_dims(c, HW_AXIS)
+        cmask2 = tl.expand_dims(cmask, HW_AXIS)
+        x_c = b * sxb + c2 * sxc
+        r_c = b * srb + c2 * src
+        if HAS_CB:
+            cb2 = tl.load(cb_ptr + b * scbb + c2 * scbc, mask=cmask2, other=0.0).to(tl.float32)
+        # Per-channel shift: the channel's first value in this split (sums of x - shift do not cancel).
+        xv = tl.load(x_ptr + x_c + hw_lo * sxhw, mask=cmask2, other=0.0)
+        shift2 = xv.to(tl.float32)
+        if HAS_CB:
+            shift2 += cb2
+        if HAS_RES:
+            shift2 += tl.load(r_ptr + r_c + hw_lo * srhw, mask=cmask2, other=0.0).to(tl.float32)
+        if HAS_CB or HAS_RES:
+            shift2 = shift2.to(xv.dtype).to(tl.float32)
+        if HW_AXIS == 1:
+            acc1 = tl.zeros((BLOCK_C, BLOCK_HW), dtype=tl.float32)
+        else:
+            acc1 = tl.zeros((BLOCK_HW, BLOCK_C), dtype=tl.float32)
+        acc2 = acc1
+        for it in range(ITERS):
+            hw2 = tl.expand_dims(hw_lo + it * BLOCK_HW + hw_r, 1 - HW_AXIS)
+            mask = cmask2 & (hw2 < hw_hi)
+            xv = tl.load(x_ptr + x_c + hw2 * sxhw, mask=mask, other=0.0)
+            pre = xv.to(tl.float32)
+            if HAS_CB:
+                pre += cb2
+            if HAS_RES:
+                pre += tl.load(r_ptr + r_c + hw2 * srhw, mask=mask, other=0.0).to(tl.float32)
+            if HAS_CB or HAS_RES:
+                pre = pre.to(xv.dtype).to(tl.float32)
+            if WRITE_PRE:
+                tl.store(pre_ptr + x_c + hw2 * sxhw, pre.to(pre_ptr.dtype.element_ty), mask=mask)
+            d = tl.where(mask, pre - shift2, 0.0)
+            acc1 += d
+            acc2 += d * d
+        s1 = tl.sum(acc1, axis=HW_AXIS)
+        s2 = tl.sum(acc2, axis=HW_AXIS)
+        mean_c = tl.sum(shift2, axis=HW_AXIS) + s1 / n_hw
+        m2_c = tl.maximum(s2 - s1 * s1 / n_hw, 0.0)
+        # Channels -> local groups (Chan's combination, equal per-channel counts n_hw).
+        onehot = ((cl // Cg)[:, None] == j[None, :]) & cmask[:, None]
+        nch = tl.sum(onehot.to(tl.float32), axis=0)
+        mean_g = tl.sum(tl.where(onehot, mean_c[:, None], 0.0), axis=0) / tl.maximum(nch, 1.0)
+        dev = mean_c[:, None] - mean_g[None, :]
+        m2_g = tl.sum(tl.where(onehot, m2_c[:, None] + n_hw * dev * dev, 0.0), axis=0)
+        n_g = nch * n_hw
+        # Fold this channel sub-block into the running group statistics.
+        tot = run_n + n_g
+        delta = mean_g - run_mean
+        frac = n_g / tl.maximum(tot, 1.0)
+        run_m2 = run_m2 + m2_g + delta * delta * run_n * frac
+        run_mean = run_mean + delta * frac
+        run_n = tot
+    offs = (b * G + g0 + j) * S + s
+    tl.store(mean_ptr + offs, run_mean, mask=j < n_gt)
+    tl.store(m2_ptr + offs, run_m2, mask=j < n_gt)
+
+
+@triton.jit
+def _gn_finalize_kernel(
+    mean_ptr,  # (B, G, S) fp32 partial means
+    m2_ptr,  # (B, G, S) fp32 partial M2
+    out_mean_ptr,  # (B, G) fp32 group means
+    out_m2_ptr,  # (B, G) fp32 group M2
+    G,
+    Cg,
+    HW,
+    S,
+    HWS,
+    g_lo,  # first group of this launch
+    n_groups,  # groups in this launch
+    BLOCK_R: tl.constexpr,
+    S_P2: tl.constexpr,
+):
+    b = tl.program_id(1).to(tl.int64)
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < n_groups
+    row = b * G + g_lo + r
+    sidx = tl.arange(0, S_P2)
+    smask = sidx < S
+    m = rmask[:, None] & smask[None, :]
+    offs = row[:, None] * S + sidx[None, :]
+    pmean = tl.load(mean_ptr + offs, mask=m, other=0.0)
+    pm2 = tl.load(m2_ptr + offs, mask=m, other=0.0)
+    # Split s covers n_s H*W positions of every channel; the group's count factor Cg cancels in
+    # the mean and multiplies the between-split M2 term.
+    n_s = tl.where(smask, tl.minimum(HWS, HW - sidx * HWS), 0).to(tl.float32)
+    mean = tl.sum(pmean * n_s[None, :], axis=1) / (HW * 1.0)
+    dev = pmean - mean[:, None]
+    m2 = tl.sum(pm2, axis=1) + Cg * tl.sum(n_s[None, :] * dev * dev, axis=1)
+    tl.store(out_mean_ptr + row, mean, mask=rmask)
+    tl.store(out_m2_ptr + row, m2, mask=rmask)
+
+
+@triton.jit
+def _gn_apply_kernel(
+    x_ptr,  # (B, C, H, W) input (or the stored pre-norm sum), strides (sxb, sxc, sxhw)
+    r_ptr,  # (B, C, H, W) residual; unused without HAS_RES
+    cb_ptr,  # (B or 1, C) channel bias; unused without HAS_CB
+    w_ptr,  # (C,) weight; unused without HAS_W
+    b_ptr,  # (C,) bias; unused without HAS_B
+    y_ptr,  # (B, C, H, W) output, strides (syb, syc, syhw)
+    mean_ptr,  # (B, G, S) fp32 partial means (S = 1 after the finalize kernel)
+    m2_ptr,  # (B, G, S) fp32 partial M2
+    HW,
+    G,
+    Cg,
+    GPT,
+    S,
+    HWS,
+    ct_base,
+    eps,
+    sxb,
+    sxc,
+    sxhw,
+    srb,
+    src,
+    srhw,
+    scbb,
+    scbc,
+    syb,
+    syc,
+    syhw,
+    N_CB: tl.constexpr,
+    ITERS: tl.constexpr,  # BLOCK_HW blocks per program
+    BLOCK_C: tl.constexpr,
+    BLOCK_HW: tl.constexpr,
+    GPT_P2: tl.constexpr,
+    S_P2: tl.constexpr,
+    HW_AXIS: tl.constexpr,
+    HAS_CB: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    ct = ct_base + tl.program_id(0)
+    t = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    g0 = ct * GPT
+    n_gt = tl.minimum(GPT, G - g0)
+    n_ch = n_gt * Cg
+
+    # Group statistics of this tile's groups from their S partials (as in _gn_finalize_kernel).
+    j = tl.arange(0, GPT_P2)
+    sidx = tl.arange(0, S_P2)
+    smask = sidx < S
+    pmask = (j < n_gt)[:, None] & smask[None, :]
+    poffs = (b * G + g0 + j)[:, None] * S + sidx[None, :]
+    pmean = tl.load(mean_ptr + poffs, mask=pmask, other=0.0)
+    pm2 = tl.load(m2_ptr + poffs, mask=pmask, other=0.0)
+    n_s = tl.where(smask, tl.minimum(HWS, HW - sidx * HWS), 0).to(tl.float32)
+    mean_g = tl.sum(pmean * n_s[None, :], axis=1) / (HW * 1.0)
+    dev = pmean - mean_g[:, None]
+    m2_g = tl.sum(pm2, axis=1) + Cg * tl.sum(n_s[None, :] * dev * dev, axis=1)
+    rstd_g = 1.0 / tl.sqrt(tl.maximum(m2_g / (Cg * HW * 1.0), 0.0) + eps)
+
+    hw_r = t * (ITERS * BLOCK_HW) + tl.arange(0, BLOCK_HW)
+    for cbk in range(N_CB):
+        cl = cbk * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cl < n_ch
+        c = g0 * Cg + cl
+        c2 = tl.expand_dims(c, HW_AXIS)
+        cmask2 = tl.expand_dims(cmask, HW_AXIS)
+        onehot = ((cl // Cg)[:, None] == j[None, :]) & cmask[:, None]
+        mean_c = tl.sum(tl.where(onehot, mean_g[None, :], 0.0), axis=1)
+        a_c = tl.sum(tl.where(onehot, rstd_g[None, :], 0.0), axis=1)
+        if HAS_W:
+            a_c = a_c * tl.load(w_ptr + c, mask=cmask, other=0.0).to(tl.float32)
+        # y = (pre - mean) * a + bias; not pre * a + (bias - mean * a), which cancels when |mean| >> std.
+        mean2 = tl.expand_dims(mean_c, HW_AXIS)
+        a2 = tl.expand_dims(a_c, HW_AXIS)
+        if HAS_B:
+            bias2 = tl.load(b_ptr + c2, mask=cmask2, other=0.0).to(tl.float32)
+        if HAS_CB:
+            cb2 = tl.load(cb_ptr + b * scbb + c2 * scbc, mask=cmask2, other=0.0).to(tl.float32)
+        x_c = b * sxb + c2 * sxc
+        r_c = b * srb + c2 * src
+        y_c = b * syb + c2 * syc
+        for it in range(ITERS):
+            hw2 = tl.expand_dims(hw_r + it * BLOCK_HW, 1 - HW_AXIS)
+            mask = cmask2 & (hw2 < HW)
+            xv = tl.load(x_ptr + x_c + hw2 * sxhw, mask=mask, other=0.0)
+            pre = xv.to(tl.float32)
+            if HAS_CB:
+                pre += cb2
+            if HAS_RES:
+                pre += tl.load(r_ptr + r_c + hw2 * srhw, mask=mask, other=0.0).to(tl.float32)
+            if HAS_CB or HAS_RES:
+                pre = pre.to(xv.dtype).to(tl.float32)
+            y = (pre - mean2) * a2
+            if HAS_B:
+                y += bias2
+            if SILU:
+                y = y * tl.sigmoid(y)
+            tl.store(y_ptr + y_c + hw2 * syhw, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# configs
+# --------------------------------------------------------------------------------------------
+def _p2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _num_warps(elems: int) -> int:
+    return 4 if elems <= 4096 else (8 if elems <= 16384 else 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupNormPlan:
+    """How one GroupNorm call is tiled (see the module docstring); from :func:`group_norm_plan`."""
+
+    path: str  # "onepass" or "twopass"
+    channels_last: bool
+    BLOCK_C: int  # channels per tile row/column block (power of two)
+    GPT: int  # whole groups per channel tile
+    N_CB: int  # BLOCK_C sub-blocks per channel tile (> 1 only when GPT == 1 and Cg > BLOCK_C)
+    n_ct: int  # channel tiles
+    BLOCK_HW: int  # H*W positions per loop iteration
+    S: int = 1  # H*W splits of the statistics pass
+    HWS: int = 0  # H*W positions per split
+    finalize: bool = False  # combine partials in a separate kernel
+    HWP: int = 0  # H*W positions per apply program
+    chunk_ct: int = 0  # channel tiles per launch (L2 chunking)
+    num_warps: int = 4
+    apply_warps: int = 4
+
+
+def _channel_tile(Cg: int, G: int, bytes_per_channel: int, budget: int):
+    """(BLOCK_C, GPT, N_CB): as many whole groups per channel tile as fill a power-of-two channel block
+    well (e.g. Cg=10 -> 64 channels, 6 groups; Cg=40 -> 128, 3), preferring blocks whose channel tile
+    stays under half the L2 chunk budget for huge tensors. The same in both layouts: the channels are
+    the tile's rows in NCHW (each row a contiguous H*W run) and its contiguous columns in NHWC."""
+    cands = []
+    for bc in (64, 128, 256, 32, 16):
+        if bc < Cg:
+            continue
+        gpt = min(bc // Cg, G)
+        util = gpt * Cg / bc
+        fits = gpt * Cg * bytes_per_channel <= budget // 2
+        cands.append((bc, gpt, util, fits))
+    if not cands:  # a group wider than 256 channels: one group per tile, looped in sub-blocks
+        return 256, 1, -(-Cg // 256)
+    # First block (in preference order) that fills >= 85% of its lanes and fits the L2 chunk,
+    # else the best-filled one that fits, else the best-filled one.
+    for bc, gpt, util, fits in cands:
+        if fits and util >= 0.85:
+            return bc, gpt, 1
+    best = max(cands, key=lambda t: (t[3], t[2]))
+    return best[0], best[1], 1
+
+
+def group_norm_plan(
+    B: int, C: int, HW: int, num_groups: int, channels_last: bool, elem_size: int, has_res: bool
+) -> GroupNormPlan:
+    """The tiling for one GroupNorm call on an H200-class GPU (pure function of the shapes)."""
+    T = _TUNING
+    G = num_groups
+    Cg = C // G
+    bytes_per_channel = B * HW * elem_size * (2 if has_res else 1)
+    bc, gpt, n_cb = _channel_tile(Cg, G, bytes_per_channel, T["l2_chunk_bytes"])
+    n_ct = -(-G // gpt)
+    hw_p2 = _p2(HW)
+    if n_cb == 1 and bc * hw_p2 <= T["onepass_max_elems"]:
+        return GroupNormPlan("onepass", channels_last, bc, gpt, 1, n_ct, hw_p2, num_warps=_num_warps(bc * hw_p2))
+    block_hw = max(1, min(hw_p2, T["tile_elems"] // bc))
+    # L2 chunking: channel tiles per launch so that a chunk's input stays in L2 for the apply pass.
+    tile_bytes = gpt * Cg * bytes_per_channel
+    chunk = n_ct if tile_bytes * n_ct <= T["l2_chunk_bytes"] else max(1, T["l2_chunk_bytes"] // tile_bytes)
+    chunk = min(chunk, n_ct)
+    chunk = -(-n_ct // -(-n_ct // chunk))  # balance the chunks
+    nb = -(-HW // block_hw)
+    gpt_p2 = _p2(gpt)
+    max_s = T["max_splits"]
+    s = max(1, min(nb, max_s, -(-T["target_programs"] // (B * chunk))))
+    if T["force_splits"]:
+        s = max(1, min(nb, T["force_splits"]))
+    hws = -(-nb // s) * block_hw
+    s = -(-HW // hws)
+    # The apply pass combines its groups' partials inline unless there are many (then one
+    # finalize launch is cheaper than every apply program re-reading them).
+    finalize = gpt_p2 * _p2(s) > T["max_inline_partials"]
+    # Apply: one BLOCK_HW block per program unless that makes a very large grid.
+    tiles = B * chunk * nb
+    iters = max(1, min(8, tiles // T["apply_programs"]))
+    return GroupNormPlan(
+        "twopass", channels_last, bc, gpt, n_cb, n_ct, block_hw, S=s, HWS=hws, finalize=finalize,
+        HWP=iters * block_hw, chunk_ct=chunk, num_warps=4, apply_warps=4,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# launcher
+# --------------------------------------------------------------------------------------------
+def _check_layout(t: torch.Tensor, name: str) -> None:
+    if not (t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)):
+        raise ValueError(
+            f"group_norm: {name} must be NCHW-contiguous or channels_last (NHWC), got shape "
+            f"{tuple(t.shape)} with strides {t.stride()}"
+        )
+
+
+def _check_inputs(x, num_groups, weight, bias, channel_bias, residual, activation) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"group_norm: x must be (B, C, H, W), got {shape}")
+    if x.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"group_norm: x dtype {x.dtype} not supported; use one of {_SUPPORTED_DTYPES}")
+    B, C = x.shape[:2]
+    if not isinstance(num_groups, int) or num_groups <= 0 or C % num_groups != 0:
+        raise ValueError(f"group_norm: C={C} channels must be divisible by num_groups={num_groups} (a positive int)")
+    _check_layout(x, "x")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        if tuple(t.shape) != (C,):
+            raise ValueError(f"group_norm: {name} must have shape ({C},), got {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"group_norm: {name} must be floating point, got {t.dtype}")
+    if channel_bias is not None:
+        s = tuple(channel_bias.shape)
+        ok = s in ((C,), (B, C), (1, C), (B, C, 1, 1), (1, C, 1, 1))
+        if not ok:
+            raise ValueError(f"group_norm: channel_bias must be (C,) or (B, C) = ({C},) or ({B}, {C}), got {s}")
+        if channel_bias.dtype != x.dtype:
+            raise TypeError(f"group_norm: channel_bias dtype {channel_bias.dtype} must match x dtype {x.dtype}")
+    if residual is not None:
+        if tuple(residual.shape) != tuple(x.shape):
+            raise ValueError(f"group_norm: residual shape {tuple(residual.shape)} must equal x shape {tuple(x.shape)}")
+        if residual.dtype != x.dtype:
+            raise TypeError(f"group_norm: residual dtype {residual.dtype} must match x dtype {x.dtype}")
+        _check_layout(residual, "residual")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"group_norm: activation must be one of {ACTIVATIONS}, got {activation!r}")
+    devs = {t.device for t in (x, weight, bias, channel_bias, residual) if t is not None}
+    if len(devs) > 1:
+        raise ValueError(f"group_norm: all tensors must be on one device, got {sorted(map(str, devs))}")
+
+
+def _hw_stride(t: torch.Tensor) -> int:
+    # Both supported layouts flatten (H, W) with stride(3): stride(2) == W * stride(3).
+    return t.stride(3)
+
+
+def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, activation, return_sum):
+    _check_inputs(x, num_groups, weight, bias, channel_bias, residual, activation)
+    has_add = channel_bias is not None or residual is not None
+    if not use_triton("group_norm", x, weight, bias, channel_bias, residual):
+        out = group_norm_ref(
+            x, num_groups, weight, bias, eps, channel_bias=channel_bias, residual=residual,
+            activation=activation, return_sum=return_sum,
+        )
+        if not return_sum:
+            return out, x.new_empty(0)
+        y, pre = out
+        return y, (pre.clone() if pre.data_ptr() == x.data_ptr() else pre)
+
+    B, C, H, W = x.shape
+    HW = H * W
+    G = num_groups
+    Cg = C // G
+    y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    pre = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) if return_sum else x.new_empty(0)
+    if x.numel() == 0:
+        return y, pre
+    if return_sum and not has_add:
+        pre.copy_(x)
+    cl = _is_channels_last(x)
+    hw_axis = 0 if cl else 1
+    plan = group_norm_plan(B, C, HW, G, cl, x.element_size(), residual is not None)
+    w = weight.contiguous() if weight is not None else x
+    bs = bias.contiguous() if bias is not None else x
+    r = residual if residual is not None else x
+    if channel_bias is not None:
+        cb2 = channel_bias.reshape(-1, C)
+        cb, scbb, scbc = cb2, (cb2.stride(0) if cb2.shape[0] > 1 else 0), cb2.stride(1)
+    else:
+        cb, scbb, scbc = x, 0, 0
+    xs = (x.stride(0), x.stride(1), _hw_stride(x))
+    rs = (r.stride(0), r.stride(1), _hw_stride(r))
+    silu = activation == "silu"
+    write_pre = return_sum and has_add
+
+    if plan.path == "onepass":
+        _gn_onepass_kernel[(plan.n_ct, B)](
+            x, r, cb, w, bs, y, pre if write_pre else x,
+            HW, G, Cg, plan.GPT, float(eps), *xs, *rs, scbb, scbc,
+            BLOCK_C=plan.BLOCK_C, BLOCK_HW=plan.BLOCK_HW, GPT_P2=_p2(plan.GPT), HW_AXIS=hw_axis,
+            HAS_CB=channel_bias is not None, HAS_RES=residual is not None,
+            HAS_W=weight is not None, HAS_B=bias is not None, WRITE_PRE=write_pre, SILU=silu,
+            num_warps=plan.num_warps,
+        )
+        return y, pre
+
+    S, HWS = plan.S, plan.HWS
+    gpt_p2 = _p2(plan.GPT)
+    pmean = torch.empty((2, B, G, S), dtype=torch.float32, device=x.device)
+    fmean = torch.empty((2, B, G), dtype=torch.float32, device=x.device) if plan.finalize else None
+    # After the statistics pass with WRITE_PRE, the apply pass reads the stored sum instead.
+    src_x, a_cb, a_res = (pre, False, False) if write_pre else (x, channel_bias is not None, residual is not None)
+    for ct0 in range(0, plan.n_ct, plan.chunk_ct):
+        n = min(plan.chunk_ct, plan.n_ct - ct0)
+        _gn_stats_kernel[(n, S, B)](
+            x, r, cb, pre if write_pre else x, pmean[0], pmean[1],
+            HW, G, Cg, plan.GPT, S, HWS, ct0, *xs, *rs, scbb, scbc,
+            N_CB=plan.N_CB, ITERS=HWS // plan.BLOCK_HW, BLOCK_C=plan.BLOCK_C, BLOCK_HW=plan.BLOCK_HW,
+            GPT_P2=gpt_p2, HW_AXIS=hw_axis,
+            HAS_CB=channel_bias is not None, HAS_RES=residual is not None, WRITE_PRE=write_pre,
+            num_warps=plan.num_warps,
+        )
+        if plan.finalize:
+            g_lo = ct0 * plan.GPT
+            n_g = min(G, (ct0 + n) * plan.GPT) - g_lo
+            block_r = max(1, min(_p2(n_g), 4096 // _p2(S)))
+            _gn_finalize_kernel[(-(-n_g // block_r), B)](
+                pmean[0], pmean[1], fmean[0], fmean[1], G, Cg, HW, S, HWS, g_lo, n_g,
+                BLOCK_R=block_r, S_P2=_p2(S), num_warps=4,
+            )
+            stats, s_a, hws_a = fmean, 1, HW
+        else:
+            stats, s_a, hws_a = pmean, S, HWS
+        _gn_apply_kernel[(n, -(-HW // plan.HWP), B)](
+            src_x, r, cb, w, bs, y, stats[0], stats[1],
+            HW, G, Cg, plan.GPT, s_a, hws_a, ct0, float(eps),
+            *xs, *rs, scbb, scbc, y.stride(0), y.stride(1), _hw_stride(y),
+            N_CB=plan.N_CB, ITERS=plan.HWP // plan.BLOCK_HW, BLOCK_C=plan.BLOCK_C, BLOCK_HW=plan.BLOCK_HW,
+            GPT_P2=gpt_p2, S_P2=_p2(s_a), HW_AXIS=hw_axis,
+            HAS_CB=a_cb, HAS_RES=a_res, HAS_W=weight is not None, HAS_B=bias is not None, SILU=silu,
+            num_warps=plan.apply_warps,
+        )
+    return y, pre
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library registration
+# --------------------------------------------------------------------------------------------
+@torch.library.custom_op("sdfast::group_norm", mutates_args=())
+def _group_norm_op(
+    x: torch.Tensor,
+    num_groups: int,
+    weight: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    eps: float,
+    channel_bias: Optional[torch.Tensor],
+    residual: Optional[torch.Tensor],
+    activation: Optional[str],
+    return_sum: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, activation, return_sum)
+
+
+@_group_norm_op.register_fake
+def _group_norm_fake(x, num_groups, weight, bias, eps, channel_bias, residual, activation, return_sum):
+    _check_inputs(x, num_groups, weight, bias, channel_bias, residual, activation)
+    y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    pre = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) if return_sum else x.new_empty(0)
+    return y, pre
+
+
+def group_norm(
+    x: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float = 1e-5,
+    *,
+    channel_bias: torch.Tensor | None = None,
+    residual: torch.Tensor | None = None,
+    activation: str | None = None,
+    return_sum: bool = False,
+):
+    """Fused GroupNorm: ``y = act(GroupNorm(x + channel_bias + residual) * weight + bias)``.
+
+    x: (B, C, H, W) fp16/bf16/fp32, NCHW-contiguous or channels_last (NHWC); the output has x's
+    dtype and memory format (no layout copy in either). num_groups divides C (any channels per
+    group, any H*W). weight, bias: (C,) or None (affine=False). channel_bias: (C,) or (B, C) in x's
+    dtype (e.g. the ResNet block's time-embedding projection). residual: (B, C, H, W) in x's dtype,
+    either layout. activation: None or "silu". Statistics are fp32 (biased variance, as
+    ``torch.nn.GroupNorm``); ``pre`` is rounded to x's dtype before normalizing, as eager PyTorch's
+    separate add would. Returns ``y``, or ``(y, pre)`` with ``return_sum`` (``pre`` in x's layout).
+
+    Raises ValueError (shape, layout, groups, activation, devices) or TypeError (dtypes). Runs the
+    PyTorch reference where Triton cannot run (``kernels.dispatch``). Registered as
+    ``torch.ops.sdfast.group_norm`` (one opaque op for torch.compile and CUDA graphs).
+    Method: Wu & He 2018; fusions as in TensorRT/stable-fast SD GroupNorm plugins.
+    """
+    if return_sum and channel_bias is None and residual is None:
+        y, _ = torch.ops.sdfast.group_norm(x, num_groups, weight, bias, float(eps), None, None, activation, False)
+        return y, x
+    y, pre = torch.ops.sdfast.group_norm(
+        x, num_groups, weight, bias, float(eps), channel_bias, residual, activation, bool(return_sum)
+    )
+    return (y, pre) if return_sum else y
+
+
+def instance_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    *,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """InstanceNorm (Ulyanov et al. 2016) as GroupNorm with one channel per group.
+
+    x: (B, C, H, W), NCHW or channels_last; weight, bias: (C,) or None. Same as
+    ``torch.nn.functional.instance_norm(x, weight=weight, bias=bias, eps=eps)`` (no running stats).
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        raise ValueError(f"instance_norm: x must be (B, C, H, W), got {getattr(x, 'shape', type(x).__name__)}")
+    return group_norm(x, x.shape[1], weight, bias, eps, activation=activation)
+
+
+__all__ = ["group_norm", "group_norm_ref", "instance_norm", "group_norm_plan", "GroupNormPlan", "ACTIVATIONS"]

@@ -1,0 +1,262 @@
+"""GroupNorm (+ channel bias, residual, SiLU, return_sum) and InstanceNorm against the PyTorch
+reference, in Triton's interpreter on small shapes with SD's channel counts (32 groups of 10/20/30/40
+channels), both memory layouts, every kernel path (one-pass, two-pass, H*W splits, finalize kernel,
+L2 chunking, channel sub-blocks), plus input checks, the fallback path and the custom-op fake."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import pytest
+import torch
+
+import kernels.dispatch as dispatch
+from kernels.norm import group_norm, group_norm_ref, instance_norm
+from kernels.testing import assert_close_rule
+
+gn_mod = importlib.import_module("kernels.norm.group_norm")
+
+DTYPES = [(torch.float32, 1e-5), (torch.float16, 2e-3)]
+
+# Tuning overrides that steer small shapes onto each path of group_norm_plan.
+PATHS = {
+    "onepass": {},
+    "twopass": {"onepass_max_elems": 0},
+    # several H*W splits per group, several BLOCK_HW iterations per program, multi-block apply programs
+    "split": {"onepass_max_elems": 0, "tile_elems": 256, "force_splits": 3, "apply_programs": 1},
+    # + the separate finalize kernel and one launch per channel tile (L2 chunking)
+    "finalize": {"onepass_max_elems": 0, "tile_elems": 256, "force_splits": 3, "max_inline_partials": 0,
+                 "l2_chunk_bytes": 1},
+}
+
+
+@pytest.fixture
+def path(request, monkeypatch):
+    for k, v in PATHS[request.param].items():
+        monkeypatch.setitem(gn_mod._TUNING, k, v)
+    return request.param
+
+
+def _inputs(B, C, H, W, dtype, channels_last, *, cb=None, res=False, res_channels_last=None, affine=True, scale=2.0):
+    x = torch.randn(B, C, H, W, dtype=torch.float32) * scale + 0.5
+    x = x.to(dtype)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    w = (torch.rand(C) + 0.5).to(dtype) if affine else None
+    b = torch.randn(C).to(dtype) if affine else None
+    channel_bias = None
+    if cb == "C":
+        channel_bias = torch.randn(C).to(dtype)
+    elif cb == "BC":
+        channel_bias = torch.randn(B, C).to(dtype)
+    r = None
+    if res:
+        r = torch.randn(B, C, H, W).to(dtype)
+        rcl = channels_last if res_channels_last is None else res_channels_last
+        if rcl:
+            r = r.to(memory_format=torch.channels_last)
+    return x, w, b, channel_bias, r
+
+
+def _f32(t):
+    return None if t is None else t.float()
+
+
+def _check(x, G, w, b, cb, r, activation, return_sum, atol, eps=1e-5):
+    out = group_norm(x, G, w, b, eps, channel_bias=cb, residual=r, activation=activation, return_sum=return_sum)
+    ref32 = group_norm_ref(x.float(), G, _f32(w), _f32(b), eps, channel_bias=_f32(cb), residual=_f32(r),
+                           activation=activation, return_sum=return_sum)
+    lowp = group_norm_ref(x, G, w, b, eps, channel_bias=cb, residual=r, activation=activation,
+                          return_sum=return_sum, upcast=False)
+    if not return_sum:
+        out, ref32, lowp = (out,), (ref32,), (lowp,)
+    fmt = torch.channels_last if gn_mod._is_channels_last(x) else torch.contiguous_format
+    for name, o, r32, lp in zip(("y", "pre"), out, ref32, lowp):
+        assert o.dtype == x.dtype
+        assert o.is_contiguous(memory_format=fmt), f"{name} not in x's layout: strides {o.stride()}"
+        # The sum is exact up to one rounding in x's dtype.
+        assert_close_rule(o, r32, lp, atol=atol, name=name)
+    return out
+
+
+# SD's channel counts with 32 groups (10/20/30/40 channels per group), tiny H*W (9x7 is not a
+# multiple of any block), batch 1 and 3.
+SD_SHAPES = [(1, 320, 9, 7), (3, 640, 5, 5), (1, 960, 4, 3), (1, 1280, 3, 3)]
+
+
+@pytest.mark.parametrize("path", ["onepass", "twopass"], indirect=True)
+@pytest.mark.parametrize("dtype,atol", DTYPES)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("shape", SD_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_sd_channels_all_fusions(shape, channels_last, dtype, atol, path):
+    """bias (B, C) + residual + SiLU + return_sum, the full ResNet-block pattern."""
+    x, w, b, cb, r = _inputs(*shape, dtype, channels_last, cb="BC", res=True)
+    plan = gn_mod.group_norm_plan(shape[0], shape[1], shape[2] * shape[3], 32, channels_last, x.element_size(), True)
+    assert plan.path == path
+    _check(x, 32, w, b, cb, r, "silu", True, atol)
+
+
+FUSIONS = {
+    "none": dict(cb=None, res=False),
+    "bias_c": dict(cb="C", res=False),
+    "bias_bc": dict(cb="BC", res=False),
+    "residual": dict(cb=None, res=True),
+    "bias_residual": dict(cb="BC", res=True),
+}
+
+
+@pytest.mark.parametrize("path", ["twopass"], indirect=True)
+@pytest.mark.parametrize("return_sum", [False, True], ids=["y", "sum"])
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("fusion", list(FUSIONS))
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_fusion_variants(fusion, activation, return_sum, channels_last, path):
+    # 80 channels in 8 groups of 10 (not a power of two), batch 2, 9x7.
+    x, w, b, cb, r = _inputs(2, 80, 9, 7, torch.float16, channels_last, **FUSIONS[fusion])
+    out = _check(x, 8, w, b, cb, r, activation, return_sum, 2e-3)
+    if return_sum and cb is None and r is None:
+        assert out[1] is x  # nothing added: the sum is x itself, no copy
+
+
+@pytest.mark.parametrize("path", ["onepass", "split"], indirect=True)
+@pytest.mark.parametrize("fusion", list(FUSIONS))
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_fusion_variants_other_paths(fusion, channels_last, path):
+    x, w, b, cb, r = _inputs(2, 80, 9, 7, torch.float16, channels_last, **FUSIONS[fusion])
+    _check(x, 8, w, b, cb, r, "silu", True, 2e-3)
+
+
+@pytest.mark.parametrize("path", ["split", "finalize"], indirect=True)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_split_and_finalize_paths(channels_last, path):
+    # 30 channels per group, H*W = 63 in 3 splits
+    x, w, b, cb, r = _inputs(1, 120, 9, 7, torch.float32, channels_last, cb="C", res=True)
+    plan = gn_mod.group_norm_plan(1, 120, 63, 4, channels_last, 4, True)
+    assert plan.S == 3 and plan.HWS // plan.BLOCK_HW > 1
+    assert plan.finalize == (path == "finalize")
+    assert (plan.chunk_ct < plan.n_ct) == (path == "finalize")
+    _check(x, 4, w, b, cb, r, "silu", True, 1e-5)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_65x65_two_pass(channels_last, monkeypatch):
+    """H*W = 4225 (odd, no block divides it) on the default two-pass plan with a few splits."""
+    monkeypatch.setitem(gn_mod._TUNING, "target_programs", 8)
+    monkeypatch.setitem(gn_mod._TUNING, "apply_programs", 1)
+    x, w, b, cb, r = _inputs(1, 40, 65, 65, torch.float16, channels_last, res=True)
+    plan = gn_mod.group_norm_plan(1, 40, 65 * 65, 4, channels_last, 2, True)
+    assert plan.path == "twopass" and plan.S > 1
+    _check(x, 4, w, b, None, r, "silu", False, 2e-3)
+
+
+@pytest.mark.parametrize("path", ["onepass", "split"], indirect=True)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_group_wider_than_channel_block(channels_last, path):
+    """A group of 300 channels (> 256): one group per tile, looped in channel sub-blocks (N_CB = 2)."""
+    x, w, b, cb, r = _inputs(2, 600, 3, 3, torch.float32, channels_last, cb="BC")
+    plan = gn_mod.group_norm_plan(2, 600, 9, 2, channels_last, 4, False)
+    assert plan.N_CB == 2 and plan.path == "twopass"  # never one-pass: the tile does not hold a group
+    _check(x, 2, w, b, cb, None, None, False, 1e-5)
+
+
+@pytest.mark.parametrize("x_cl,r_cl", [(False, True), (True, False)], ids=["x_nchw-r_nhwc", "x_nhwc-r_nchw"])
+@pytest.mark.parametrize("path", ["onepass", "twopass"], indirect=True)
+def test_residual_in_the_other_layout(x_cl, r_cl, path):
+    x, w, b, cb, r = _inputs(2, 80, 5, 6, torch.float16, x_cl, res=True, res_channels_last=r_cl)
+    assert gn_mod._is_channels_last(r) == r_cl
+    _check(x, 8, w, b, None, r, "silu", True, 2e-3)
+
+
+@pytest.mark.parametrize("path", ["onepass", "twopass"], indirect=True)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_no_affine(channels_last, path):
+    # (bf16 is in the GPU tests: the interpreter rounds fp32 -> bf16 toward zero, not to nearest)
+    x, w, b, cb, r = _inputs(2, 80, 5, 6, torch.float16, channels_last, affine=False, cb="C")
+    _check(x, 8, None, None, cb, None, "silu", False, 2e-3)
+
+
+@pytest.mark.parametrize("path", ["onepass", "split"], indirect=True)
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+def test_large_mean_small_std(channels_last, path):
+    """fp32 statistics must not cancel: mean 100, std 0.01 (a sum/sum-of-squares kernel gets NaN or
+    errors of order 1 here). Compared with an fp64 reference, within 2x eager fp32 (NCHW Welford)."""
+    x = 100 + 0.01 * torch.randn(1, 40, 9, 7)
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    w, b = torch.ones(40), torch.zeros(40)
+    y = group_norm(x, 4, w, b)
+    ref64 = group_norm_ref(x.double(), 4, w.double(), b.double())
+    eager32 = torch.nn.functional.group_norm(x.contiguous(), 4, w, b)
+    assert_close_rule(y, ref64, eager32, atol=1e-4)
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("affine", [False, True])
+def test_instance_norm(channels_last, affine):
+    x, w, b, _, _ = _inputs(2, 6, 7, 5, torch.float32, channels_last, affine=affine)
+    y = instance_norm(x, w, b, 1e-5)
+    ref = torch.nn.functional.instance_norm(x.float(), weight=_f32(w), bias=_f32(b), eps=1e-5)
+    assert y.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_inputs_raise():
+    x = torch.randn(1, 40, 4, 4)
+    w = torch.ones(40)
+    with pytest.raises(ValueError, match="divisible"):
+        group_norm(x, 3, w, w)
+    with pytest.raises(ValueError, match="channel_bias"):
+        group_norm(x, 4, w, w, channel_bias=torch.zeros(2, 40))
+    with pytest.raises(ValueError, match="channel_bias"):
+        group_norm(x, 4, w, w, channel_bias=torch.zeros(39))
+    with pytest.raises(ValueError, match=r"\(B, C, H, W\)"):
+        group_norm(torch.randn(1, 40, 16), 4, w, w)
+    with pytest.raises(TypeError, match="dtype"):
+        group_norm(torch.ones(1, 40, 4, 4, dtype=torch.int32), 4, None, None)
+    with pytest.raises(ValueError, match="weight"):
+        group_norm(x, 4, torch.ones(20), None)
+    with pytest.raises(ValueError, match="activation"):
+        group_norm(x, 4, w, w, activation="gelu")
+    with pytest.raises(ValueError, match="residual"):
+        group_norm(x, 4, w, w, residual=torch.randn(1, 40, 4, 5))
+    with pytest.raises(TypeError, match="residual"):
+        group_norm(x, 4, w, w, residual=torch.randn(1, 40, 4, 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="NCHW-contiguous or channels_last"):
+        group_norm(torch.randn(1, 40, 8, 8)[..., ::2], 4, w, w)
+    with pytest.raises(ValueError, match="instance_norm"):
+        instance_norm(torch.randn(3, 4))
+
+
+def test_fallback_without_interpreter_is_the_reference(monkeypatch, caplog):
+    """A CPU tensor without TRITON_INTERPRET runs group_norm_ref through the one logged dispatch point."""
+    monkeypatch.setattr(dispatch, "interpret_mode", lambda: False)
+    monkeypatch.setattr(dispatch, "_logged", set())
+    x, w, b, cb, r = _inputs(2, 80, 5, 6, torch.float16, True, cb="BC", res=True)
+    with caplog.at_level(logging.INFO, logger="sdfast.kernels"):
+        y, pre = group_norm(x, 8, w, b, channel_bias=cb, residual=r, activation="silu", return_sum=True)
+    assert any("group_norm" in rec.getMessage() and "reference" in rec.getMessage() for rec in caplog.records)
+    ref_y, ref_pre = group_norm_ref(x, 8, w, b, channel_bias=cb, residual=r, activation="silu", return_sum=True)
+    assert torch.equal(y, ref_y) and torch.equal(pre, ref_pre)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    # fp32 and no adds: the reference's sum would alias x; the op must hand back a fresh tensor
+    x32 = torch.randn(1, 8, 3, 3)
+    y2, pre2 = torch.ops.sdfast.group_norm(x32, 2, None, None, 1e-5, None, None, None, True)
+    assert torch.equal(pre2, x32) and pre2.data_ptr() != x32.data_ptr()
+
+
+def test_custom_op_fake_and_opcheck():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(2, 64, 8, 8).to(memory_format=torch.channels_last)
+        y, pre = torch.ops.sdfast.group_norm(x, 8, None, None, 1e-5, torch.empty(2, 64), None, "silu", True)
+        assert y.shape == x.shape and y.stride() == x.stride() and pre.stride() == x.stride()
+        y, pre = torch.ops.sdfast.group_norm(x, 8, None, None, 1e-5, None, None, None, False)
+        assert pre.numel() == 0
+    x = torch.randn(1, 16, 3, 3)
+    torch.library.opcheck(
+        torch.ops.sdfast.group_norm.default,
+        (x, 4, torch.ones(16), torch.zeros(16), 1e-5, torch.randn(16), torch.randn(1, 16, 3, 3), "silu", True),
+        test_utils=("test_schema", "test_faketensor"),
+    )
