@@ -5,7 +5,8 @@
 # On the device machine (see README "GPU runs"):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && bash benchmarks/gpu_suite.sh tests kernels txt2img
-# Stages: env tests kernels txt2img server (default: all). Extra pytest args: PYTEST_ARGS; bench args: BENCH_ARGS.
+# Stages: env tests kernels txt2img server (default: all). Extra args: PYTEST_ARGS, KERNEL_ARGS, BENCH_ARGS, SERVER_ARGS;
+# per-stage time limits in seconds: T_env T_tests T_kernels T_txt2img T_server (default 540).
 set -uo pipefail
 OUT=${OUT:-$PWD/out/gpu}
 RAW=$OUT/raw
@@ -13,10 +14,10 @@ mkdir -p "$RAW"
 stages=${*:-env tests kernels txt2img server}
 summary=$OUT/summary.md
 : > "$summary"
-run() { # name, command...
-  local name=$1; shift
+run() { # name, command...  (each stage is cut at ${T_<stage>:-540} seconds, so the call ends in time)
+  local name=$1 limit_var="T_$1"; shift
   local t0=$SECONDS
-  "$@" > "$RAW/$name.log" 2>&1
+  timeout "${!limit_var:-540}" "$@" > "$RAW/$name.log" 2>&1
   local rc=$?
   echo "| $name | rc=$rc | $((SECONDS - t0)) s |" >> "$summary"
   tail -n 40 "$RAW/$name.log"
