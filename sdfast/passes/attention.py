@@ -1,0 +1,706 @@
+"""Attention pass: a dispatching attention processor for diffusers' ``Attention`` modules.
+
+What it does to a UNet / VAE (``apply``):
+
+* every stock ``Attention`` (UNet self- and cross-attention in ``Transformer2DModel`` blocks, the VAE
+  mid-block attention) gets :class:`SdfastAttnProcessor`, numerically the same as diffusers'
+  ``AttnProcessor2_0`` (spatial_norm, group_norm, norm_cross, attention_mask, 4D input,
+  residual_connection, rescale_output_factor);
+* Q/K/V projections are fused into one GEMM for self-attention (``to_qkv``) and K/V into one for
+  cross-attention (``to_kv``), the names diffusers' ``Attention.fuse_projections()`` uses. Unlike
+  diffusers (which keeps a second copy of the weights and has no per-module unfuse on the legacy
+  ``Attention``), ``to_q`` / ``to_k`` / ``to_v`` weights become views into the fused weight, so no
+  memory is added, and ``undo`` restores separate weights;
+* heads are never transposed in memory: q, k, v go to the kernel as (B, H, L, D) strided views of
+  the projection output (B, L, H·D), and the kernel output comes back in (B, L, H, D) memory when
+  the backend allows it;
+* each attention call goes through :class:`AttentionDispatcher`, which picks per shape the fastest
+  backend that gives the right answer: torch SDPA with a forced backend (cuDNN, FlashAttention,
+  memory-efficient, math), SDPA's own choice, xformers (if importable and a probe call works), or
+  our Triton kernel (``kernels.attention.flash_attention``).
+
+Pass API (shared by sdfast's passes, after torchao's ``quantize_`` / Liger's ``apply_liger_kernel``):
+``apply(module, *, filter_fn=None, dispatcher=None, fuse_projections=True) -> int`` and
+``undo(module) -> int``. Run ``undo`` before saving weights, loading or fusing LoRA, or changing
+the projection weights, then ``apply`` again: after ``apply`` the fused layers hold the weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Callable, Dict, Mapping, NamedTuple, Optional, Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+log = logging.getLogger("sdfast.attention")
+
+ENV_BACKEND = "SDFAST_ATTENTION_BACKEND"
+SAFE_DEFAULT = "sdpa"
+_SDPA_FORCED = {
+    "cudnn": "CUDNN_ATTENTION",
+    "flash": "FLASH_ATTENTION",
+    "efficient": "EFFICIENT_ATTENTION",
+    "math": "MATH",
+}
+BACKEND_NAMES = ("cudnn", "flash", "efficient", "math", "sdpa", "xformers", "triton")
+_STATE_ATTR = "_sdfast_attention_state"
+# processors whose math SdfastAttnProcessor reproduces (others, e.g. IP-Adapter or LoRA processors,
+# are left alone)
+_STOCK_PROCESSORS = {"AttnProcessor", "AttnProcessor2_0", "FusedAttnProcessor2_0", "XFormersAttnProcessor"}
+
+# A backend: fn(q, k, v, attn_mask, scale, upcast) -> (B, H, Lq, D).
+# q: (B, H, Lq, D), k/v: (B, H, Lk, D) (strided views allowed), attn_mask: SDPA-style bool
+# (True = keep) or additive float mask broadcastable to (B, H, Lq, Lk), or None.
+BackendFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor], float, bool], torch.Tensor]
+
+
+# ----------------------------------------------------------------------------------------------
+# Backends
+# ----------------------------------------------------------------------------------------------
+
+
+def _sdpa_forced(name: str) -> BackendFn:
+    def run(q, k, v, attn_mask, scale, upcast):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([getattr(SDPBackend, _SDPA_FORCED[name])]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+
+    run.__name__ = f"sdpa_{name}"
+    return run
+
+
+def _sdpa_default(q, k, v, attn_mask, scale, upcast):
+    # SDPA's own backend choice: what diffusers' AttnProcessor2_0 runs. Its fused backends already
+    # do the softmax in fp32, which is what upcast asks for.
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+
+
+def key_padding_from_mask(attn_mask: torch.Tensor, batch: int, lk: int) -> torch.Tensor:
+    """(B, Lk) bool key-padding mask from an SDPA bool mask broadcast over heads and queries.
+
+    Raises NotImplementedError for float (additive) masks or masks that vary per head/query.
+    """
+    if attn_mask.dtype != torch.bool:
+        raise NotImplementedError(f"triton attention takes bool key-padding masks, got {attn_mask.dtype}")
+    m = attn_mask
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    if m.shape[1] != 1 or m.shape[2] != 1 or m.shape[3] != lk or m.shape[0] not in (1, batch):
+        raise NotImplementedError(
+            f"triton attention takes key-padding masks (B or 1, 1, 1, Lk); got {tuple(attn_mask.shape)}"
+        )
+    return m.reshape(m.shape[0], lk)
+
+
+def _triton_backend(q, k, v, attn_mask, scale, upcast):
+    from kernels.attention.flash_attention import flash_attention
+
+    kpm = None if attn_mask is None else key_padding_from_mask(attn_mask, q.shape[0], k.shape[2])
+    return flash_attention(q, k, v, key_padding_mask=kpm, scale=scale, upcast_softmax=upcast)
+
+
+def _xformers_backend(q, k, v, attn_mask, scale, upcast):
+    if attn_mask is not None:
+        raise NotImplementedError("xformers backend: attention masks are not wired")
+    import xformers.ops as xops  # type: ignore
+
+    # xformers takes (B, L, H, D): our (B, H, L, D) views transposed back, no copy
+    out = xops.memory_efficient_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale)
+    return out.transpose(1, 2)
+
+
+_xformers_ok: Dict[str, bool] = {}
+
+
+def xformers_works(device: torch.device) -> bool:
+    """xformers importable AND a tiny call on ``device`` runs (the GPU machine's wheel fails with
+    'No operator found'). Probed once per device, on first use, never at import; logged."""
+    dkey = str(device)
+    if dkey not in _xformers_ok:
+        try:
+            import xformers.ops as xops  # type: ignore
+
+            x = torch.randn(1, 4, 1, 40, device=device, dtype=torch.float16)
+            xops.memory_efficient_attention(x, x, x)
+            _xformers_ok[dkey] = True
+        except ImportError:
+            _xformers_ok[dkey] = False
+            log.debug("sdfast attention: xformers not installed")
+        except Exception as e:  # noqa: BLE001 - any failure means: do not use it
+            _xformers_ok[dkey] = False
+            log.info("sdfast attention: xformers is installed but its probe call failed on %s: %s", device, e)
+    return _xformers_ok[dkey]
+
+
+def _builtin_backends() -> Dict[str, BackendFn]:
+    b: Dict[str, BackendFn] = {n: _sdpa_forced(n) for n in _SDPA_FORCED}
+    b["sdpa"] = _sdpa_default
+    b["xformers"] = _xformers_backend
+    b["triton"] = _triton_backend
+    return b
+
+
+# ----------------------------------------------------------------------------------------------
+# Dispatcher
+# ----------------------------------------------------------------------------------------------
+
+
+class AttentionKey(NamedTuple):
+    lq: int
+    lk: int
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    has_mask: bool
+    upcast: bool
+
+
+_RTOL = {torch.float16: 2e-2, torch.bfloat16: 6e-2, torch.float32: 2e-3}
+
+
+def _reference(q, k, v, attn_mask, scale) -> torch.Tensor:
+    """fp32 math attention, chunked over queries to keep the score matrix under ~256 MiB."""
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    m = attn_mask
+    if m is not None:
+        while m.dim() < 4:
+            m = m.unsqueeze(0)
+        if m.dtype != torch.bool:
+            m = m.float()
+    rows = max(1, (64 * 2**20) // max(1, B * H * Lk))
+    kf, vf = k.float(), v.float()
+    outs = []
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.MATH]):
+        for i in range(0, Lq, rows):
+            mi = None if m is None else (m if m.shape[2] == 1 else m[:, :, i : i + rows])
+            outs.append(
+                F.scaled_dot_product_attention(q[:, :, i : i + rows].float(), kf, vf, attn_mask=mi, scale=scale)
+            )
+    return torch.cat(outs, dim=2)
+
+
+def _mismatch(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> Optional[str]:
+    """None if ``out`` matches the fp32 reference within the dtype's tolerance, else why not.
+    Rows the reference leaves NaN (all keys masked) are not compared."""
+    if tuple(out.shape) != tuple(ref.shape):
+        return f"output shape {tuple(out.shape)}, expected {tuple(ref.shape)}"
+    fin = torch.isfinite(ref)
+    o = out.float()[fin]
+    r = ref[fin]
+    if o.numel() == 0:
+        return None
+    if not torch.isfinite(o).all():
+        return "output has NaN/Inf"
+    err = (o - r).abs().max().item()
+    tol = _RTOL.get(dtype, 2e-2) * r.abs().max().item() + 1e-5
+    if err > tol:
+        return f"max abs error {err:.3e} > tolerance {tol:.3e}"
+    return None
+
+
+def _time_us(fn: Callable[[], object], device: torch.device, budget_ms: float) -> float:
+    """Median time of ``fn`` in µs. CUDA: per-call CUDA events, with the calls queued behind a
+    spin kernel so that Python overhead is not counted (what matters under CUDA graphs)."""
+    if device.type != "cuda":
+        fn()
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return sorted(ts)[1] * 1e6
+    fn()
+    torch.cuda.synchronize(device)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    fn()
+    e.record()
+    e.synchronize()
+    est_ms = max(s.elapsed_time(e), 1e-3)
+    n = int(min(50, max(3, budget_ms / est_ms)))
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    if hasattr(torch.cuda, "_sleep"):
+        torch.cuda._sleep(int(2_000_000 * min(20, n)))  # ~1 ms per 2M cycles: lets the CPU run ahead
+    for s, e in events:
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize(device)
+    ts = sorted(s.elapsed_time(e) for s, e in events)
+    return ts[len(ts) // 2] * 1000.0
+
+
+def _capturing_or_compiling(device: torch.device) -> bool:
+    compiling = getattr(torch.compiler, "is_compiling", lambda: False)()
+    return compiling or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+class AttentionDispatcher:
+    """Picks, per attention shape, the fastest backend that computes it correctly, and caches it.
+
+    Call: ``dispatcher(q, k, v, *, attn_mask=None, scale=None, upcast=False) -> (B, H, Lq, D)``
+    with q (B, H, Lq, D), k/v (B, H, Lk, D) (strided views welcome), fp16/bf16/fp32,
+    ``attn_mask`` SDPA-style (bool True = keep, or additive float) broadcastable to (B, H, Lq, Lk).
+
+    Cache key: :class:`AttentionKey` (Lq, Lk, heads, head_dim, dtype, device, has_mask, upcast);
+    the batch size is not part of it. On the first call of a key on CUDA (outside CUDA-graph capture
+    and torch.compile tracing), every candidate backend runs once on the real inputs and is compared
+    with fp32 math attention; a backend that raises or disagrees is excluded for that key and logged
+    (``_exclude``: the one logged dispatch point); the others are timed (CUDA events, about
+    ``budget_ms`` each) and the fastest is cached. A key first seen during capture/compile uses
+    SDPA's default (``"sdpa"``, capture-safe) uncached, with a warning: warm up before capturing.
+    On CPU the default is SDPA without measuring (``measure_cpu=True`` measures like CUDA; the
+    Triton kernel runs on CPU only under ``TRITON_INTERPRET=1``).
+
+    Backends: ``cudnn``, ``flash``, ``efficient``, ``math`` (torch SDPA forced to that backend via
+    ``torch.nn.attention.sdpa_kernel``), ``sdpa`` (SDPA's own choice), ``xformers`` (only if
+    importable and a probe call works), ``triton`` (ours; no masks other than key padding).
+    ``upcast`` is passed to the Triton kernel (fp32-like P, see ``flash_attention``); SDPA backends
+    already run the softmax in fp32, as diffusers' ``AttnProcessor2_0`` relies on.
+
+    Args:
+        backend: force one backend for every call (tests, benchmarks). Default: the environment
+            variable ``SDFAST_ATTENTION_BACKEND``; ``None`` / ``"auto"`` = measure. A forced backend
+            that fails raises (no silent fallback).
+        candidates: backend names to consider when measuring (default: all available).
+        extra_backends: additional named backends ``fn(q, k, v, attn_mask, scale, upcast)``.
+        measure_cpu: measure on CPU too instead of taking SDPA.
+        budget_ms: timing budget per backend and key.
+
+    Raises:
+        ValueError: unknown backend / candidate name.
+        RuntimeError: no backend computed a key correctly.
+    """
+
+    def __init__(
+        self,
+        backend: Optional[str] = None,
+        *,
+        candidates: Optional[Sequence[str]] = None,
+        extra_backends: Optional[Mapping[str, BackendFn]] = None,
+        measure_cpu: bool = False,
+        budget_ms: float = 3.0,
+    ):
+        self._backends: Dict[str, BackendFn] = _builtin_backends()
+        if extra_backends:
+            self._backends.update(extra_backends)
+        if backend is None:
+            backend = os.environ.get(ENV_BACKEND) or None
+        if backend == "auto":
+            backend = None
+        if backend is not None and backend not in self._backends:
+            raise ValueError(f"unknown attention backend {backend!r}; known: {sorted(self._backends)}")
+        if candidates is not None:
+            unknown = [c for c in candidates if c not in self._backends]
+            if unknown:
+                raise ValueError(f"unknown attention backends {unknown}; known: {sorted(self._backends)}")
+        self.forced = backend
+        self.candidates = tuple(candidates) if candidates is not None else None
+        self._extra = tuple(extra_backends or ())
+        self.measure_cpu = measure_cpu
+        self.budget_ms = budget_ms
+        self._choice: Dict[AttentionKey, str] = {}
+        self._timings: Dict[AttentionKey, Dict[str, float]] = {}
+        self._excluded: Dict[AttentionKey, Dict[str, str]] = {}
+        self._warned: set = set()
+
+    # -- public views of the cache ------------------------------------------------------------
+    def choices(self) -> Dict[AttentionKey, str]:
+        """key -> backend name picked (a copy)."""
+        return dict(self._choice)
+
+    def timings(self) -> Dict[AttentionKey, Dict[str, float]]:
+        """key -> {backend: µs} measured when the key was first seen."""
+        return {k: dict(v) for k, v in self._timings.items()}
+
+    def excluded(self) -> Dict[AttentionKey, Dict[str, str]]:
+        """key -> {backend: reason} for backends that raised or gave a wrong answer."""
+        return {k: dict(v) for k, v in self._excluded.items()}
+
+    def backend_fn(self, name: str) -> BackendFn:
+        return self._backends[name]
+
+    @staticmethod
+    def key_for(q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.Tensor], upcast: bool) -> AttentionKey:
+        return AttentionKey(
+            q.shape[2], k.shape[2], q.shape[1], q.shape[3], q.dtype, q.device, attn_mask is not None, bool(upcast)
+        )
+
+    # -- call -----------------------------------------------------------------------------------
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        attn_mask: Optional[torch.Tensor] = None,
+        scale: Optional[float] = None,
+        upcast: bool = False,
+    ) -> torch.Tensor:
+        if scale is None:
+            scale = q.shape[-1] ** -0.5
+        if self.forced is not None:
+            return self._backends[self.forced](q, k, v, attn_mask, scale, upcast)
+        key = self.key_for(q, k, attn_mask, upcast)
+        name = self._choice.get(key)
+        if name is None:
+            name = self._choose(key, q, k, v, attn_mask, scale, upcast)
+        return self._backends[name](q, k, v, attn_mask, scale, upcast)
+
+    def _exclude(self, key: AttentionKey, name: str, reason: str, wrong: bool = False) -> None:
+        """The one logged dispatch point: backend ``name`` will not be used for ``key``."""
+        self._excluded.setdefault(key, {})[name] = reason
+        level = logging.WARNING if wrong else logging.INFO
+        log.log(level, "sdfast attention: backend %r excluded for %s: %s", name, tuple(key), reason)
+
+    def _candidate_names(self, device: torch.device) -> list:
+        if self.candidates is not None:
+            return list(self.candidates)
+        if device.type == "cuda":
+            names = ["cudnn", "flash", "efficient", "math", "sdpa"]
+            if xformers_works(device):
+                names.append("xformers")
+            names.append("triton")
+        else:
+            names = ["math", "flash", "sdpa"]
+            from kernels.dispatch import interpret_mode
+
+            if interpret_mode():
+                names.append("triton")
+        return names + [n for n in self._extra if n not in names]
+
+    def _choose(self, key, q, k, v, attn_mask, scale, upcast) -> str:
+        device = q.device
+        if _capturing_or_compiling(device):
+            if key not in self._warned:
+                self._warned.add(key)
+                log.warning(
+                    "sdfast attention: %s first seen during CUDA graph capture / compile: using %r "
+                    "unmeasured; run a warm-up call before capturing", tuple(key), SAFE_DEFAULT,
+                )
+            return SAFE_DEFAULT
+        if device.type != "cuda" and not self.measure_cpu:
+            self._choice[key] = SAFE_DEFAULT
+            return SAFE_DEFAULT
+        ref = _reference(q, k, v, attn_mask, scale)
+        times: Dict[str, float] = {}
+        for name in self._candidate_names(device):
+            fn = self._backends[name]
+            try:
+                with torch.no_grad():
+                    out = fn(q, k, v, attn_mask, scale, upcast)
+                bad = _mismatch(out, ref, q.dtype)
+                del out
+                if bad is not None:
+                    self._exclude(key, name, f"wrong result vs fp32 math: {bad}", wrong=True)
+                    continue
+                with torch.no_grad():
+                    times[name] = _time_us(lambda: fn(q, k, v, attn_mask, scale, upcast), device, self.budget_ms)
+            except Exception as e:  # noqa: BLE001 - any failure excludes the backend for this key
+                self._exclude(key, name, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        del ref
+        if not times:
+            raise RuntimeError(
+                f"sdfast attention: no backend computed {tuple(key)} correctly: {self._excluded.get(key)}"
+            )
+        best = min(times, key=times.get)
+        self._choice[key] = best
+        self._timings[key] = times
+        log.info(
+            "sdfast attention: %s -> %s (%s)", tuple(key), best,
+            ", ".join(f"{n} {t:.1f}us" for n, t in sorted(times.items(), key=lambda x: x[1])),
+        )
+        return best
+
+
+_default_dispatcher: Optional[AttentionDispatcher] = None
+
+
+def default_dispatcher() -> AttentionDispatcher:
+    """The process-wide dispatcher shared by UNet and VAE (created on first use)."""
+    global _default_dispatcher
+    if _default_dispatcher is None:
+        _default_dispatcher = AttentionDispatcher()
+    return _default_dispatcher
+
+
+# ----------------------------------------------------------------------------------------------
+# Processor
+# ----------------------------------------------------------------------------------------------
+
+
+def _fused_layer(attn: nn.Module, name: str) -> Optional[nn.Module]:
+    if getattr(attn, "fused_projections", False):
+        return getattr(attn, name, None)
+    return None
+
+
+class SdfastAttnProcessor:
+    """Attention processor for diffusers' ``Attention``: same result as ``AttnProcessor2_0``.
+
+    hidden_states: (B, L, C) or (B, C, H, W) (VAE); encoder_hidden_states: (B, Lk, C_ctx) or None.
+    Uses ``attn.to_qkv`` (self-attention) / ``attn.to_kv`` (cross-attention) when the module's
+    projections are fused (by :func:`apply` or by diffusers), else ``to_q``/``to_k``/``to_v``.
+    Attention runs through ``dispatcher`` with q/k/v as (B, H, L, D) strided views; ``upcast`` is
+    ``attn.upcast_attention or attn.upcast_softmax``; the softmax scale is ``attn.scale``.
+    """
+
+    def __init__(self, dispatcher: Optional[AttentionDispatcher] = None):
+        self.dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        temb: Optional[torch.Tensor] = None,
+        *args,
+        **kwargs,
+    ) -> torch.Tensor:
+        residual = hidden_states
+        if attn.spatial_norm is not None:
+            hidden_states = attn.spatial_norm(hidden_states, temb)
+
+        input_ndim = hidden_states.ndim
+        if input_ndim == 4:
+            batch_size, channel, height, width = hidden_states.shape
+            hidden_states = hidden_states.view(batch_size, channel, height * width).transpose(1, 2)
+
+        batch_size, sequence_length, _ = (
+            hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape
+        )
+        if attention_mask is not None:
+            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+
+        if attn.group_norm is not None:
+            hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
+
+        heads = attn.heads
+        to_qkv = _fused_layer(attn, "to_qkv") if encoder_hidden_states is None else None
+        if to_qkv is not None:
+            qkv = to_qkv(hidden_states)  # (B, L, 3 * H * D)
+            head_dim = qkv.shape[-1] // (3 * heads)
+            query, key, value = qkv.view(qkv.shape[0], qkv.shape[1], 3, heads, head_dim).unbind(2)
+        else:
+            query = attn.to_q(hidden_states)
+            if encoder_hidden_states is None:
+                encoder_hidden_states = hidden_states
+            elif attn.norm_cross:
+                encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
+            to_kv = _fused_layer(attn, "to_kv")
+            if to_kv is not None:
+                kv = to_kv(encoder_hidden_states)  # (B, Lk, 2 * H * D)
+                head_dim = kv.shape[-1] // (2 * heads)
+                key, value = kv.view(kv.shape[0], kv.shape[1], 2, heads, head_dim).unbind(2)
+            else:
+                key = attn.to_k(encoder_hidden_states)
+                value = attn.to_v(encoder_hidden_states)
+                head_dim = key.shape[-1] // heads
+                key = key.view(batch_size, -1, heads, head_dim)
+                value = value.view(batch_size, -1, heads, head_dim)
+            query = query.view(batch_size, -1, heads, head_dim)
+
+        # (B, L, H, D) -> (B, H, L, D) views: no copies
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+
+        upcast = bool(getattr(attn, "upcast_attention", False) or getattr(attn, "upcast_softmax", False))
+        out = self.dispatcher(query, key, value, attn_mask=attention_mask, scale=attn.scale, upcast=upcast)
+
+        out = out.transpose(1, 2).reshape(batch_size, -1, heads * head_dim)
+        out = out.to(query.dtype)
+        out = attn.to_out[0](out)
+        out = attn.to_out[1](out)
+        if input_ndim == 4:
+            out = out.transpose(-1, -2).reshape(batch_size, channel, height, width)
+        if attn.residual_connection:
+            out = out + residual
+        out = out / attn.rescale_output_factor
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Projection fusion
+# ----------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def _fuse(attn: nn.Module) -> Optional[str]:
+    """Fuse to_q/to_k/to_v into ``to_qkv`` (self-attention) or to_k/to_v into ``to_kv``
+    (cross-attention). The separate weights become views of the fused one (no extra memory).
+    Returns the name created, or None when skipped (already fused, or not plain ``nn.Linear``
+    layers, e.g. LoRA-wrapped or quantized)."""
+    if getattr(attn, "fused_projections", False):
+        return None
+    cross = bool(getattr(attn, "is_cross_attention", False))
+    parts = [attn.to_k, attn.to_v] if cross else [attn.to_q, attn.to_k, attn.to_v]
+    if any(type(p) is not nn.Linear for p in parts):
+        return None
+    w0 = parts[0].weight
+    if w0.device.type == "meta" or any(
+        p.weight.dtype != w0.dtype or p.weight.device != w0.device or p.in_features != parts[0].in_features
+        for p in parts
+    ):
+        return None
+    has_bias = [p.bias is not None for p in parts]
+    if any(has_bias) and not all(has_bias):
+        return None
+    name = "to_kv" if cross else "to_qkv"
+    out_features = sum(p.out_features for p in parts)
+    fused = nn.Linear(parts[0].in_features, out_features, bias=all(has_bias), device=w0.device, dtype=w0.dtype)
+    fused.weight.data = torch.cat([p.weight.data for p in parts])
+    fused.weight.requires_grad_(w0.requires_grad)
+    if all(has_bias):
+        fused.bias.data = torch.cat([p.bias.data for p in parts])
+        fused.bias.requires_grad_(parts[0].bias.requires_grad)
+    off = 0
+    for p in parts:  # share storage: the separate layers stay valid, no second copy
+        n = p.out_features
+        p.weight.data = fused.weight.data[off : off + n]
+        if p.bias is not None:
+            p.bias.data = fused.bias.data[off : off + n]
+        off += n
+    setattr(attn, name, fused)
+    attn.fused_projections = True
+    return name
+
+
+@torch.no_grad()
+def _unfuse(attn: nn.Module, name: str) -> None:
+    cross = name == "to_kv"
+    parts = [attn.to_k, attn.to_v] if cross else [attn.to_q, attn.to_k, attn.to_v]
+    for p in parts:  # own storage again (exact same values)
+        p.weight.data = p.weight.data.clone()
+        if p.bias is not None:
+            p.bias.data = p.bias.data.clone()
+    if hasattr(attn, name):
+        delattr(attn, name)
+    attn.fused_projections = False
+
+
+# ----------------------------------------------------------------------------------------------
+# Pass API
+# ----------------------------------------------------------------------------------------------
+
+
+def _attention_class():
+    from diffusers.models.attention_processor import Attention
+
+    return Attention
+
+
+def _convertible(attn: nn.Module) -> bool:
+    proc = getattr(attn, "processor", None)
+    if type(proc).__name__ not in _STOCK_PROCESSORS:
+        return False
+    if getattr(attn, "added_kv_proj_dim", None) is not None or getattr(attn, "to_k", None) is None:
+        return False
+    if getattr(attn, "is_causal", False):
+        return False
+    if getattr(attn, "inner_kv_dim", None) != getattr(attn, "inner_dim", None):
+        return False
+    return True
+
+
+def _set_processors(module: nn.Module, new: Mapping[str, object]) -> None:
+    """Set processors by module name, through the model's ``set_attn_processor`` when it has one."""
+    procs = getattr(module, "attn_processors", None) if hasattr(module, "set_attn_processor") else None
+    if procs is not None and all(f"{n}.processor" in procs for n in new):
+        procs = dict(procs)
+        for n, p in new.items():
+            procs[f"{n}.processor"] = p
+        module.set_attn_processor(procs)
+        return
+    mods = dict(module.named_modules())
+    for n, p in new.items():
+        mods[n].set_processor(p)
+
+
+def apply(
+    module: nn.Module,
+    *,
+    filter_fn: Optional[Callable[[nn.Module, str], bool]] = None,
+    dispatcher: Optional[AttentionDispatcher] = None,
+    fuse_projections: bool = True,
+) -> int:
+    """Give every stock diffusers ``Attention`` under ``module`` an :class:`SdfastAttnProcessor`.
+
+    Args:
+        module: a UNet, VAE, or any ``nn.Module`` containing diffusers ``Attention`` modules
+            (or an ``Attention`` itself).
+        filter_fn: ``filter_fn(attention_module, qualified_name) -> bool``; False leaves it alone.
+        dispatcher: shared :class:`AttentionDispatcher` (default: the process-wide one).
+        fuse_projections: fuse Q/K/V (self) or K/V (cross) projections into one GEMM.
+
+    Returns:
+        the number of ``Attention`` modules converted. Modules already converted, modules with a
+        non-stock processor (IP-Adapter, LoRA processors, ...) and added-KV / causal / GQA modules
+        are skipped. Processors are set through ``module.set_attn_processor`` when available.
+    """
+    Attention = _attention_class()
+    processor = SdfastAttnProcessor(dispatcher)
+    new: Dict[str, object] = {}
+    for name, m in module.named_modules():
+        if not isinstance(m, Attention) or hasattr(m, _STATE_ATTR):
+            continue
+        if isinstance(getattr(m, "processor", None), SdfastAttnProcessor):
+            continue
+        if filter_fn is not None and not filter_fn(m, name):
+            continue
+        if not _convertible(m):
+            log.debug("sdfast attention: %s skipped (processor %s)", name, type(m.processor).__name__)
+            continue
+        state = {"processor": m.processor, "fused": _fuse(m) if fuse_projections else None}
+        setattr(m, _STATE_ATTR, state)
+        new[name] = processor
+    if new:
+        _set_processors(module, new)
+    return len(new)
+
+
+def undo(module: nn.Module) -> int:
+    """Restore the processors and separate projections that :func:`apply` replaced.
+
+    Returns the number of ``Attention`` modules restored. Outputs are then bit-identical to
+    before ``apply`` (the projection weights are restored with the same values).
+    """
+    old: Dict[str, object] = {}
+    for name, m in module.named_modules():
+        state = getattr(m, _STATE_ATTR, None)
+        if state is None:
+            continue
+        if state["fused"] is not None:
+            _unfuse(m, state["fused"])
+        old[name] = state["processor"]
+        delattr(m, _STATE_ATTR)
+    if old:
+        _set_processors(module, old)
+    return len(old)
+
+
+__all__ = [
+    "AttentionDispatcher",
+    "AttentionKey",
+    "SdfastAttnProcessor",
+    "apply",
+    "undo",
+    "default_dispatcher",
+    "key_padding_from_mask",
+    "xformers_works",
+    "BACKEND_NAMES",
+    "ENV_BACKEND",
+]

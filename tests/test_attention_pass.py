@@ -1,0 +1,328 @@
+"""The attention pass on CPU: processor parity with diffusers' AttnProcessor2_0 on tiny random
+models, projection fusion and undo, filter_fn, and the dispatcher's measured choice / exclusion."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn as nn
+from diffusers import AutoencoderKL, UNet2DConditionModel
+from diffusers.models.attention_processor import Attention, AttnProcessor2_0
+
+from sdfast.passes import attention as ap
+
+
+def tiny_unet():
+    torch.manual_seed(0)
+    return UNet2DConditionModel(
+        block_out_channels=(32, 64),
+        layers_per_block=1,
+        cross_attention_dim=32,
+        attention_head_dim=8,
+        sample_size=8,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        norm_num_groups=32,
+    ).eval()
+
+
+def tiny_vae():
+    torch.manual_seed(0)
+    return AutoencoderKL(
+        block_out_channels=(32, 64),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=32,
+        sample_size=16,
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def unet_case():
+    unet = tiny_unet()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 4, 8, 8, generator=g)
+    t = torch.tensor([10, 500])
+    ehs = torch.randn(2, 7, 32, generator=g)
+    with torch.no_grad():
+        ref = unet(x, t, ehs).sample
+    return unet, (x, t, ehs), ref
+
+
+def _run(unet, inputs):
+    with torch.no_grad():
+        return unet(*inputs).sample
+
+
+def _attn_modules(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, Attention)}
+
+
+def test_unet_parity_fusion_and_undo(unet_case):
+    unet, inputs, ref = unet_case
+    stock_procs = {n: m.processor for n, m in _attn_modules(unet).items()}
+    assert all(isinstance(p, AttnProcessor2_0) for p in stock_procs.values())
+
+    n = ap.apply(unet)
+    try:
+        assert n == 8  # 4 transformer blocks x (self, cross)
+        mods = _attn_modules(unet)
+        assert all(isinstance(m.processor, ap.SdfastAttnProcessor) for m in mods.values())
+        for name, m in mods.items():
+            if name.endswith("attn1"):  # self-attention: one QKV GEMM, weights shared
+                assert isinstance(m.to_qkv, nn.Linear) and not hasattr(m, "to_kv")
+                assert m.to_q.weight.data_ptr() == m.to_qkv.weight.data_ptr()
+                assert m.to_v.weight.untyped_storage().data_ptr() == m.to_qkv.weight.untyped_storage().data_ptr()
+            else:  # cross-attention: one KV GEMM
+                assert isinstance(m.to_kv, nn.Linear) and not hasattr(m, "to_qkv")
+                assert m.to_k.weight.data_ptr() == m.to_kv.weight.data_ptr()
+        out = _run(unet, inputs)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        assert ap.apply(unet) == 0  # already converted
+    finally:
+        assert ap.undo(unet) == 8
+    mods = _attn_modules(unet)
+    for name, m in mods.items():
+        assert m.processor is stock_procs[name]
+        assert not hasattr(m, "to_qkv") and not hasattr(m, "to_kv") and not m.fused_projections
+        assert m.to_k.weight.untyped_storage().nbytes() == m.to_k.weight.numel() * 4  # own storage
+    assert torch.equal(_run(unet, inputs), ref)  # exactly stock again
+    assert ap.undo(unet) == 0
+
+
+def test_filter_fn_and_no_fusion(unet_case):
+    unet, inputs, ref = unet_case
+    seen = []
+
+    def only_self(m, name):
+        seen.append(name)
+        return name.endswith("attn1")
+
+    try:
+        assert ap.apply(unet, filter_fn=only_self, fuse_projections=False) == 4
+        assert len(seen) == 8
+        for name, m in _attn_modules(unet).items():
+            assert isinstance(m.processor, ap.SdfastAttnProcessor) == name.endswith("attn1")
+            assert not hasattr(m, "to_qkv")
+        torch.testing.assert_close(_run(unet, inputs), ref, rtol=1e-5, atol=1e-5)
+        assert ap.apply(unet) == 4  # the rest
+    finally:
+        assert ap.undo(unet) == 8
+    assert torch.equal(_run(unet, inputs), ref)
+
+
+def test_triton_backend_in_unet(unet_case):
+    # our kernel (interpreter) inside the real processor; a subset keeps the interpreter time low
+    unet, inputs, ref = unet_case
+    d = ap.AttentionDispatcher("triton")
+    try:
+        n = ap.apply(unet, dispatcher=d, filter_fn=lambda m, name: name.startswith("mid_block"))
+        assert n == 2
+        torch.testing.assert_close(_run(unet, inputs), ref, rtol=1e-5, atol=1e-5)
+    finally:
+        ap.undo(unet)
+
+
+def test_vae_mid_block_parity():
+    # group_norm, residual_connection, rescale_output_factor, 4D input, upcast_softmax, 1 head
+    vae = tiny_vae()
+    img = torch.randn(1, 3, 16, 16)
+    with torch.no_grad():
+        ref = vae(img).sample
+        assert ap.apply(vae) == 2  # encoder and decoder mid-blocks
+        attn = vae.decoder.mid_block.attentions[0]
+        assert attn.group_norm is not None and attn.residual_connection and attn.heads == 1
+        torch.testing.assert_close(vae(img).sample, ref, rtol=1e-5, atol=1e-5)
+        assert ap.undo(vae) == 2
+        assert torch.equal(vae(img).sample, ref)
+        assert ap.apply(vae, dispatcher=ap.AttentionDispatcher("triton")) == 2
+        torch.testing.assert_close(vae(img).sample, ref, rtol=1e-5, atol=1e-5)
+        ap.undo(vae)
+
+
+def _stock_vs_ours(attn, *args, **kwargs):
+    with torch.no_grad():
+        attn.set_processor(AttnProcessor2_0())
+        ref = attn(*args, **kwargs)
+        assert ap.apply(attn) == 1
+        out = attn(*args, **kwargs)
+        assert ap.undo(attn) == 1
+        again = attn(*args, **kwargs)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(again, ref)
+
+
+def test_cross_attention_mask_norm_cross_upcast():
+    torch.manual_seed(0)
+    attn = Attention(
+        query_dim=32, cross_attention_dim=16, heads=2, dim_head=16, bias=True,
+        cross_attention_norm="layer_norm", upcast_attention=True, upcast_softmax=True,
+    ).eval()
+    hs, ehs = torch.randn(2, 9, 32), torch.randn(2, 5, 16)
+    mask = torch.zeros(2, 1, 5)
+    mask[0, :, 3:] = -10000.0  # diffusers' additive encoder mask
+    _stock_vs_ours(attn, hs, encoder_hidden_states=ehs, attention_mask=mask)
+    _stock_vs_ours(attn, hs, encoder_hidden_states=ehs)
+    # a cross module called without context takes K/V from hidden_states (to_kv on hidden_states)
+    attn = Attention(query_dim=32, cross_attention_dim=32, heads=2, dim_head=16).eval()
+    _stock_vs_ours(attn, hs)
+
+
+def test_spatial_norm_and_group_norm_4d():
+    torch.manual_seed(0)
+    attn = Attention(
+        query_dim=32, heads=1, dim_head=32, bias=True, spatial_norm_dim=4, residual_connection=True,
+        rescale_output_factor=2.0, _from_deprecated_attn_block=True,
+    ).eval()
+    x, zq = torch.randn(1, 32, 4, 4), torch.randn(1, 4, 2, 2)
+    _stock_vs_ours(attn, x, temb=zq)
+    attn = Attention(query_dim=32, heads=2, dim_head=16, norm_num_groups=8, bias=True).eval()
+    _stock_vs_ours(attn, torch.randn(2, 32, 3, 5))
+
+
+def test_diffusers_fused_and_wrapped_projections(unet_case):
+    unet, inputs, ref = unet_case
+    # diffusers' own fusion: our processor uses its to_qkv / to_kv and undo keeps them
+    unet.fuse_qkv_projections()
+    try:
+        assert ap.apply(unet) == 8
+        torch.testing.assert_close(_run(unet, inputs), ref, rtol=1e-5, atol=1e-5)
+        assert ap.undo(unet) == 8
+        attn1 = unet.mid_block.attentions[0].transformer_blocks[0].attn1
+        assert attn1.fused_projections and hasattr(attn1, "to_qkv")
+        assert type(attn1.processor).__name__ == "FusedAttnProcessor2_0"
+    finally:
+        unet.unfuse_qkv_projections()
+        for m in _attn_modules(unet).values():
+            for name in ("to_qkv", "to_kv"):
+                if hasattr(m, name):
+                    delattr(m, name)
+            m.fused_projections = False
+    assert torch.equal(_run(unet, inputs), ref)
+
+    # a projection that is not a plain nn.Linear (LoRA-wrapped, quantized): no fusion, still exact
+    class Wrapped(nn.Linear):
+        pass
+
+    attn = Attention(query_dim=16, heads=2, dim_head=8).eval()
+    w = Wrapped(16, 16, bias=False)
+    w.load_state_dict(attn.to_q.state_dict())
+    attn.to_q = w
+    _stock_vs_ours(attn, torch.randn(1, 6, 16))
+    ap.apply(attn)
+    assert not hasattr(attn, "to_qkv")
+    ap.undo(attn)
+
+
+def test_non_stock_processor_is_left_alone():
+    attn = Attention(query_dim=16, heads=2, dim_head=8)
+
+    class Custom(AttnProcessor2_0):
+        pass
+
+    attn.set_processor(Custom())
+    assert ap.apply(attn) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# dispatcher
+# ---------------------------------------------------------------------------------------------
+
+
+def _qkv(B=2, H=2, Lq=9, Lk=13, D=16, dtype=torch.float32):
+    return (torch.randn(B, H, Lq, D, dtype=dtype), torch.randn(B, H, Lk, D, dtype=dtype),
+            torch.randn(B, H, Lk, D, dtype=dtype))
+
+
+def test_dispatcher_excludes_failing_and_wrong_backends(caplog):
+    def boom(q, k, v, attn_mask, scale, upcast):
+        raise RuntimeError("simulated kernel failure")
+
+    def wrong(q, k, v, attn_mask, scale, upcast):
+        return torch.zeros(q.shape, dtype=q.dtype)
+
+    d = ap.AttentionDispatcher(
+        candidates=("boom", "wrong", "math", "sdpa"), extra_backends={"boom": boom, "wrong": wrong},
+        measure_cpu=True,
+    )
+    q, k, v = _qkv()
+    with caplog.at_level(logging.INFO, logger="sdfast.attention"):
+        out = d(q, k, v)
+        out2 = d(q, k, v)  # cached: measured once
+    key = ap.AttentionDispatcher.key_for(q, k, None, False)
+    assert key == (9, 13, 2, 16, torch.float32, torch.device("cpu"), False, False)
+    assert d.choices() == {key: d.choices()[key]} and d.choices()[key] in ("math", "sdpa")
+    assert set(d.timings()[key]) == {"math", "sdpa"}
+    excl = d.excluded()[key]
+    assert "simulated kernel failure" in excl["boom"] and "wrong result" in excl["wrong"]
+    assert "'boom' excluded" in caplog.text and "'wrong' excluded" in caplog.text
+    assert caplog.text.count("excluded") == 2
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(out2, ref)
+
+
+def test_dispatcher_all_fail_raises():
+    def boom(*a):
+        raise RuntimeError("nope")
+
+    d = ap.AttentionDispatcher(candidates=("boom",), extra_backends={"boom": boom}, measure_cpu=True)
+    with pytest.raises(RuntimeError, match="no backend"):
+        d(*_qkv())
+
+
+def test_dispatcher_cpu_default_and_keys():
+    d = ap.AttentionDispatcher()
+    q, k, v = _qkv()
+    mask = torch.ones(2, 1, 1, 13, dtype=torch.bool)
+    d(q, k, v)
+    d(q, k, v, attn_mask=mask, upcast=True)
+    ch = d.choices()
+    assert len(ch) == 2 and set(ch.values()) == {"sdpa"}
+    assert {key.has_mask for key in ch} == {False, True} and {key.upcast for key in ch} == {False, True}
+
+
+def test_dispatcher_forced_backend_env(monkeypatch):
+    monkeypatch.setenv(ap.ENV_BACKEND, "math")
+    d = ap.AttentionDispatcher()
+    assert d.forced == "math"
+    q, k, v = _qkv()
+    torch.testing.assert_close(d(q, k, v), torch.nn.functional.scaled_dot_product_attention(q, k, v))
+    assert d.choices() == {}  # forced: nothing measured
+    assert ap.AttentionDispatcher("auto").forced is None
+    monkeypatch.setenv(ap.ENV_BACKEND, "nonsense")
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        ap.AttentionDispatcher()
+    with pytest.raises(ValueError, match="unknown attention backends"):
+        ap.AttentionDispatcher("math", candidates=("math", "nope"))
+
+
+def test_dispatcher_capture_uses_safe_default(monkeypatch, caplog):
+    calls = []
+
+    def spy(q, k, v, attn_mask, scale, upcast):
+        calls.append(1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    d = ap.AttentionDispatcher(candidates=("spy",), extra_backends={"spy": spy}, measure_cpu=True)
+    monkeypatch.setattr(ap, "_capturing_or_compiling", lambda device: True)
+    with caplog.at_level(logging.WARNING, logger="sdfast.attention"):
+        d(*_qkv())
+    assert calls == [] and d.choices() == {} and "capture" in caplog.text
+
+
+def test_triton_backend_key_padding_mask():
+    q, k, v = _qkv(Lk=40)
+    keep = torch.ones(2, 40, dtype=torch.bool)
+    keep[1, 20:] = False
+    mask4 = keep[:, None, None, :]
+    out = ap.AttentionDispatcher("triton")(q, k, v, attn_mask=mask4)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask4)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert ap.key_padding_from_mask(mask4, 2, 40).shape == (2, 40)
+    with pytest.raises(NotImplementedError):
+        ap.key_padding_from_mask(torch.zeros(2, 1, 1, 40), 2, 40)  # additive float mask
+    with pytest.raises(NotImplementedError):
+        ap.key_padding_from_mask(torch.ones(2, 2, 1, 40, dtype=torch.bool), 2, 40)  # per-head
