@@ -1,0 +1,639 @@
+"""txt2img benchmark: sdfast against stock diffusers and torch.compile, beside published reference figures.
+
+For each model (SD1.5 at 512², 50 steps; SDXL at 1024², 30 steps; batch 1, CFG 7.5, the same seed and
+the same seeded random weights, or a real model folder with ``--model``) and each system of ``SYSTEMS``:
+
+- ``warmup_s``: load (+ optimize / compile) to the first image, wall clock, synchronised;
+- ``unet_ms_step``: median over every UNet call of the timed generations, CUDA events recorded by
+  forward pre/post hooks on ``pipe.unet`` (they fire around CUDA-graph replays and around a
+  ``torch.compile`` ``OptimizedModule``; wall clock on a CPU);
+- ``e2e_s``: prompt to PIL images, median of ``--repeats`` generations, synchronised; ``img_s`` = batch / e2e_s;
+- ``peak_gib`` / ``peak_reserved_gib``: ``torch.cuda.max_memory_allocated/reserved`` over the timed
+  generations (process peak RSS on a CPU);
+- ``psnr_db``: PSNR of the system's image against stock fp16's (same seed and prompt; for stock itself,
+  a timed image against its first one: run-to-run determinism); with ``--fp32-ref`` (default on for
+  SD1.5) also ``psnr_fp32_db`` and ``err_fp32_ratio`` = mean|image − fp32 image| / the same for stock
+  fp16, the "error vs fp32 at most 1.5× stock fp16's" check.
+
+A system that fails gives a row with ``error`` filled, and the run goes on. Pipelines are freed between
+systems. Published figures (``benchmarks.reference``) are printed beside, never mixed with, measured rows.
+
+    python -m benchmarks.bench_txt2img --out benchmarks/results/h200      # or: sdfast bench ...
+    python -m benchmarks.bench_txt2img --models tiny --steps 2 --size 64 --systems stock,sdfast
+
+Adding a system (e.g. an sdfast preset) is one line in ``SYSTEMS``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+PROMPT = "a photo of an astronaut riding a horse on mars"
+GUIDANCE = 7.5
+DEFAULT_STEPS = {"tiny": 20, "sd15": 50, "sd21": 50, "sdxl": 30}
+FP32_REF_BY_DEFAULT = {"tiny", "sd15"}  # fp32 stock costs about 1-2 s per SD1.5 image on the H200; SDXL: off
+COMPILE_KWARGS = {"mode": "reduce-overhead", "fullgraph": True}
+
+# Short stdout table: (key, header).
+TABLE_COLUMNS = [
+    ("system", "system"), ("model", "model"), ("size", "size"), ("steps", "steps"), ("warmup_s", "warmup s"),
+    ("unet_ms_step", "UNet ms/step"), ("e2e_s", "e2e s"), ("img_s", "img/s"), ("peak_gib", "peak GiB"),
+    ("psnr_db", "PSNR dB"),
+]
+MEASURED_KEYS = [k for k, _ in TABLE_COLUMNS]
+
+
+# ----------------------------------------------------------------------------- context and models
+
+
+@dataclass
+class Context:
+    """Run-wide settings. ``device`` None: CUDA if available, else CPU (fp16 on CUDA, fp32 on CPU)."""
+
+    device: object = None
+    weight_seed: int = 0
+    image_seed: int = 0
+    batch: int = 1
+    guidance_scale: float = GUIDANCE
+    prompt: str = PROMPT
+    repeats: int = 3
+    profile: bool = False
+
+    def __post_init__(self):
+        from sdfast.loading import default_device_dtype
+
+        self.device, self.dtype = default_device_dtype(self.device)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.device)
+
+
+@dataclass
+class ModelSpec:
+    """One model to benchmark: ``source`` is what ``sdfast.load`` takes; ``arch`` selects the reference rows."""
+
+    label: str
+    source: str
+    arch: str
+    steps: int
+    height: int | None = None  # None: the model's native size
+    width: int | None = None
+    fp32_ref: bool = False
+
+
+def _detect_arch(source: str) -> str:
+    """'sdxl' / 'sd21' / 'sd15' for a model folder or single-file checkpoint (default 'sd15')."""
+    path = Path(source).expanduser()
+    try:
+        if path.is_dir() and (path / "model_index.json").is_file():
+            cls = json.loads((path / "model_index.json").read_text()).get("_class_name", "")
+            return "sdxl" if "XL" in cls else "sd15"
+        if path.is_file():
+            from sdfast.loading import _checkpoint_architecture
+
+            return _checkpoint_architecture(path)
+    except Exception:
+        pass
+    return "sdxl" if "xl" in source.lower() else "sd15"
+
+
+def parse_size(text: str | None) -> tuple[int | None, int | None]:
+    """'512' -> (512, 512); '768x512' -> width 768, height 512 (WIDTHxHEIGHT, as ``sdfast txt2img``). Returns (height, width)."""
+    if not text:
+        return None, None
+    parts = [int(v) for v in str(text).lower().split("x")]
+    if len(parts) == 1:
+        return parts[0], parts[0]
+    if len(parts) == 2:
+        return parts[1], parts[0]
+    raise ValueError(f"--size must be N or WIDTHxHEIGHT, got {text!r}")
+
+
+def model_specs(args, ctx: Context) -> list[ModelSpec]:
+    """The models of this run, from ``--model`` (one real model) or ``--models`` (random architectures)."""
+    from sdfast.architectures import get_architecture
+
+    height, width = parse_size(getattr(args, "size", None))
+    if getattr(args, "model", None):
+        pairs = [(Path(args.model).name or args.model, args.model, _detect_arch(args.model))]
+    else:
+        pairs = []
+        for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+            get_architecture(name)  # ValueError naming the known ones
+            pairs.append((name, f"random:{name}", name))
+    specs = []
+    fp32 = getattr(args, "fp32_ref", None)
+    for label, source, arch in pairs:
+        specs.append(ModelSpec(
+            label=label, source=source, arch=arch,
+            steps=getattr(args, "steps", None) or DEFAULT_STEPS.get(arch, 50),
+            height=height, width=width,
+            fp32_ref=(arch in FP32_REF_BY_DEFAULT) if fp32 is None else fp32,
+        ))
+    return specs
+
+
+def gen_kwargs(spec: ModelSpec, ctx: Context) -> dict:
+    """``Engine.txt2img`` keyword arguments of every generation of this benchmark."""
+    return dict(prompt=ctx.prompt, negative_prompt=None, num_inference_steps=spec.steps,
+                guidance_scale=ctx.guidance_scale, height=spec.height, width=spec.width, seed=ctx.image_seed,
+                num_images_per_prompt=ctx.batch)
+
+
+# ----------------------------------------------------------------------------- systems
+
+
+@dataclass
+class Built:
+    """A built system: its engine, the exact config that built it, what to report after the run, and cleanup."""
+
+    engine: object
+    config: dict
+    info: Callable[[], dict] = dict
+    cleanup: Callable[[], None] | None = None
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    build: Callable[[ModelSpec, Context], Built]
+    description: str
+
+
+def _load(spec: ModelSpec, ctx: Context, optimize):
+    import sdfast
+
+    return sdfast.load(spec.source, device=ctx.device, seed=ctx.weight_seed, optimize=optimize)
+
+
+def build_stock(spec: ModelSpec, ctx: Context) -> Built:
+    engine = _load(spec, ctx, False)
+    unet = engine.pipe.unet
+    procs = {type(p).__name__ for p in unet.attn_processors.values()}
+    return Built(engine, {"optimize": False, "dtype": str(engine.dtype), "attn_processors": sorted(procs)})
+
+
+def build_compile(spec: ModelSpec, ctx: Context) -> Built:
+    """Stock + ``pipe.unet = torch.compile(pipe.unet, **COMPILE_KWARGS)`` (diffusers accepts the
+    ``OptimizedModule`` as its unet: attribute access is forwarded to the original module)."""
+    import torch
+
+    engine = _load(spec, ctx, False)
+    engine.pipe.unet = torch.compile(engine.pipe.unet, **COMPILE_KWARGS)
+    return Built(engine, {"optimize": False, "dtype": str(engine.dtype), "torch.compile": dict(COMPILE_KWARGS),
+                          "compiled": ["unet"], "torch": torch.__version__},
+                 cleanup=torch.compiler.reset)
+
+
+def _sdfast_info(pipe) -> dict:
+    state = getattr(pipe, "_sdfast", None)
+    if state is None:
+        return {}
+    info = {"counts": dict(state.counts), "vae_upcast": state.vae_upcast}
+    if state.graphs is not None:
+        info["graphs"] = state.graphs.stats()
+    return info
+
+
+def build_sdfast(spec: ModelSpec, ctx: Context, **config_kwargs) -> Built:
+    """``sdfast.load(model, optimize=True)``, or ``optimize=OptimizeConfig(**config_kwargs)`` for a preset.
+    The row's config is the pipeline's own ``pipe._sdfast.config.as_dict()``."""
+    from sdfast import OptimizeConfig
+
+    engine = _load(spec, ctx, OptimizeConfig(**config_kwargs) if config_kwargs else True)
+    pipe = engine.pipe
+    state = getattr(pipe, "_sdfast", None)
+    if state is None:
+        raise RuntimeError("sdfast.load(optimize=...) returned a pipeline without pipe._sdfast")
+    return Built(engine, {"optimize": True, "dtype": str(engine.dtype), **state.config.as_dict()},
+                 info=partial(_sdfast_info, pipe))
+
+
+SYSTEMS: dict[str, System] = {
+    "stock": System("stock", build_stock, "stock diffusers, eager, SDPA"),
+    "compile": System("compile", build_compile, "stock + torch.compile(unet, mode='reduce-overhead', fullgraph=True)"),
+    "sdfast": System("sdfast", build_sdfast, "sdfast.load(optimize=True): default OptimizeConfig"),
+    # presets, one line each, e.g.:
+    # "sdfast-w8a8": System("sdfast-w8a8", partial(build_sdfast, quantize="w8a8"), "sdfast, W8A8 linears"),
+}
+DEFAULT_SYSTEMS = ("stock", "compile", "sdfast")
+
+
+def parse_systems(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown system(s) {unknown}; known: {', '.join(SYSTEMS)}")
+    return names
+
+
+def free(built: Built | None) -> None:
+    """Drop a built system's pipeline and give its GPU memory back before the next one is built."""
+    import torch
+
+    if built is not None:
+        built.engine = None
+        built.info = dict
+        if built.cleanup is not None:
+            try:
+                built.cleanup()
+            except Exception as e:  # cleanup must not hide the results
+                print(f"warning: cleanup failed: {type(e).__name__}: {e}", file=sys.stderr)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+class UnetTimer:
+    """Times every call of ``unet`` with forward pre/post hooks: CUDA events (``cuda=True``) or wall clock.
+
+    The hooks live on the module the pipeline calls (``pipe.unet``): they fire around a forward that an
+    instance attribute replaced (sdfast's CUDA-graph runner) and around a ``torch.compile``
+    ``OptimizedModule`` (outside the compiled region). ``capture=True`` keeps a copy of the first call's
+    inputs (``captured = (args, kwargs)``) for ``profile_step``.
+    """
+
+    def __init__(self, unet, *, cuda: bool, capture: bool = False):
+        self.unet = unet
+        self.cuda = cuda
+        self.capture = capture
+        self.captured = None
+        self.pairs: list = []
+        self._start = None
+        self._handles: list = []
+
+    def _pre(self, module, args, kwargs):
+        if self.capture and self.captured is None:
+            from benchmarks.profile_step import _clone
+
+            self.captured = (_clone(tuple(args)), _clone(dict(kwargs)))
+        if self.cuda:
+            import torch
+
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def _post(self, module, args, kwargs, output):
+        if self.cuda:
+            import torch
+
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        else:
+            end = time.perf_counter()
+        self.pairs.append((self._start, end))
+        self._start = None
+
+    def __enter__(self):
+        self._handles = [self.unet.register_forward_pre_hook(self._pre, with_kwargs=True),
+                         self.unet.register_forward_hook(self._post, with_kwargs=True)]
+        return self
+
+    def __exit__(self, *exc):
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        return False
+
+    def times_ms(self) -> list[float]:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+            return [s.elapsed_time(e) for s, e in self.pairs]
+        return [(e - s) * 1e3 for s, e in self.pairs]
+
+
+def _pixels(img):
+    import numpy as np
+
+    return np.asarray(img.convert("RGB"), dtype=np.float64)
+
+
+def psnr(a, b) -> float:
+    """PSNR in dB of two 8-bit images (inf when identical)."""
+    import numpy as np
+
+    x, y = _pixels(a), _pixels(b)
+    if x.shape != y.shape:
+        raise ValueError(f"images differ in size: {x.shape} vs {y.shape}")
+    mse = float(np.mean((x - y) ** 2))
+    return float("inf") if mse == 0 else float(10 * np.log10(255.0**2 / mse))
+
+
+def mean_abs_error(a, b) -> float:
+    """Mean |a − b| over all pixels and channels, in 8-bit units."""
+    import numpy as np
+
+    return float(np.mean(np.abs(_pixels(a) - _pixels(b))))
+
+
+@contextlib.contextmanager
+def _strict_fp32():
+    """True fp32 for the reference image: no TF32 in matmuls or cuDNN convolutions (restored after)."""
+    import torch
+
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _fp32_image(engine, spec: ModelSpec, ctx: Context):
+    """Stock pipeline upcast in place to fp32 (same weights), one image, then back to its dtype."""
+    import torch
+
+    dtype = engine.dtype
+    if dtype == torch.float32:
+        return engine.txt2img(**gen_kwargs(spec, ctx))[0]
+    engine.pipe.to(torch.float32)
+    try:
+        with _strict_fp32():
+            return engine.txt2img(**gen_kwargs(spec, ctx))[0]
+    finally:
+        engine.pipe.to(dtype)
+
+
+def _peak_memory(ctx: Context) -> tuple[float, float, str]:
+    if ctx.cuda:
+        import torch
+
+        return (torch.cuda.max_memory_allocated(ctx.device) / 2**30, torch.cuda.max_memory_reserved(ctx.device) / 2**30,
+                "torch.cuda.max_memory_allocated/reserved")
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return rss, rss, "process peak RSS (CPU run)"
+
+
+def base_row(system: System, spec: ModelSpec, ctx: Context) -> dict:
+    return {
+        "system": system.name, "model": spec.label, "arch": spec.arch, "source": spec.source,
+        "size": None if spec.height is None else f"{spec.width}x{spec.height}",
+        "steps": spec.steps, "batch": ctx.batch, "guidance_scale": ctx.guidance_scale, "device": str(ctx.device),
+        "dtype": str(ctx.dtype).replace("torch.", ""), "description": system.description,
+        "warmup_s": None, "load_s": None, "unet_ms_step": None, "unet_calls_per_image": None, "e2e_s": None,
+        "img_s": None, "peak_gib": None, "peak_reserved_gib": None, "psnr_db": None, "psnr_fp32_db": None,
+        "err_fp32": None, "err_fp32_ratio": None, "e2e_all_s": None, "unet_timing": None, "memory_source": None,
+        "config": None, "info": None, "error": None,
+    }
+
+
+def run_system(system: System, spec: ModelSpec, ctx: Context, refs: dict) -> dict:
+    """Build, warm up, time and check one system on one model; returns its row (``error`` set on failure).
+
+    ``refs``: the stock fp16 image (``"fp16"``) and fp32 image (``"fp32"``) to compare with; the stock
+    system fills them. Frees the pipeline before returning.
+    """
+    import torch
+
+    row = base_row(system, spec, ctx)
+    kw = gen_kwargs(spec, ctx)
+    built = engine = timer = None
+    stage = "build"
+    free(None)  # whatever a previous system left must not count in this one's memory
+    t_start = time.perf_counter()
+    try:
+        ctx.sync()
+        t0 = time.perf_counter()
+        built = system.build(spec, ctx)
+        row["config"] = built.config
+        ctx.sync()
+        row["load_s"] = time.perf_counter() - t0
+        engine = built.engine
+        stage = "warm-up"
+        first = engine.txt2img(**kw)
+        ctx.sync()
+        row["warmup_s"] = time.perf_counter() - t0
+        w, h = first[0].size
+        row["size"] = f"{w}x{h}"
+        log(f"[{spec.label}/{system.name}] load {row['load_s']:.1f} s, first image after {row['warmup_s']:.1f} s")
+
+        stage = "timed generations"
+        if ctx.cuda:
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+        timer = UnetTimer(engine.pipe.unet, cuda=ctx.cuda, capture=ctx.profile)
+        e2e = []
+        with timer:
+            for _ in range(ctx.repeats):
+                ctx.sync()
+                t = time.perf_counter()
+                images = engine.txt2img(**kw)
+                ctx.sync()
+                e2e.append(time.perf_counter() - t)
+        unet_ms = timer.times_ms()
+        row["peak_gib"], row["peak_reserved_gib"], row["memory_source"] = _peak_memory(ctx)
+        row["e2e_all_s"] = e2e
+        row["e2e_s"] = statistics.median(e2e)
+        row["img_s"] = ctx.batch / row["e2e_s"]
+        row["unet_ms_step"] = statistics.median(unet_ms) if unet_ms else None
+        row["unet_calls_per_image"] = len(unet_ms) / ctx.repeats
+        row["unet_timing"] = "cuda events (hooks)" if ctx.cuda else "wall clock (hooks, CPU)"
+        log(f"[{spec.label}/{system.name}] e2e {row['e2e_s']:.3f} s, UNet {row['unet_ms_step']:.2f} ms/step")
+
+        stage = "fidelity"
+        image = images[0]
+        if system.name == "stock":
+            refs["fp16"] = first[0]
+        if refs.get("fp16") is not None:
+            row["psnr_db"] = psnr(image, refs["fp16"])
+        if spec.fp32_ref and system.name == "stock":
+            refs["fp32"] = _fp32_image(engine, spec, ctx)
+            refs["err_stock_fp32"] = mean_abs_error(image, refs["fp32"])
+        if refs.get("fp32") is not None:
+            row["psnr_fp32_db"] = psnr(image, refs["fp32"])
+            row["err_fp32"] = mean_abs_error(image, refs["fp32"])
+            if refs.get("err_stock_fp32"):
+                row["err_fp32_ratio"] = row["err_fp32"] / refs["err_stock_fp32"]
+
+        if ctx.profile and timer.captured is not None:
+            stage = "profile"
+            from benchmarks.profile_step import profile_unet_step
+
+            row["profile"] = profile_unet_step(engine.pipe.unet, *timer.captured)
+        row["info"] = built.info()
+    except Exception as e:  # one failing system gives an error row; the run goes on
+        row["error"] = f"{stage}: {type(e).__name__}: {e}".strip()[:500]
+        log(f"[{spec.label}/{system.name}] FAILED in {stage}:\n{traceback.format_exc()}")
+    finally:
+        engine = timer = None  # drop every local reference to the pipeline before freeing it
+        free(built)
+        built = None
+    row["wall_s"] = time.perf_counter() - t_start
+    return row
+
+
+def reference_only(spec: ModelSpec, ctx: Context, refs: dict) -> None:
+    """Stock fp16 (and fp32) reference images when 'stock' is not among the measured systems."""
+    built = None
+    try:
+        built = build_stock(spec, ctx)
+        refs["fp16"] = built.engine.txt2img(**gen_kwargs(spec, ctx))[0]
+        if spec.fp32_ref:
+            refs["fp32"] = _fp32_image(built.engine, spec, ctx)
+            refs["err_stock_fp32"] = mean_abs_error(refs["fp16"], refs["fp32"])
+    except Exception as e:
+        log(f"[{spec.label}] stock reference image failed: {type(e).__name__}: {e}")
+    finally:
+        free(built)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def render(rows: list[dict], env: dict, *, profile: bool = False) -> str:
+    """The stdout report: measured table, failures, fidelity vs fp32, TensorRT note, published rows."""
+    from benchmarks import reference
+    from benchmarks.report import fmt, markdown_table, tensorrt_note
+
+    gpu = env.get("gpu") or f"CPU ({env.get('platform', '')})"
+    out = [f"## Measured here: {gpu}, torch {env.get('torch')}, diffusers {env.get('diffusers')}, "
+           f"{rows[0]['dtype'] if rows else ''}, batch {rows[0]['batch'] if rows else ''}, CFG "
+           f"{rows[0]['guidance_scale'] if rows else ''}", "",
+           markdown_table(rows, TABLE_COLUMNS)]
+    failed = [r for r in rows if r.get("error")]
+    for r in failed:
+        out.append(f"- {r['model']}/{r['system']} failed: {r['error']}")
+    for model in dict.fromkeys(r["model"] for r in rows):
+        fp32 = [r for r in rows if r["model"] == model and r.get("err_fp32") is not None]
+        if fp32:
+            parts = [f"{r['system']} {fmt(r['psnr_fp32_db'])} dB (mean|err| {fmt(r['err_fp32'])}"
+                     + (f", {fmt(r['err_fp32_ratio'])}x stock fp16's" if r.get("err_fp32_ratio") is not None else "")
+                     + ")" for r in fp32]
+            out.append(f"- {model} vs stock fp32 (target: error <= 1.5x stock fp16's): " + "; ".join(parts))
+    if profile:
+        from benchmarks.profile_step import format_breakdown
+
+        for r in rows:
+            if r.get("profile"):
+                out += ["", "### UNet step breakdown: " + f"{r['model']}/{r['system']}", "",
+                        format_breakdown(r["profile"])]
+    out += ["", tensorrt_note(), "",
+            f"## Reference ({reference.LABEL}: other GPUs, sizes and steps; figures as published)", "",
+            markdown_table(reference.REFERENCE, reference.COLUMNS)]
+    return "\n".join(out)
+
+
+def write_outputs(out_dir, rows: list[dict], env: dict, args: dict, text: str) -> list[Path]:
+    """txt2img.csv / .json / .png / .md (and profile.csv with --profile) in ``out_dir``."""
+    from benchmarks import reference
+    from benchmarks.report import flatten_env, plot_txt2img, tensorrt_note, write_csv, write_json
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    csv_rows = [{**{k: v for k, v in r.items() if k != "profile"}, **flatten_env(env)} for r in rows]
+    csv_rows += [{"system": r["system"], "model": r["model_size_steps"], "arch": r["arch"], "size": r["size"],
+                  "steps": r["steps"], "e2e_s": r["e2e_s"], "unet_ms_step": r["unet_ms_step"], "gpu": r["gpu"],
+                  "figure": r["figure"], "source": r["source"], "published": reference.LABEL}
+                 for r in reference.REFERENCE]
+    paths.append(write_csv(out / "txt2img.csv", csv_rows))
+    paths.append(write_json(out / "txt2img.json", {
+        "env": env, "args": args, "tensorrt": tensorrt_note(), "rows": [{**r, "env": env} for r in rows],
+        "reference": reference.REFERENCE,
+    }))
+    measured = [r for r in rows]
+    paths.append(plot_txt2img(out / "txt2img.png", measured, reference.REFERENCE))
+    (out / "txt2img.md").write_text(text + "\n")
+    paths.append(out / "txt2img.md")
+    prof = [{"model": r["model"], "system": r["system"], "category": c, "us_per_step": v["us"],
+             "kernels_per_step": v["kernels"]}
+            for r in rows if r.get("profile") for c, v in r["profile"]["categories"].items()]
+    if prof:
+        paths.append(write_csv(out / "profile.csv", prof))
+    return paths
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sdfast bench", description="txt2img benchmark: sdfast vs stock diffusers vs torch.compile")
+    p.add_argument("--model", default=None, help="a real model (folder, .safetensors, hub id); else --models random archs")
+    p.add_argument("--models", default="sd15,sdxl", help="random architectures: tiny, sd15, sd21, sdxl (default sd15,sdxl)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps (default 50 for SD1.x/2.x, 30 for SDXL)")
+    p.add_argument("--size", default=None, help="N or WIDTHxHEIGHT pixels (default: the model's native size)")
+    p.add_argument("--batch", type=int, default=1, help="images per prompt (the UNet runs 2x that with CFG)")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
+    p.add_argument("--repeats", type=int, default=3, help="timed generations per system (e2e median)")
+    p.add_argument("--guidance", type=float, default=GUIDANCE)
+    p.add_argument("--seed", type=int, default=0, help="image seed (weights of random archs use seed 0)")
+    p.add_argument("--fp32-ref", dest="fp32_ref", action=argparse.BooleanOptionalAction, default=None,
+                   help="also compare with a stock fp32 image (default: on for sd15/tiny, off for SDXL)")
+    p.add_argument("--out", default=None, help="write txt2img.csv/.json/.png/.md here")
+    p.add_argument("--profile", action="store_true", help="per-kernel-category breakdown of one UNet step per system")
+    p.add_argument("--device", default=None, help="cuda / cuda:1 / cpu (default: cuda if available)")
+    return p
+
+
+def main(argv=None) -> int:
+    """Run the benchmark (see the module docstring); returns 0, or 1 when every measured row failed."""
+    from benchmarks.report import env_metadata
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        systems = parse_systems(args.systems)
+        if args.repeats < 1 or args.batch < 1 or (args.steps is not None and args.steps < 1):
+            raise ValueError("--repeats, --batch and --steps must be >= 1")
+        ctx = Context(device=args.device, image_seed=args.seed, batch=args.batch, guidance_scale=args.guidance,
+                      repeats=args.repeats, profile=args.profile)
+        specs = model_specs(args, ctx)
+    except ValueError as e:
+        parser.error(str(e))
+    t_run = time.perf_counter()
+    env = env_metadata()
+    order = sorted(systems, key=lambda s: s != "stock")  # stock first: the others compare with its image
+    rows = []
+    for spec in specs:
+        refs: dict = {}
+        if "stock" not in order:
+            reference_only(spec, ctx, refs)
+        for name in order:
+            rows.append(run_system(SYSTEMS[name], spec, ctx, refs))
+    text = render(rows, env, profile=args.profile)
+    print(text)
+    total = time.perf_counter() - t_run
+    print(f"\ntotal benchmark time {total:.0f} s", flush=True)
+    if args.out:
+        for path in write_outputs(args.out, rows, env, {**vars(args), "total_s": total}, text):
+            log(f"wrote {path}")
+    return 0 if any(not r.get("error") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""Issue 6: the benchmark's format on the CPU (random:tiny, 2 steps; numbers meaningless), the kernel
+benchmark aggregator, the reference table and the profile breakdown's categories."""
+
+import csv
+import json
+import math
+import sys
+import types
+
+import pytest
+
+from benchmarks import bench_kernels, bench_txt2img, profile_step, reference
+from benchmarks.report import PUBLISHED_LABEL, fmt, markdown_table
+
+TINY = ["--models", "tiny", "--steps", "2", "--size", "64", "--repeats", "1"]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One end-to-end run: stock, sdfast, and a system that fails at build (must become an error row)."""
+    def broken(spec, ctx):
+        raise RuntimeError("deliberately broken system")
+
+    import io
+    from contextlib import redirect_stdout
+
+    out = tmp_path_factory.mktemp("bench")
+    buf = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(bench_txt2img.SYSTEMS, "broken", bench_txt2img.System("broken", broken, "fails at build (test)"))
+        # sdfast's Triton kernels run their PyTorch references in this run (kernels.dispatch reads
+        # TRITON_INTERPRET per call): the interpreter would take minutes here, and tests/kernels covers them.
+        mp.setenv("TRITON_INTERPRET", "0")
+        with redirect_stdout(buf):
+            rc = bench_txt2img.main([*TINY, "--systems", "stock,broken,sdfast", "--profile", "--fp32-ref",
+                                     "--out", str(out)])
+    return rc, buf.getvalue(), out
+
+
+def _rows(out):
+    return json.loads((out / "txt2img.json").read_text())
+
+
+def test_run_writes_every_file(tiny_run):
+    rc, _, out = tiny_run
+    assert rc == 0
+    for name in ("txt2img.csv", "txt2img.json", "txt2img.png", "txt2img.md", "profile.csv"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    assert (out / "txt2img.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_measured_rows_have_every_column(tiny_run):
+    _, _, out = tiny_run
+    rows = {r["system"]: r for r in _rows(out)["rows"]}
+    assert list(rows) == ["stock", "broken", "sdfast"]  # stock first, order of --systems otherwise
+    measured = [rows["stock"], rows["sdfast"]]
+    for r in measured:
+        for key in bench_txt2img.MEASURED_KEYS + ["peak_reserved_gib", "load_s", "unet_timing", "config", "env"]:
+            assert r[key] not in (None, ""), (r["system"], key)
+        assert r["size"] == "64x64" and r["steps"] == 2 and r["model"] == "tiny"
+        assert r["unet_calls_per_image"] == 3  # tiny's PNDM (skip_prk_steps) runs steps + 1 UNet calls, CFG batched
+        assert 0 < r["load_s"] <= r["warmup_s"]
+        assert r["e2e_s"] > 0 and math.isclose(r["img_s"], 1 / r["e2e_s"])
+        assert r["psnr_fp32_db"] is not None and r["err_fp32"] is not None
+        assert r["profile"]["categories"]["conv"]["kernels"] > 0
+        assert r["env"]["torch"] and r["env"]["date"]
+    # stock on a CPU is deterministic: its timed image equals its first one
+    assert rows["stock"]["psnr_db"] == "inf"
+    assert rows["stock"]["config"]["optimize"] is False
+
+
+def test_sdfast_row_config_comes_from_the_pipeline(tiny_run):
+    _, _, out = tiny_run
+    r = {r["system"]: r for r in _rows(out)["rows"]}["sdfast"]
+    assert r["error"] is None
+    from sdfast import OptimizeConfig
+
+    assert {k: r["config"][k] for k in OptimizeConfig().as_dict()} == OptimizeConfig().as_dict()
+    assert r["config"]["optimize"] is True and "counts" in r["info"]
+    assert r["psnr_db"] == "inf" or r["psnr_db"] >= 35  # the engine's parity bar, against stock's image
+
+
+def test_failing_system_gives_an_error_row(tiny_run):
+    _, text, out = tiny_run
+    row = {r["system"]: r for r in _rows(out)["rows"]}["broken"]
+    assert row["error"] == "build: RuntimeError: deliberately broken system"
+    assert row["e2e_s"] is None and row["model"] == "tiny"
+    assert "tiny/broken failed: build: RuntimeError: deliberately broken system" in text
+
+
+def test_stdout_table_and_reference_rows_are_labelled(tiny_run):
+    _, text, _ = tiny_run
+    measured, _, published = text.partition("## Reference")
+    header = "| " + " | ".join(h for _, h in bench_txt2img.TABLE_COLUMNS) + " |"
+    assert header in measured
+    assert "| stock | tiny | 64x64 | 2 |" in measured
+    assert "TensorRT" not in measured.split("TensorRT:")[0]  # no reference row among the measured ones
+    assert PUBLISHED_LABEL in published
+    for r in reference.REFERENCE:
+        assert f"| {r['system']} | {r['gpu']} | {r['model_size_steps']} | {r['figure']} |" in published
+    assert "tensorrt" in text.lower() and ("not importable" in text or "is importable" in text)
+
+
+def test_csv_has_measured_and_labelled_reference_rows(tiny_run):
+    _, _, out = tiny_run
+    with (out / "txt2img.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    measured = [r for r in rows if not r.get("published")]
+    published = [r for r in rows if r.get("published")]
+    assert [r["system"] for r in measured] == ["stock", "broken", "sdfast"]
+    assert all(r["env_torch"] for r in measured)
+    assert len(published) == len(reference.REFERENCE)
+    assert all(r["published"] == PUBLISHED_LABEL and r["source"] and r["gpu"] for r in published)
+    assert json.loads(measured[0]["config"])["optimize"] is False
+
+
+def test_cli_bench_forwards_its_arguments(monkeypatch):
+    from sdfast.cli import main
+
+    seen = []
+    monkeypatch.setattr(bench_txt2img, "main", lambda argv=None: seen.append(argv) or 0)
+    assert main(["bench", *TINY, "--systems", "stock", "--no-fp32-ref"]) == 0
+    assert seen == [[*TINY, "--systems", "stock", "--no-fp32-ref"]]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--systems", "stock,nope"], "unknown system"),
+    (["--models", "nope"], "random:tiny"),
+    (["--repeats", "0"], ">= 1"),
+])
+def test_bad_arguments_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_txt2img.main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_defaults_match_the_issue():
+    args = bench_txt2img.build_parser().parse_args([])
+    ctx = bench_txt2img.Context(device="cpu")
+    specs = {s.label: s for s in bench_txt2img.model_specs(args, ctx)}
+    assert list(specs) == ["sd15", "sdxl"]
+    assert (specs["sd15"].steps, specs["sdxl"].steps) == (50, 30)
+    assert specs["sd15"].fp32_ref and not specs["sdxl"].fp32_ref
+    assert specs["sd15"].height is None  # native size
+    assert args.repeats == 3 and args.batch == 1 and args.guidance == 7.5
+    assert bench_txt2img.parse_systems(args.systems) == ["stock", "compile", "sdfast"]
+    assert bench_txt2img.COMPILE_KWARGS == {"mode": "reduce-overhead", "fullgraph": True}
+    assert bench_txt2img.parse_size("768x512") == (512, 768) and bench_txt2img.parse_size("64") == (64, 64)
+
+
+def test_psnr_and_error():
+    import numpy as np
+    from PIL import Image
+
+    a = Image.fromarray(np.full((8, 8, 3), 100, np.uint8))
+    b = Image.fromarray(np.full((8, 8, 3), 110, np.uint8))
+    assert bench_txt2img.psnr(a, a) == math.inf
+    assert math.isclose(bench_txt2img.psnr(a, b), 10 * math.log10(255**2 / 100))
+    assert bench_txt2img.mean_abs_error(a, b) == 10
+
+
+def test_reference_rows():
+    assert len(reference.REFERENCE) == 12
+    for r in reference.REFERENCE:
+        assert r["label"] == PUBLISHED_LABEL and r["source"] and r["gpu"] and r["figure"]
+        assert r["arch"] in ("sd15", "sdxl")
+        assert r["e2e_s"] is not None or r["unet_ms_step"] is not None
+    by = {(r["system"], r["arch"]): r for r in reference.REFERENCE}
+    assert by[("TensorRT 9.0 (static shapes, CUDA graph)", "sd15")]["e2e_s"] == 0.819
+    assert math.isclose(by[("stable-fast", "sd15")]["unet_ms_step"], 1000 / 104.6)
+    assert by[("TensorRT", "sdxl")]["gpu"] in ("H100", "A100")
+
+
+@pytest.mark.parametrize("name, category", [
+    ("void cudnn::ops::nchwToNhwcKernel<__half, __half, float, false, true>(...)", "layout copies"),
+    ("void at::native::elementwise_kernel<128, 4, at::native::gpu_kernel_impl_nocast<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}>", "layout copies"),
+    ("void at::native::(anonymous namespace)::RowwiseMomentsCUDAKernel<c10::Half>(long, float, c10::Half const*, float*, float*)", "GroupNorm"),
+    ("void at::native::elementwise_kernel<128, 2, at::native::(anonymous namespace)::GroupNormKernelImplInternal<c10::Half>", "GroupNorm"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::(anonymous namespace)::silu_kernel(at::TensorIteratorBase&)", "SiLU/elementwise"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::Half>, std::array<char*, 3ul> >", "adds"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl(at::TensorIteratorBase&, at::native::GeluType)", "GELU/GEGLU"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::Half, float>", "LayerNorm"),
+    ("sm90_xmma_fprop_implicit_gemm_f16f16_f16f32_f32_nhwckrsc_nhwc_tilesize128x128x64", "conv"),
+    ("void cutlass__5x_cudnn::Kernel<cutlass_tensorop_f16_s16816fprop_optimized_f16_128x128_32x3_nhwc_align8>", "conv"),
+    ("sm90_xmma_gemm_f16f16_f16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1", "GEMM"),
+    ("nvjet_hsh_128x256_64x4_1x2_h_bz_coopB_NTN", "GEMM"),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 64, 4>>", "attention"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x64x64_4x1x1_kernel0_0", "attention"),
+    ("fmha_cutlassF_f16_aligned_64x64_rf_sm80", "attention"),
+    ("triton_red_fused_native_group_norm_silu_3", "GroupNorm"),
+    ("triton_poi_fused_add_convolution_5", "adds"),
+    ("triton_tem_fused_mm_7", "GEMM"),
+    ("Memcpy DtoD (Device -> Device)", "memcpy/memset"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>", "other"),
+])
+def test_categorize_kernel_names(name, category):
+    assert profile_step.categorize(name, sdfast_names=frozenset()) == category
+
+
+def test_sdfast_triton_kernels_by_name(tmp_path):
+    (tmp_path / "k.py").write_text("import triton\n@triton.autotune(configs=[])\n@triton.jit\ndef _gn_silu_fwd(\n  x_ptr,\n):\n  pass\n")
+    names = profile_step.sdfast_kernel_names.__wrapped__(str(tmp_path))
+    assert names == frozenset({"_gn_silu_fwd"})
+    assert profile_step.categorize("_gn_silu_fwd", sdfast_names=names) == "sdfast:_gn_silu_fwd"
+    events = [("_gn_silu_fwd", 30.0, "kernel"), ("void cudnn::ops::nhwcToNchwKernel<>", 10.0, "kernel"),
+              ("void cudnn::ops::nhwcToNchwKernel<>", 6.0, "kernel"), ("nvjet_hsh_x", 20.0, "kernel")]
+    b = profile_step.breakdown(events, steps=2, sdfast_names=names)
+    assert b["layout_copies_per_step"] == 1 and b["categories"]["layout copies"]["us"] == 8
+    assert b["categories"]["sdfast:_gn_silu_fwd"] == {"us": 15.0, "kernels": 0.5}
+    assert b["total_us"] == 33 and b["kernels_per_step"] == 2
+    assert set(profile_step.CATEGORIES) <= set(b["categories"])
+
+
+def test_format_helpers():
+    assert fmt(None) == "—" and fmt(float("inf")) == "inf" and fmt(2.4567) == "2.46" and fmt(1234.5) == "1234"
+    assert fmt(0.01234) == "0.0123"
+    assert markdown_table([{"a": 1.0, "b": "x|y"}], ["a", ("b", "B")]).splitlines() == ["| a | B |", "| --- | --- |", "| 1.00 | x\\|y |"]
+
+
+def test_bench_kernels_sections(tmp_path, monkeypatch, capsys):
+    fake = types.ModuleType("benchmarks.kernel_benches.fake_ok")
+    fake.run = lambda quick=False: [{"op": "group_norm", "shape": "(2, 320, 64, 64)", "us": 12.5, "quick": quick}]
+    bad = types.ModuleType("benchmarks.kernel_benches.fake_bad")
+    bad.run = lambda quick=False: 1 / 0
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    monkeypatch.setitem(sys.modules, bad.__name__, bad)
+    assert bench_kernels.main(["--only", "fake_ok,fake_bad,does_not_exist", "--quick", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    assert "### fake_ok" in text and "| group_norm | (2, 320, 64, 64) | 12.5 | yes |" in text
+    data = json.loads((tmp_path / "kernels.json").read_text())
+    rows = {r["section"]: r for r in data["rows"]}
+    assert rows["fake_ok"]["us"] == 12.5 and rows["fake_ok"]["quick"] is True
+    assert rows["fake_bad"]["error"] == "ZeroDivisionError: division by zero"
+    assert "No module named" in rows["does_not_exist"]["error"]
+    assert data["env"]["torch"]
+    assert (tmp_path / "kernels.csv").read_text().startswith("section,")
+    # only broken sections: exit code 1
+    assert bench_kernels.main(["--only", "fake_bad"]) == 1
+
+
+def test_unet_timer_fires_around_replaced_forward_and_compiled_module():
+    """The hooks see every call when forward is an instance attribute (sdfast's CUDA-graph runner) and
+    when the pipeline's unet is a torch.compile OptimizedModule."""
+    import torch
+
+    class Runner:  # stands in for sdfast.runtime.cuda_graphs.GraphedForward
+        def __init__(self, eager):
+            self.eager, self.calls = eager, 0
+
+        def __call__(self, *args, **kwargs):
+            self.calls += 1
+            return self.eager(*args, **kwargs)
+
+    lin = torch.nn.Linear(4, 4)
+    lin.forward = runner = Runner(lin.forward)
+    compiled = torch.compile(torch.nn.Linear(4, 4), backend="eager", fullgraph=True)
+    for module in (lin, compiled):
+        timer = bench_txt2img.UnetTimer(module, cuda=False, capture=True)
+        x = torch.randn(2, 4)
+        with timer, torch.no_grad():
+            for _ in range(3):
+                module(x)
+        module(x)  # after exit: hooks removed
+        assert len(timer.times_ms()) == 3 and all(t >= 0 for t in timer.times_ms())
+        args, kwargs = timer.captured
+        assert torch.equal(args[0], x) and args[0] is not x and kwargs == {}
+    assert runner.calls == 4
