@@ -524,7 +524,10 @@ def render(rows: list[dict], env: dict, *, profile: bool = False) -> str:
     out = [f"## Measured here: {gpu}, torch {env.get('torch')}, diffusers {env.get('diffusers')}, "
            f"{rows[0]['dtype'] if rows else ''}, batch {rows[0]['batch'] if rows else ''}, CFG "
            f"{rows[0]['guidance_scale'] if rows else ''}", "",
-           markdown_table(rows, TABLE_COLUMNS)]
+           markdown_table(rows, TABLE_COLUMNS), "",
+           "warmup: load (+ optimize/compile/capture) to the first image; UNet ms/step: median over every UNet call "
+           "of the timed generations; e2e: prompt to PIL, median; peak: max allocated over the timed generations; "
+           "PSNR: against stock fp16's image, same seed (stock: a timed image against its first, inf = deterministic)."]
     failed = [r for r in rows if r.get("error")]
     for r in failed:
         out.append(f"- {r['model']}/{r['system']} failed: {r['error']}")
