@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import interpret_mode, use_triton
+from kernels.gemm._common import autotune_bench, device_index, grouped_tile
 from kernels.gemm.w8a8 import gemm8_configs, quantize_per_token, quantize_per_token_ref
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -81,25 +82,19 @@ def _int8_outlier_kernel(
     out_ptr,  # (M, N) output
     M,
     N,
-    K: tl.constexpr,
+    K,
     stride_xm,
     stride_xk,
     stride_om,
     HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,
+    K_TILES: tl.constexpr,  # > 0: K-loop trip count as a constexpr (interpreter); 0: computed at run time
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_in_group = GROUP_M * num_pid_n
-    first_m = (pid // num_in_group) * GROUP_M
-    group_size_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % num_in_group) % group_size_m)
-    pid_n = (pid % num_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -109,7 +104,7 @@ def _int8_outlier_kernel(
 
     acc_i = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     acc_f = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+    for kt in range(0, K_TILES if K_TILES > 0 else tl.cdiv(K, BLOCK_K)):
         k = kt * BLOCK_K + rk
         kmask = k < K
         a = tl.load(xq_ptr + rm[:, None].to(tl.int64) * K + k[None, :], mask=kmask[None, :], other=0.0)
@@ -138,7 +133,7 @@ def _tuned(device_index: int):
     cfgs = gemm8_configs(torch.device("cuda", device_index))
     # the 16-bit outlier tile doubles the A footprint: drop the largest pipelines
     cfgs = [c for c in cfgs if c.num_stages * (c.kwargs["BLOCK_M"] * 3 + c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] <= 200 * 1024] or cfgs
-    return triton.autotune(configs=cfgs, key=["M", "N", "K", "HAS_BIAS", "IEEE"])(_int8_outlier_kernel)
+    return triton.autotune(configs=cfgs, key=["M", "N", "K", "HAS_BIAS", "IEEE"], do_bench=autotune_bench)(_int8_outlier_kernel)
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,16 +165,17 @@ def _int8_outlier_op(
             x.stride(0), x.stride(1), out.stride(0))
     meta = dict(HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32)
     if x.is_cuda and not interpret_mode():
-        kernel = _tuned(x.device.index if x.device.index is not None else torch.cuda.current_device())
+        kernel = _tuned(device_index(x))
 
         def grid(m):
             return (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)
 
-        kernel[grid](*args, **meta)
+        kernel[grid](*args, **meta, K_TILES=0)
     else:
         cfg = gemm8_configs(x.device)[0]
         grid = (triton.cdiv(M, cfg.kwargs["BLOCK_M"]) * triton.cdiv(N, cfg.kwargs["BLOCK_N"]),)
-        _int8_outlier_kernel[grid](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _int8_outlier_kernel[grid](*args, **meta, K_TILES=triton.cdiv(K, cfg.kwargs["BLOCK_K"]), **cfg.kwargs,
+                                   num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

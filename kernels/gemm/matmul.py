@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import interpret_mode, use_triton
+from kernels.gemm._common import autotune_bench, even_k, grouped_tile, interp_meta, smem_limit
 
 EPILOGUES = (None, "gelu", "geglu")
 _EPI_CODE = {"none": 0, "gelu": 1, "geglu": 2}
@@ -89,7 +90,7 @@ def _linear_kernel(
     out_ptr,  # (M, N) output
     M,
     N,
-    K: tl.constexpr,  # constexpr: one compile per K (SD has a handful); also sets EVEN_K
+    K,
     stride_xm,
     stride_xk,
     stride_wn,
@@ -103,21 +104,14 @@ def _linear_kernel(
     HAS_RESIDUAL: tl.constexpr,
     EPILOGUE: tl.constexpr,  # 0: none, 1: GELU, 2: GEGLU
     IEEE: tl.constexpr,  # fp32 inputs: exact fp32 dot instead of TF32
+    K_TILES: tl.constexpr,  # > 0: K-loop trip count as a constexpr (interpreter); 0: cdiv(K, BLOCK_K) at run time
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K mask in the main loop
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    EVEN_K: tl.constexpr = K % BLOCK_K == 0  # no K mask in the main loop
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_in_group
-    first_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % num_in_group) % group_size_m)
-    pid_n = (pid % num_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -133,7 +127,8 @@ def _linear_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if EPILOGUE == 2:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+    # (inline: the interpreter turns every plain assignment into a tensor, and cannot range() over one)
+    for kt in range(0, K_TILES if K_TILES > 0 else tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(x_ptrs)
             b = tl.load(w_ptrs)
@@ -183,10 +178,8 @@ def _linear_kernel(
 _GPU_CONFIGS = (
     (128, 128, 64, 4, 8),
     (128, 256, 64, 3, 8),
-    (128, 128, 32, 4, 4),
     (64, 128, 64, 4, 4),
-    (128, 64, 64, 4, 4),
-    (64, 64, 64, 3, 4),
+    (64, 64, 64, 4, 4),  # small M (cross-attention K/V on 154 tokens) and narrow N
 )
 
 
@@ -195,11 +188,9 @@ def smem_bytes(block_m: int, block_n: int, block_k: int, stages: int, elem_bytes
     return stages * (block_m * block_k + n_b_tiles * block_n * block_k) * elem_bytes
 
 
-@functools.lru_cache(maxsize=None)
 def device_smem_limit(device_index: int) -> int:
     """Opt-in shared memory per block (bytes) of a CUDA device (227 KiB on H100/H200, 163 KiB on A100)."""
-    props = torch.cuda.get_device_properties(device_index)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
+    return smem_limit(device_index)
 
 
 def linear_configs(device: torch.device, elem_bytes: int, n_b_tiles: int = 1) -> list[triton.Config]:
@@ -224,7 +215,8 @@ def _tuned(device_key: tuple, elem_bytes: int, n_b_tiles: int):
     return triton.autotune(
         configs=linear_configs(device, elem_bytes, n_b_tiles),
         key=["M", "N", "K", "HAS_BIAS", "HAS_RESIDUAL", "EPILOGUE", "IEEE"],
-    )(_linear_kernel)
+        do_bench=autotune_bench,
+    )(triton.heuristics({"EVEN_K": even_k})(_linear_kernel))
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,11 +291,12 @@ def _linear_op(
         def grid(meta):
             return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-        kernel[grid](*args, **common)
+        kernel[grid](*args, **common, K_TILES=0)
     else:
         cfg = linear_configs(x.device, x.element_size(), n_b)[0]
         grid = (triton.cdiv(M, cfg.kwargs["BLOCK_M"]) * triton.cdiv(N, cfg.kwargs["BLOCK_N"]),)
-        _linear_kernel[grid](*args, **common, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _linear_kernel[grid](*args, **common, **interp_meta(K, cfg.kwargs["BLOCK_K"]), **cfg.kwargs,
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.reshape(*lead, N)
 
 

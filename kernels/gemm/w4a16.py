@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import interpret_mode, use_triton
+from kernels.gemm._common import autotune_bench, device_index, even_k, grouped_tile, interp_meta, smem_limit
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -167,7 +168,7 @@ def _w4a16_kernel(
     out_ptr,  # (M, N) output
     M,
     N,
-    K: tl.constexpr,
+    K,
     stride_xm,
     stride_xk,
     stride_om,
@@ -175,22 +176,16 @@ def _w4a16_kernel(
     HAS_SMOOTH: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,
+    K_TILES: tl.constexpr,  # > 0: K-loop trip count as a constexpr (interpreter); 0: computed at run time
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # multiple of 8, divides GROUP_SIZE
     GROUP_M: tl.constexpr,
 ):
-    KW: tl.constexpr = (K + 7) // 8
-    G: tl.constexpr = (K + GROUP_SIZE - 1) // GROUP_SIZE
-    EVEN_K: tl.constexpr = K % BLOCK_K == 0
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_in_group = GROUP_M * num_pid_n
-    first_m = (pid // num_in_group) * GROUP_M
-    group_size_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % num_in_group) % group_size_m)
-    pid_n = (pid % num_in_group) // group_size_m
+    KW = (K + 7) // 8  # int32 words per packed row
+    G = (K + GROUP_SIZE - 1) // GROUP_SIZE  # groups per row
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -203,7 +198,7 @@ def _w4a16_kernel(
     x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :] * stride_xk
     qw_ptrs = qw_ptr + rn[:, None].to(tl.int64) * KW + rw[None, :]  # (BLOCK_N, BLOCK_K // 8)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+    for kt in range(0, K_TILES if K_TILES > 0 else tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(x_ptrs)
             packed = tl.load(qw_ptrs)
@@ -241,15 +236,8 @@ _GPU_CONFIGS = (
     (128, 128, 64, 4, 8),
     (64, 128, 64, 4, 4),
     (128, 64, 128, 3, 8),
-    (64, 64, 128, 4, 4),
-    (16, 128, 128, 4, 4),  # small M (cross-attention K/V on 154 tokens)
+    (32, 128, 128, 4, 4),  # small M (cross-attention K/V on 154 tokens)
 )
-
-
-@functools.lru_cache(maxsize=None)
-def _smem_limit(device_index: int) -> int:
-    props = torch.cuda.get_device_properties(device_index)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
 
 
 def w4a16_configs(device: torch.device, group_size: int, elem_bytes: int = 2) -> list[triton.Config]:
@@ -258,7 +246,7 @@ def w4a16_configs(device: torch.device, group_size: int, elem_bytes: int = 2) ->
     if device.type != "cuda":
         bk = 32 if group_size % 32 == 0 else 16
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": bk, "GROUP_M": 4}, num_warps=4, num_stages=1)]
-    limit = _smem_limit(device.index if device.index is not None else torch.cuda.current_device())
+    limit = smem_limit(device.index if device.index is not None else torch.cuda.current_device())
     out = []
     for bm, bn, bk, st, nw in _GPU_CONFIGS:
         if group_size % bk:
@@ -276,7 +264,8 @@ def _tuned(device_index: int, group_size: int, elem_bytes: int):
     return triton.autotune(
         configs=w4a16_configs(torch.device("cuda", device_index), group_size, elem_bytes),
         key=["M", "N", "K", "GROUP_SIZE", "HAS_SMOOTH", "HAS_BIAS", "IEEE"],
-    )(_w4a16_kernel)
+        do_bench=autotune_bench,
+    )(triton.heuristics({"EVEN_K": even_k})(_w4a16_kernel))
 
 
 # --------------------------------------------------------------------------------------------
@@ -329,17 +318,17 @@ def _w4a16_op(
     meta = dict(GROUP_SIZE=group_size, HAS_SMOOTH=smooth is not None, HAS_BIAS=bias is not None,
                 IEEE=x.dtype == torch.float32)
     if x.is_cuda and not interpret_mode():
-        idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        kernel = _tuned(idx, group_size, x.element_size())
+        kernel = _tuned(device_index(x), group_size, x.element_size())
 
         def grid(m):
             return (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)
 
-        kernel[grid](*args, **meta)
+        kernel[grid](*args, **meta, K_TILES=0)
     else:
         cfg = w4a16_configs(x.device, group_size)[0]
         grid = (triton.cdiv(M, cfg.kwargs["BLOCK_M"]) * triton.cdiv(N, cfg.kwargs["BLOCK_N"]),)
-        _w4a16_kernel[grid](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _w4a16_kernel[grid](*args, **meta, **interp_meta(K, cfg.kwargs["BLOCK_K"]), **cfg.kwargs,
+                            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.reshape(*lead, N)
 
 

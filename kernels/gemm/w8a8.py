@@ -34,6 +34,15 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import interpret_mode, log_fallback, use_triton
+from kernels.gemm._common import (
+    autotune_bench,
+    device_index,
+    even_k,
+    grouped_tile,
+    interp_meta,
+    round_half_even,
+    smem_limit,
+)
 
 INT8_QMAX = 127.0
 FP8_QMAX = 448.0  # largest finite float8_e4m3fn
@@ -154,14 +163,6 @@ def w8a8_linear_ref(
 # kernels
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _round_half_even(v):
-    f = tl.floor(v)
-    d = v - f
-    odd = f - 2.0 * tl.floor(f * 0.5)
-    return tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, f + odd))
-
-
-@triton.jit
 def _quantize_per_token_kernel(
     x_ptr,  # (M, K) float activations
     smooth_ptr,  # (K,) fp32 per-input-channel multiplier; unused when HAS_SMOOTH is False
@@ -170,10 +171,11 @@ def _quantize_per_token_kernel(
     M,
     stride_xm,
     stride_xk,
-    K: tl.constexpr,
+    K,
     QMAX: tl.constexpr,
     IS_FP8: tl.constexpr,
     HAS_SMOOTH: tl.constexpr,
+    K_TILES: tl.constexpr,  # > 0: K-loop trip count as a constexpr (interpreter); 0: computed at run time
     BLOCK_M: tl.constexpr,  # rows per program
     BLOCK_K: tl.constexpr,
 ):
@@ -182,7 +184,7 @@ def _quantize_per_token_kernel(
     rows64 = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+    for kt in range(0, K_TILES if K_TILES > 0 else tl.cdiv(K, BLOCK_K)):
         rk = kt * BLOCK_K + cols
         m2 = rmask[:, None] & (rk[None, :] < K)
         v = tl.load(x_ptr + rows64[:, None] * stride_xm + rk[None, :] * stride_xk, mask=m2, other=0.0).to(tl.float32)
@@ -192,7 +194,7 @@ def _quantize_per_token_kernel(
     scale = tl.maximum(tl.max(amax, axis=1), 1e-8) / QMAX
     inv = 1.0 / scale
     tl.store(scale_ptr + rows, scale, mask=rmask)
-    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+    for kt in range(0, K_TILES if K_TILES > 0 else tl.cdiv(K, BLOCK_K)):
         rk = kt * BLOCK_K + cols
         m2 = rmask[:, None] & (rk[None, :] < K)
         v = tl.load(x_ptr + rows64[:, None] * stride_xm + rk[None, :] * stride_xk, mask=m2, other=0.0).to(tl.float32)
@@ -202,7 +204,7 @@ def _quantize_per_token_kernel(
         if IS_FP8:
             q = tl.clamp(v, -QMAX, QMAX).to(q_ptr.dtype.element_ty)
         else:
-            q = tl.clamp(_round_half_even(v), -QMAX, QMAX).to(tl.int8)
+            q = tl.clamp(round_half_even(v), -QMAX, QMAX).to(tl.int8)
         tl.store(q_ptr + rows64[:, None] * K + rk[None, :], q, mask=m2)
 
 
@@ -216,26 +218,20 @@ def _w8a8_gemm_kernel(
     out_ptr,  # (M, N) output
     M,
     N,
-    K: tl.constexpr,
+    K,
     stride_sn,  # row stride of b_scale (G when grouped)
     stride_om,
     HAS_BIAS: tl.constexpr,
     IS_FP8: tl.constexpr,
     GROUP_SIZE: tl.constexpr,  # 0: per-channel weight scale; else per (n, K-group), BLOCK_K | GROUP_SIZE
+    K_TILES: tl.constexpr,  # > 0: K-loop trip count as a constexpr (interpreter); 0: computed at run time
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    EVEN_K: tl.constexpr = K % BLOCK_K == 0
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_in_group = GROUP_M * num_pid_n
-    first_m = (pid // num_in_group) * GROUP_M
-    group_size_m = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % num_in_group) % group_size_m)
-    pid_n = (pid % num_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -249,7 +245,7 @@ def _w8a8_gemm_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+    for kt in range(0, K_TILES if K_TILES > 0 else tl.cdiv(K, BLOCK_K)):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
@@ -288,18 +284,11 @@ def _w8a8_gemm_kernel(
 # --------------------------------------------------------------------------------------------
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) for 1-byte operands.
 _GPU_CONFIGS_8BIT = (
-    (128, 128, 128, 3, 8),
+    (128, 128, 128, 4, 8),
     (128, 256, 128, 3, 8),
     (64, 128, 128, 4, 4),
-    (128, 128, 64, 4, 4),
-    (128, 64, 128, 4, 4),
+    (64, 64, 128, 4, 4),  # small M (cross-attention K/V on 154 tokens) and narrow N
 )
-
-
-@functools.lru_cache(maxsize=None)
-def _smem_limit(device_index: int) -> int:
-    props = torch.cuda.get_device_properties(device_index)
-    return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
 
 
 def gemm8_configs(device: torch.device, group_size: int = 0) -> list[triton.Config]:
@@ -307,7 +296,7 @@ def gemm8_configs(device: torch.device, group_size: int = 0) -> list[triton.Conf
     ``BLOCK_K`` divides ``group_size`` (when grouped). One small config under the interpreter."""
     if device.type != "cuda":
         return [triton.Config({"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 4}, num_warps=4, num_stages=1)]
-    limit = _smem_limit(device.index if device.index is not None else torch.cuda.current_device())
+    limit = smem_limit(device.index if device.index is not None else torch.cuda.current_device())
     out = []
     for bm, bn, bk, st, nw in _GPU_CONFIGS_8BIT:
         if group_size and group_size % bk:
@@ -324,7 +313,8 @@ def _tuned_gemm(device_index: int, group_size: int):
     cfgs = gemm8_configs(torch.device("cuda", device_index), group_size)
     if not cfgs:
         raise ValueError(f"w8a8_gemm: group_size={group_size} has no valid tile config (needs a multiple of 32)")
-    return triton.autotune(configs=cfgs, key=["M", "N", "K", "HAS_BIAS", "IS_FP8", "GROUP_SIZE"])(_w8a8_gemm_kernel)
+    return triton.autotune(configs=cfgs, key=["M", "N", "K", "HAS_BIAS", "IS_FP8", "GROUP_SIZE"], do_bench=autotune_bench)(
+        triton.heuristics({"EVEN_K": even_k})(_w8a8_gemm_kernel))
 
 
 def check_fp8_supported(t: torch.Tensor, what: str) -> None:
@@ -367,7 +357,8 @@ def _quantize_per_token_op(x: torch.Tensor, smooth: torch.Tensor | None, fp8: bo
     _quantize_per_token_kernel[(triton.cdiv(M, block_m),)](
         x, sm, q, scale,
         M, x.stride(0), x.stride(1),
-        K=K, QMAX=_qmax(dtype), IS_FP8=fp8, HAS_SMOOTH=smooth is not None, BLOCK_M=block_m, BLOCK_K=block_k,
+        K, QMAX=_qmax(dtype), IS_FP8=fp8, HAS_SMOOTH=smooth is not None, BLOCK_M=block_m, BLOCK_K=block_k,
+        K_TILES=0 if (x.is_cuda and not interpret_mode()) else triton.cdiv(K, block_k),
         num_warps=4,
     )
     return q, scale
@@ -431,18 +422,19 @@ def _w8a8_gemm_op(
             b_scale.stride(0) if group_size else 1, out.stride(0))
     meta = dict(HAS_BIAS=bias is not None, IS_FP8=is_fp8, GROUP_SIZE=group_size)
     if a.is_cuda and not interpret_mode():
-        kernel = _tuned_gemm(a.device.index if a.device.index is not None else torch.cuda.current_device(), group_size)
+        kernel = _tuned_gemm(device_index(a), group_size)
 
         def grid(m):
             return (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)
 
-        kernel[grid](*args, **meta)
+        kernel[grid](*args, **meta, K_TILES=0)
     else:
         cfg = gemm8_configs(a.device, group_size)[0]
         if group_size and group_size % cfg.kwargs["BLOCK_K"]:
             raise ValueError(f"w8a8_gemm: group_size={group_size} must be a multiple of {cfg.kwargs['BLOCK_K']}")
         grid = (triton.cdiv(M, cfg.kwargs["BLOCK_M"]) * triton.cdiv(N, cfg.kwargs["BLOCK_N"]),)
-        _w8a8_gemm_kernel[grid](*args, **meta, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        _w8a8_gemm_kernel[grid](*args, **meta, **interp_meta(K, cfg.kwargs["BLOCK_K"]), **cfg.kwargs,
+                                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
 

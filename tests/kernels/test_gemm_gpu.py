@@ -1,0 +1,199 @@
+"""GPU tests (marker ``gpu``): every GEMM kernel at the real SD1.5 / SDXL linear shapes
+(kernels/gemm/sd_shapes.py) against its fp32 reference, plus CUDA-graph capture and torch.compile
+of the custom op. Run on the GPU machine: ``pytest -m gpu tests/kernels/test_gemm_gpu.py``."""
+
+import pytest
+import torch
+
+from kernels.gemm.int8_outlier import int8_outlier_linear, int8_outlier_linear_ref
+from kernels.gemm.matmul import linear, linear_ref
+from kernels.gemm.sd_shapes import SD_LINEAR_SHAPES
+from kernels.gemm.w4a16 import quantize_w4, w4a16_linear, w4a16_linear_ref
+from kernels.gemm.w8a8 import (
+    quantize_per_token,
+    quantize_per_token_ref,
+    quantize_weight_per_channel,
+    w8a8_linear,
+    w8a8_linear_ref,
+)
+from kernels.testing import assert_close_rule
+
+pytestmark = pytest.mark.gpu
+
+# distinct (M, K, N, epilogue) of the SD shapes
+SHAPES = sorted({(M, K, N, epi) for _, _, M, K, N, epi, _ in SD_LINEAR_SHAPES}, key=str)
+IDS = [f"M{M}-K{K}-N{N}-{epi}" for M, K, N, epi in SHAPES]
+DEV = "cuda"
+
+
+def _rel_ok(ours, ref, tol, name):
+    assert torch.isfinite(ours).all(), f"{name}: NaN/Inf"
+    rel = ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < tol, f"{name}: relative error {rel:.2e} >= {tol:.0e}"
+
+
+@pytest.mark.parametrize("M,K,N,epi", SHAPES, ids=IDS)
+def test_linear_sd_shapes_fp16(M, K, N, epi):
+    torch.manual_seed(0)
+    rows = 2 * N if epi == "geglu" else N
+    x = torch.randn(M, K, device=DEV, dtype=torch.float16)
+    w = (torch.randn(rows, K, device=DEV) / K**0.5).half()
+    b = torch.randn(rows, device=DEV).half()
+    r = torch.randn(M, N, device=DEV).half() if epi is None else None
+    ours = linear(x, w, b, epilogue=epi, residual=r, out_scale=1.0 if r is None else 0.5)
+    kw = dict(epilogue=epi, out_scale=1.0 if r is None else 0.5)
+    ref32 = linear_ref(x.float(), w.float(), b.float(), residual=None if r is None else r.float(), **kw).float()
+    lowp = linear_ref(x, w, b, residual=r, upcast=False, **kw)
+    assert_close_rule(ours, ref32, lowp, 1e-2, f"linear M{M} K{K} N{N} {epi}")
+
+
+@pytest.mark.parametrize("epi", [None, "gelu", "geglu"])
+def test_linear_bf16_and_fp32(epi):
+    torch.manual_seed(0)
+    M, K, N = 2048, 640, 640
+    rows = 2 * N if epi == "geglu" else N
+    for dtype, atol in ((torch.bfloat16, 5e-2), (torch.float32, 1e-3)):
+        x = torch.randn(M, K, device=DEV).to(dtype)
+        w = (torch.randn(rows, K, device=DEV) / K**0.5).to(dtype)
+        ours = linear(x, w, epilogue=epi)
+        ref32 = linear_ref(x.float(), w.float(), epilogue=epi).float()
+        lowp = linear_ref(x, w, epilogue=epi, upcast=False)
+        assert_close_rule(ours, ref32, lowp, atol, f"linear {dtype} {epi}")
+
+
+def test_linear_cuda_graph_and_compile():
+    x = torch.randn(4096, 320, device=DEV, dtype=torch.float16)
+    w = torch.randn(2560, 320, device=DEV, dtype=torch.float16) / 18
+    want = linear(x, w, epilogue="geglu")  # autotunes before capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = linear(x, w, epilogue="geglu")
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.testing.assert_close(out, linear(x, w, epilogue="geglu"))
+    f = torch.compile(lambda a, b: linear(a, b, epilogue="geglu") * 2, fullgraph=True)
+    torch.testing.assert_close(f(x, w), 2 * linear(x, w, epilogue="geglu"))
+    assert want.shape == (4096, 1280)
+
+
+@pytest.mark.parametrize("M,K", [(8192, 320), (154, 2048), (2048, 5120), (5, 1000)])
+def test_quantize_per_token_gpu(M, K):
+    x = torch.randn(M, K, device=DEV, dtype=torch.float16) * 3
+    sm = torch.rand(K, device=DEV) + 0.5
+    q, s = quantize_per_token(x, sm)
+    qr, sr = quantize_per_token_ref(x, sm)
+    torch.testing.assert_close(s, sr, rtol=1e-6, atol=0)
+    assert (q.int() - qr.int()).abs().max() <= 1
+    q8, s8 = quantize_per_token(x, sm, torch.float8_e4m3fn)
+    q8r, _ = quantize_per_token_ref(x, sm, torch.float8_e4m3fn)
+    assert (q8.float() == q8r.float()).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("qdtype", ["int8", "fp8", "int8_g128"])
+@pytest.mark.parametrize("M,K,N,epi", SHAPES, ids=IDS)
+def test_w8a8_sd_shapes(M, K, N, epi, qdtype):
+    if qdtype == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs sm_89+")
+    torch.manual_seed(0)
+    rows = 2 * N if epi == "geglu" else N
+    x = torch.randn(M, K, device=DEV, dtype=torch.float16)
+    w = torch.randn(rows, K, device=DEV) / K**0.5
+    b = torch.randn(rows, device=DEV).half()
+    sm = torch.rand(K, device=DEV) + 0.5
+    gs = 128 if qdtype == "int8_g128" else None
+    if gs and K % 128:
+        gs = 64  # K = 320: groups of 64 (the kernel also takes a partial last group)
+    qw, ws = quantize_weight_per_channel(w / sm, torch.float8_e4m3fn if qdtype == "fp8" else torch.int8, gs)
+    ours = w8a8_linear(x, qw, ws, b, smooth=sm, group_size=gs)
+    ref32 = w8a8_linear_ref(x.float(), qw, ws, b, smooth=sm, group_size=gs).float()
+    lowp = ref32.half()
+    assert_close_rule(ours, ref32, lowp, 2e-2, f"w8a8 {qdtype} M{M} K{K} N{rows}")
+    _rel_ok(ours, x.float() @ w.t() + b.float(), 0.02 if qdtype != "fp8" else 0.08, "w8a8 vs fp32 product")
+
+
+@pytest.mark.parametrize("M,K,N,epi", SHAPES, ids=IDS)
+def test_w4a16_sd_shapes(M, K, N, epi):
+    torch.manual_seed(0)
+    rows = 2 * N if epi == "geglu" else N
+    x = torch.randn(M, K, device=DEV, dtype=torch.float16)
+    w = torch.randn(rows, K, device=DEV) / K**0.5
+    b = torch.randn(rows, device=DEV).half()
+    qw, s, z = quantize_w4(w, 128, scale_dtype=torch.float16)  # K = 320: last group of 64
+    sm = torch.rand(K, device=DEV) + 0.5
+    for smooth in (None, sm):
+        ours = w4a16_linear(x, qw, s, z, b, group_size=128, smooth=smooth)
+        ref32 = w4a16_linear_ref(x.float(), qw, s, z, b.float(), group_size=128, smooth=smooth).float()
+        lowp = w4a16_linear_ref(x, qw, s, z, b, group_size=128, smooth=smooth, upcast=False)
+        assert_close_rule(ours, ref32, lowp, 2e-2, f"w4a16 M{M} K{K} N{rows} smooth={smooth is not None}")
+
+
+@pytest.mark.parametrize("M,K,N,epi", SHAPES, ids=IDS)
+def test_int8_outlier_sd_shapes(M, K, N, epi):
+    torch.manual_seed(0)
+    rows = 2 * N if epi == "geglu" else N
+    x = torch.randn(M, K, device=DEV, dtype=torch.float16)
+    x[:, 7] *= 30  # outlier features
+    x[:, K - 3] *= 30
+    w = torch.randn(rows, K, device=DEV) / K**0.5
+    qw, ws = quantize_weight_per_channel(w)
+    ours = int8_outlier_linear(x, qw, ws)
+    ref32 = int8_outlier_linear_ref(x.float(), qw, ws).float()
+    assert_close_rule(ours, ref32, ref32.half(), 2e-2, f"int8 outlier M{M} K{K} N{rows}")
+
+
+# ------------------------------------------------------------------------------------------
+# CUDA C++ cp.async kernels (built on first use)
+# ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def csrc():
+    from kernels.csrc import build
+
+    return build
+
+
+@pytest.mark.parametrize("M,K,N,epi", SHAPES, ids=IDS)
+def test_csrc_gemm_f16_sd_shapes(csrc, M, K, N, epi):
+    torch.manual_seed(0)
+    rows = 2 * N if epi == "geglu" else N
+    x = torch.randn(M, K, device=DEV, dtype=torch.float16)
+    w = (torch.randn(rows, K, device=DEV) / K**0.5).half()
+    b = torch.randn(rows, device=DEV).half()
+    ours = csrc.gemm_f16(x, w, b)
+    ref32 = x.float() @ w.float().t() + b.float()
+    assert_close_rule(ours, ref32, torch.nn.functional.linear(x, w, b), 1e-2, f"csrc f16 M{M} K{K} N{rows}")
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 64, 8), (129, 96, 130), (300, 200, 77), (37, 8, 5)])
+def test_csrc_gemm_f16_edges(csrc, M, K, N):
+    x = torch.randn(M, K, device=DEV, dtype=torch.float16)
+    w = torch.randn(N, K, device=DEV, dtype=torch.float16)
+    ours = csrc.gemm_f16(x, w)
+    ref32 = x.float() @ w.float().t()
+    assert_close_rule(ours, ref32, x @ w.t(), 1e-2, f"csrc f16 edge {M}x{K}x{N}")
+
+
+@pytest.mark.parametrize("M,K,N,epi", SHAPES, ids=IDS)
+def test_csrc_w4a16_sd_shapes(csrc, M, K, N, epi):
+    torch.manual_seed(0)
+    rows = 2 * N if epi == "geglu" else N
+    x = torch.randn(M, K, device=DEV, dtype=torch.float16)
+    w = torch.randn(rows, K, device=DEV) / K**0.5
+    b = torch.randn(rows, device=DEV).half()
+    qw, s, z = quantize_w4(w, 128, scale_dtype=torch.float16)
+    ours = csrc.gemm_w4a16(x, qw, s, z, b, group_size=128)
+    ref32 = w4a16_linear_ref(x.float(), qw, s, z, b.float(), group_size=128).float()
+    lowp = w4a16_linear_ref(x, qw, s, z, b, group_size=128, upcast=False)
+    assert_close_rule(ours, ref32, lowp, 2e-2, f"csrc w4a16 M{M} K{K} N{rows}")
+    triton_out = w4a16_linear(x, qw, s, z, b, group_size=128)
+    assert_close_rule(ours, ref32, triton_out, 2e-2, "csrc vs triton w4a16")
+
+
+def test_csrc_w4a16_edges_and_errors(csrc):
+    x = torch.randn(77, 96, device=DEV, dtype=torch.float16)  # K = 96: groups of 32, N tail
+    qw, s, z = quantize_w4(torch.randn(45, 96, device=DEV), 32, scale_dtype=torch.float16)
+    ours = csrc.gemm_w4a16(x, qw, s, z, group_size=32)
+    ref32 = w4a16_linear_ref(x.float(), qw, s, z, group_size=32).float()
+    assert_close_rule(ours, ref32, ref32.half(), 2e-2, "csrc w4a16 edge")
+    with pytest.raises(ValueError, match="K % 32"):
+        csrc.gemm_w4a16(torch.randn(4, 40, device=DEV).half(), *quantize_w4(torch.randn(8, 40, device=DEV), 16,
+                                                                             scale_dtype=torch.float16), group_size=16)

@@ -1,0 +1,208 @@
+"""sdfast.passes.quantize: calibration + quantize_ + dequantize_ on a tiny UNet2DConditionModel (CPU, fp32).
+
+One configuration runs the Triton kernels in the interpreter end to end; the others run the kernels'
+references (TRITON_INTERPRET=0 -> the logged dispatch fallback) to keep CI fast: the kernels are
+checked against those references in tests/kernels/test_quant.py."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from sdfast.passes.quantize import (
+    Int8OutlierConfig,
+    QuantizeStats,
+    W4A16Config,
+    W8A8Config,
+    default_filter,
+    dequantize_,
+    quantize_,
+)
+from sdfast.quantization import Int8OutlierLinear, QuantizedLinear, W4A16Linear, W8A8Linear, collect_linear_stats
+
+N_TRANSFORMER_LINEARS = 40  # 4 transformer blocks x (attn1 4 + attn2 4 + ff 2)
+
+
+@pytest.fixture(scope="module")
+def unet():
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(0)
+    return UNet2DConditionModel(
+        sample_size=8, in_channels=4, out_channels=4, layers_per_block=1, block_out_channels=(32, 64),
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=32, attention_head_dim=8, norm_num_groups=8,
+    ).eval()
+
+
+def _inputs(seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, 4, 8, 8, generator=g), torch.tensor([500]), torch.randn(1, 7, 32, generator=g)
+
+
+def _run(m, inputs):
+    with torch.no_grad():
+        return m(*inputs).sample
+
+
+def _calibration(m):
+    def run():
+        for seed, t in ((11, 100), (12, 800)):
+            x, _, enc = _inputs(seed)
+            m(x, torch.tensor([t]), enc)
+
+    return run
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def test_default_filter_targets():
+    lin = nn.Linear(4, 4)
+    yes = ["down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q",
+           "up_blocks.1.attentions.0.transformer_blocks.0.ff.net.0.proj",
+           "mid_block.attentions.0.transformer_blocks.0.attn2.to_out.0",
+           "down_blocks.1.attentions.1.proj_in", "up_blocks.0.attentions.2.proj_out"]
+    no = ["time_embedding.linear_1", "down_blocks.0.resnets.0.time_emb_proj",
+          "mid_block.attentions.0.to_q",  # VAE mid-block attention
+          "text_model.encoder.layers.0.self_attn.q_proj", "text_model.encoder.layers.0.mlp.fc1",
+          "vae.decoder.mid_block.attentions.0.transformer_blocks.0.attn1.to_q"]
+    assert all(default_filter(lin, n) for n in yes)
+    assert not any(default_filter(lin, n) for n in no)
+    assert not default_filter(nn.Conv2d(4, 4, 1), "down_blocks.1.attentions.1.proj_in")
+
+
+def test_collect_linear_stats():
+    lin = nn.Linear(6, 3)
+    xs = [torch.randn(2, 5, 6), torch.randn(4, 6) * 3]
+    st = collect_linear_stats({"l": lin}, lambda: [lin(x) for x in xs], hessian=True, n_samples=7)["l"]
+    flat = torch.cat([x.reshape(-1, 6) for x in xs])
+    torch.testing.assert_close(st.absmax, flat.abs().amax(0))
+    torch.testing.assert_close(st.absmean, flat.abs().mean(0))
+    torch.testing.assert_close(st.xtx, flat.t() @ flat)
+    torch.testing.assert_close(st.hessian, 2 * flat.t() @ flat / 14)
+    assert st.n_tokens == 14 and st.samples.shape == (7, 6)
+    assert all((flat == r).all(1).any() for r in st.samples)  # samples are real input rows
+    assert not lin._forward_pre_hooks
+    with pytest.raises(RuntimeError, match="none of the 1"):
+        collect_linear_stats({"l": lin}, lambda: None)
+
+
+def test_w8a8_kernel_path_end_to_end(unet):
+    """Calibrated SmoothQuant int8 through the Triton kernels (interpreter), then an exact undo."""
+    u = copy.deepcopy(unet)
+    inp = _inputs()
+    ref = _run(u, inp)
+    n = quantize_(u, W8A8Config(alpha=0.5, min_features=32), calibration=_calibration(u), keep_original=True)
+    assert isinstance(n, QuantizeStats) and n == N_TRANSFORMER_LINEARS and n.skipped_shape == 0
+    assert all(not m._forward_pre_hooks for m in u.modules())
+    qs = [m for m in u.modules() if isinstance(m, W8A8Linear)]
+    assert len(qs) == N_TRANSFORMER_LINEARS and all(m.smooth is not None for m in qs)
+    assert n.weight_ratio < 0.3  # int8 + fp32 scales/smoothing vs fp32 weights
+    out = _run(u, inp)
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < 0.02
+    assert dequantize_(u) == N_TRANSFORMER_LINEARS
+    assert not any(isinstance(m, QuantizedLinear) for m in u.modules())
+    torch.testing.assert_close(_run(u, inp), ref, rtol=0, atol=0)
+
+
+CONFIGS = [
+    (W8A8Config(alpha=0.5, dtype="fp8", min_features=32), W8A8Linear, 0.06),
+    (W8A8Config(alpha=0.5, group_size=32, min_features=32), W8A8Linear, 0.02),
+    (W8A8Config(alpha=0.0, min_features=32), W8A8Linear, 0.02),
+    (W4A16Config(method="rtn", group_size=16, min_features=32), W4A16Linear, 0.08),
+    (W4A16Config(method="awq", group_size=16, n_grid=5, n_samples=64, min_features=32), W4A16Linear, 0.08),
+    (W4A16Config(method="gptq", group_size=16, min_features=32), W4A16Linear, 0.08),
+    (Int8OutlierConfig(threshold=2.0, min_features=32), Int8OutlierLinear, 0.02),
+    (Int8OutlierConfig(threshold=2.0, static_outliers=False, min_features=32), Int8OutlierLinear, 0.02),
+]
+
+
+@pytest.mark.parametrize("config,cls,tol", CONFIGS, ids=lambda c: repr(c)[:60] if not isinstance(c, (type, float)) else None)
+def test_methods_reference_path(unet, monkeypatch, config, cls, tol):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # kernels -> their references (logged fallback)
+    u = copy.deepcopy(unet)
+    inp = _inputs()
+    ref = _run(u, inp)
+    n = quantize_(u, config, calibration=_calibration(u))
+    assert n == N_TRANSFORMER_LINEARS
+    assert sum(isinstance(m, cls) for m in u.modules()) == N_TRANSFORMER_LINEARS
+    out = _run(u, inp)
+    assert torch.isfinite(out).all()
+    assert _rel(out, ref) < tol
+    # undo without a kept original: nn.Linear with the dequantized weight (smoothing folded back)
+    assert dequantize_(u) == N_TRANSFORMER_LINEARS
+    assert all(type(m) is not cls for m in u.modules())
+    back = _run(u, inp)
+    assert _rel(back, ref) < tol
+    if cls is W4A16Linear:  # weight-only: the dequantized linear is the same function
+        torch.testing.assert_close(back, out, rtol=1e-3, atol=1e-4)
+
+
+def test_static_outliers_come_from_calibration(unet, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    u = copy.deepcopy(unet)
+    quantize_(u, Int8OutlierConfig(threshold=2.0, min_features=32), calibration=_calibration(u))
+    masks = [m.outlier_mask for m in u.modules() if isinstance(m, Int8OutlierLinear)]
+    assert all(mk is not None and mk.dtype == torch.bool for mk in masks)
+    assert any(mk.any() for mk in masks) and not all(mk.all() for mk in masks)
+    u2 = copy.deepcopy(unet)
+    quantize_(u2, Int8OutlierConfig(threshold=2.0, min_features=32))  # no calibration: dynamic
+    assert all(m.outlier_mask is None for m in u2.modules() if isinstance(m, Int8OutlierLinear))
+
+
+def test_shape_filter_and_already_quantized(unet, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    u = copy.deepcopy(unet)
+    n = quantize_(u, W4A16Config(method="rtn", group_size=16, min_features=64))
+    # only the 64-wide mid block qualifies; attn2.to_k / to_v read the 32-wide text states
+    assert n == 8 and n.skipped_shape == N_TRANSFORMER_LINEARS - 8 and n.skipped_already == 0
+    assert all("mid_block" in name for name in n.layers)
+    n2 = quantize_(u, W8A8Config(min_features=32))
+    assert n2 == N_TRANSFORMER_LINEARS - 8 and n2.skipped_already == 8
+    assert sum(isinstance(m, W4A16Linear) for m in u.modules()) == 8
+    n3 = quantize_(u, W8A8Config(min_features=32))
+    assert n3 == 0 and n3.skipped_already == N_TRANSFORMER_LINEARS
+    # filter_fn narrows the targets; dequantize_ with a filter restores only those
+    assert dequantize_(u, filter_fn=lambda m, name: isinstance(m, W4A16Linear)) == 8
+    assert dequantize_(u) == N_TRANSFORMER_LINEARS - 8
+
+
+def test_pipeline_object_and_errors(unet, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+    class Pipe:  # a diffusers pipeline is not an nn.Module; its UNet is quantized
+        def __init__(self, unet):
+            self.unet = unet
+
+    u = copy.deepcopy(unet)
+    n = quantize_(Pipe(u), W8A8Config(min_features=32), filter_fn=lambda m, name: name.endswith("to_q"))
+    assert n == 8 and all(isinstance(m, W8A8Linear) for name, m in u.named_modules() if name.endswith("to_q"))
+    with pytest.raises(ValueError, match="calibration"):
+        quantize_(copy.deepcopy(unet), W4A16Config(method="awq", min_features=32))
+    with pytest.raises(ValueError, match="calibration"):
+        quantize_(copy.deepcopy(unet), W4A16Config(method="gptq", min_features=32))
+    with pytest.raises(TypeError, match="config"):
+        quantize_(u, "int8")
+    with pytest.raises(TypeError, match="nn.Module"):
+        quantize_(object(), W8A8Config())
+    with pytest.raises(ValueError, match="dtype"):
+        W8A8Config(dtype="int4")
+    with pytest.raises(ValueError, match="method"):
+        W4A16Config(method="hqq")
+    with pytest.raises(ValueError, match="group_size"):
+        W4A16Config(group_size=100)
+
+
+def test_dtype_casts_keep_quantized_storage():
+    lin = nn.Linear(64, 48)
+    m = W8A8Linear.from_linear(lin, act_absmax=torch.rand(64) + 0.1, dtype="fp8")
+    m.half()
+    assert m.qweight.dtype == torch.uint8 and m.weight_q.dtype == torch.float8_e4m3fn
+    lin = nn.Linear(256, 48)
+    w4 = W4A16Linear.from_linear(lin, method="rtn", group_size=128).half()
+    assert w4.qweight.dtype == torch.int32 and w4.zeros.dtype == torch.uint8
+    assert w4.weight_nbytes() < 0.3 * lin.weight.numel() * 2  # int4 + fp16 scales + uint8 zeros
