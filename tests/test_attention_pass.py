@@ -264,6 +264,26 @@ def test_dispatcher_excludes_failing_and_wrong_backends(caplog):
     torch.testing.assert_close(out2, ref)
 
 
+def test_dispatcher_winner_failing_later_falls_back(caplog):
+    state = {"fail": False}
+
+    def flaky(q, k, v, attn_mask, scale, upcast):
+        if state["fail"]:
+            raise RuntimeError("unsupported batch size")
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    d = ap.AttentionDispatcher(candidates=("flaky",), extra_backends={"flaky": flaky}, measure_cpu=True)
+    q, k, v = _qkv()
+    d(q, k, v)
+    key = d.key_for(q, k, None, False)
+    assert d.choices()[key] == "flaky"
+    state["fail"] = True
+    with caplog.at_level(logging.INFO, logger="sdfast.attention"):
+        out = d(q[:1], k[:1], v[:1])
+    assert d.choices()[key] == "sdpa" and "'flaky' excluded" in caplog.text
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q[:1], k[:1], v[:1]))
+
+
 def test_dispatcher_all_fail_raises():
     def boom(*a):
         raise RuntimeError("nope")

@@ -67,6 +67,7 @@ def _sdpa_forced(name: str) -> BackendFn:
     def run(q, k, v, attn_mask, scale, upcast):
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
+        q, k, v = _sdpa_layout(q), _sdpa_layout(k), _sdpa_layout(v)
         with sdpa_kernel([getattr(SDPBackend, _SDPA_FORCED[name])]):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
 
@@ -77,7 +78,20 @@ def _sdpa_forced(name: str) -> BackendFn:
 def _sdpa_default(q, k, v, attn_mask, scale, upcast):
     # SDPA's own backend choice: what diffusers' AttnProcessor2_0 runs. Its fused backends already
     # do the softmax in fp32, which is what upcast asks for.
+    q, k, v = _sdpa_layout(q), _sdpa_layout(k), _sdpa_layout(v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+
+
+def _sdpa_layout(t: torch.Tensor) -> torch.Tensor:
+    """Give SDPA a (B, H, L, D) tensor in one of the two layouts its CUDA backends are known to handle:
+    BHSD-contiguous or the BSHD-packed view diffusers itself passes. The interleaved Q/K/V views of a
+    fused projection (sequence stride 3·H·D) made torch 2.11's default SDPA fault with an illegal memory
+    access on the H200 (seen 2026-11-29), so those are packed first (one copy of L·H·D elements)."""
+    b, h, l, d = t.shape
+    packed_bshd = t.stride(3) == 1 and t.stride(1) == d and t.stride(2) == h * d
+    if t.is_contiguous() or packed_bshd or t.device.type != "cuda":
+        return t
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def key_padding_from_mask(attn_mask: torch.Tensor, batch: int, lk: int) -> torch.Tensor:
@@ -354,7 +368,18 @@ class AttentionDispatcher:
         name = self._choice.get(key)
         if name is None:
             name = self._choose(key, q, k, v, attn_mask, scale, upcast)
-        return self._backends[name](q, k, v, attn_mask, scale, upcast)
+        if name == SAFE_DEFAULT:
+            return self._backends[name](q, k, v, attn_mask, scale, upcast)
+        try:
+            return self._backends[name](q, k, v, attn_mask, scale, upcast)
+        except Exception as e:  # noqa: BLE001
+            # the cached winner failed on a later call (the key has no batch size): exclude it and
+            # use SDPA's default from now on. Inside graph capture there is nothing safe to do.
+            if _capturing_or_compiling(q.device):
+                raise
+            self._exclude(key, name, f"failed after being picked: {type(e).__name__}: {e}", wrong=True)
+            self._choice[key] = SAFE_DEFAULT
+            return self._backends[SAFE_DEFAULT](q, k, v, attn_mask, scale, upcast)
 
     def _exclude(self, key: AttentionKey, name: str, reason: str, wrong: bool = False) -> None:
         """The one logged dispatch point: backend ``name`` will not be used for ``key``."""
@@ -362,11 +387,15 @@ class AttentionDispatcher:
         level = logging.WARNING if wrong else logging.INFO
         log.log(level, "sdfast attention: backend %r excluded for %s: %s", name, tuple(key), reason)
 
-    def _candidate_names(self, device: torch.device) -> list:
+    def _candidate_names(self, q: torch.Tensor, k: torch.Tensor) -> list:
         if self.candidates is not None:
             return list(self.candidates)
+        device = q.device
+        # math materializes the (B, H, Lq, Lk) scores in fp32: never the fastest at SD sizes, and
+        # above 2**27 elements (512 MiB) its warm-up run could run a smaller GPU out of memory
+        math_ok = q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2] <= 2**27
         if device.type == "cuda":
-            names = ["cudnn", "flash", "efficient", "math", "sdpa"]
+            names = ["cudnn", "flash", "efficient"] + (["math"] if math_ok else []) + ["sdpa"]
             if xformers_works(device):
                 names.append("xformers")
             names.append("triton")
@@ -393,7 +422,7 @@ class AttentionDispatcher:
             return SAFE_DEFAULT
         ref = _reference(q, k, v, attn_mask, scale)
         times: Dict[str, float] = {}
-        for name in self._candidate_names(device):
+        for name in self._candidate_names(q, k):
             fn = self._backends[name]
             try:
                 with torch.no_grad():
