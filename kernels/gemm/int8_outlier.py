@@ -37,7 +37,7 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def outlier_columns(x: torch.Tensor, threshold: float = 6.0) -> torch.Tensor:
     """(K,) bool: input features where any ``|x[..., k]| > threshold`` (one reduction kernel)."""
     K = x.shape[-1]
-    return torch.linalg.vector_norm(x.reshape(-1, K).float(), ord=float("inf"), dim=0) > threshold
+    return torch.linalg.vector_norm(x.reshape(-1, K), ord=float("inf"), dim=0) > threshold
 
 
 def int8_outlier_linear_ref(
