@@ -44,7 +44,7 @@ class FusedGroupNorm(nn.GroupNorm):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 3:
-            return self.forward(x.unsqueeze(-1)).squeeze(-1)
+            return self.forward(x.unsqueeze(2)).squeeze(2)  # (B, C, 1, L): stride(3) is the token stride in both layouts
         return group_norm(x, self.num_groups, self.weight, self.bias, self.eps, activation=self.activation)
 
     def extra_repr(self) -> str:
