@@ -144,9 +144,6 @@ def _gn_onepass_kernel(
     y_ptr,  # (B, C, H, W) output, x's strides
     pre_ptr,  # (B, C, H, W) pre-norm sum output, x's strides; unused without WRITE_PRE
     HW,
-    G,
-    Cg,
-    GPT,  # groups per channel tile
     eps,
     sxb,
     sxc,
@@ -156,6 +153,8 @@ def _gn_onepass_kernel(
     srhw,
     scbb,
     scbc,
+    Cg: tl.constexpr,  # channels per group
+    GPT: tl.constexpr,  # groups per channel tile (divides the group count: every tile is full)
     BLOCK_C: tl.constexpr,  # >= GPT * Cg
     BLOCK_HW: tl.constexpr,  # >= HW
     GPT_P2: tl.constexpr,
@@ -168,28 +167,27 @@ def _gn_onepass_kernel(
     SILU: tl.constexpr,
 ):
     ct = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
-    g0 = ct * GPT
-    n_ch = tl.minimum(GPT, G - g0) * Cg
+    b = tl.program_id(1)
+    b64 = b.to(tl.int64)  # batch offsets in int64 on scalars; in-batch offsets stay int32
     cl = tl.arange(0, BLOCK_C)
-    cmask = cl < n_ch
-    c = g0 * Cg + cl
+    cmask = cl < GPT * Cg  # constexpr bound: keeps NHWC channel loads vectorized
+    c = ct * (GPT * Cg) + cl
     c2 = tl.expand_dims(c, HW_AXIS)
     cmask2 = tl.expand_dims(cmask, HW_AXIS)
     hw2 = tl.expand_dims(tl.arange(0, BLOCK_HW), 1 - HW_AXIS)
     mask = cmask2 & (hw2 < HW)
-    x_offs = b * sxb + c2 * sxc + hw2 * sxhw
-    xv = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
+    x_offs = c2 * sxc + hw2 * sxhw
+    xv = tl.load(x_ptr + b64 * sxb + x_offs, mask=mask, other=0.0)
     pre = xv.to(tl.float32)
     if HAS_CB:
         pre += tl.load(cb_ptr + b * scbb + c2 * scbc, mask=cmask2, other=0.0).to(tl.float32)
     if HAS_RES:
-        pre += tl.load(r_ptr + b * srb + c2 * src + hw2 * srhw, mask=mask, other=0.0).to(tl.float32)
+        pre += tl.load(r_ptr + b64 * srb + c2 * src + hw2 * srhw, mask=mask, other=0.0).to(tl.float32)
     if HAS_CB or HAS_RES:
         pre = pre.to(xv.dtype).to(tl.float32)  # eager rounds the sum to x.dtype
         pre = tl.where(mask, pre, 0.0)
     if WRITE_PRE:
-        tl.store(pre_ptr + x_offs, pre.to(pre_ptr.dtype.element_ty), mask=mask)
+        tl.store(pre_ptr + b64 * sxb + x_offs, pre.to(pre_ptr.dtype.element_ty), mask=mask)
 
     # (BLOCK_C, GPT_P2) membership of each channel in the tile's local groups.
     onehot = ((cl // Cg)[:, None] == tl.arange(0, GPT_P2)[None, :]) & cmask[:, None]
@@ -209,7 +207,7 @@ def _gn_onepass_kernel(
         y += tl.load(b_ptr + c2, mask=cmask2, other=0.0).to(tl.float32)
     if SILU:
         y = y * tl.sigmoid(y)
-    tl.store(y_ptr + x_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + b64 * sxb + x_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -222,8 +220,6 @@ def _gn_stats_kernel(
     m2_ptr,  # (B, G, S) fp32 partial sums of squared deviations (M2)
     HW,
     G,
-    Cg,
-    GPT,  # groups per channel tile (1 when a group spans several BLOCK_C sub-blocks)
     S,  # H*W splits
     HWS,  # H*W positions per split (ITERS * BLOCK_HW)
     ct_base,  # first channel tile of this launch (L2 chunking)
@@ -235,6 +231,8 @@ def _gn_stats_kernel(
     srhw,
     scbb,
     scbc,
+    Cg: tl.constexpr,
+    GPT: tl.constexpr,  # groups per channel tile (1 when a group spans several BLOCK_C sub-blocks)
     N_CB: tl.constexpr,  # channel sub-blocks per tile: cdiv(GPT * Cg, BLOCK_C)
     ITERS: tl.constexpr,  # BLOCK_HW blocks per split
     BLOCK_C: tl.constexpr,
@@ -247,10 +245,11 @@ def _gn_stats_kernel(
 ):
     ct = ct_base + tl.program_id(0)
     s = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
+    b = tl.program_id(2)
+    x_b = x_ptr + b.to(tl.int64) * sxb
+    r_b = r_ptr + b.to(tl.int64) * srb
+    pre_b = pre_ptr + b.to(tl.int64) * sxb
     g0 = ct * GPT
-    n_gt = tl.minimum(GPT, G - g0)
-    n_ch = n_gt * Cg
     hw_lo = s * HWS
     hw_hi = tl.minimum(hw_lo + HWS, HW)
     n_hw = (hw_hi - hw_lo).to(tl.float32)
@@ -262,23 +261,23 @@ def _gn_stats_kernel(
     run_m2 = tl.zeros((GPT_P2,), dtype=tl.float32)
     for cbk in range(N_CB):
         cl = cbk * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = cl < n_ch
-        c = g0 * Cg + cl
+        cmask = cl < GPT * Cg
+        c = ct * (GPT * Cg) + cl
         c2 = tl.expand_dims(c, HW_AXIS)
         cmask2 = tl.expand_dims(cmask, HW_AXIS)
-        x_c = b * sxb + c2 * sxc
-        r_c = b * srb + c2 * src
+        x_c = c2 * sxc
+        r_c = c2 * src
         if HAS_CB:
             cb2 = tl.load(cb_ptr + b * scbb + c2 * scbc, mask=cmask2, other=0.0).to(tl.float32)
         # Per-channel shift: the channel's first value in this split (sums of x - shift do not cancel).
-        xv = tl.load(x_ptr + x_c + hw_lo * sxhw, mask=cmask2, other=0.0)
-        shift2 = xv.to(tl.float32)
+        x0 = tl.load(x_b + x_c + hw_lo * sxhw, mask=cmask2, other=0.0)
+        shift2 = x0.to(tl.float32)
         if HAS_CB:
             shift2 += cb2
         if HAS_RES:
-            shift2 += tl.load(r_ptr + r_c + hw_lo * srhw, mask=cmask2, other=0.0).to(tl.float32)
+            shift2 += tl.load(r_b + r_c + hw_lo * srhw, mask=cmask2, other=0.0).to(tl.float32)
         if HAS_CB or HAS_RES:
-            shift2 = shift2.to(xv.dtype).to(tl.float32)
+            shift2 = shift2.to(x0.dtype).to(tl.float32)
         if HW_AXIS == 1:
             acc1 = tl.zeros((BLOCK_C, BLOCK_HW), dtype=tl.float32)
         else:
@@ -287,16 +286,16 @@ def _gn_stats_kernel(
         for it in range(ITERS):
             hw2 = tl.expand_dims(hw_lo + it * BLOCK_HW + hw_r, 1 - HW_AXIS)
             mask = cmask2 & (hw2 < hw_hi)
-            xv = tl.load(x_ptr + x_c + hw2 * sxhw, mask=mask, other=0.0)
+            xv = tl.load(x_b + x_c + hw2 * sxhw, mask=mask, other=0.0)
             pre = xv.to(tl.float32)
             if HAS_CB:
                 pre += cb2
             if HAS_RES:
-                pre += tl.load(r_ptr + r_c + hw2 * srhw, mask=mask, other=0.0).to(tl.float32)
+                pre += tl.load(r_b + r_c + hw2 * srhw, mask=mask, other=0.0).to(tl.float32)
             if HAS_CB or HAS_RES:
                 pre = pre.to(xv.dtype).to(tl.float32)
             if WRITE_PRE:
-                tl.store(pre_ptr + x_c + hw2 * sxhw, pre.to(pre_ptr.dtype.element_ty), mask=mask)
+                tl.store(pre_b + x_c + hw2 * sxhw, pre.to(pre_ptr.dtype.element_ty), mask=mask)
             d = tl.where(mask, pre - shift2, 0.0)
             acc1 += d
             acc2 += d * d
@@ -319,8 +318,8 @@ def _gn_stats_kernel(
         run_mean = run_mean + delta * frac
         run_n = tot
     offs = (b * G + g0 + j) * S + s
-    tl.store(mean_ptr + offs, run_mean, mask=j < n_gt)
-    tl.store(m2_ptr + offs, run_m2, mask=j < n_gt)
+    tl.store(mean_ptr + offs, run_mean, mask=j < GPT)
+    tl.store(m2_ptr + offs, run_m2, mask=j < GPT)
 
 
 @triton.jit
@@ -339,7 +338,7 @@ def _gn_finalize_kernel(
     BLOCK_R: tl.constexpr,
     S_P2: tl.constexpr,
 ):
-    b = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(1)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < n_groups
     row = b * G + g_lo + r
@@ -371,8 +370,6 @@ def _gn_apply_kernel(
     m2_ptr,  # (B, G, S) fp32 partial M2
     HW,
     G,
-    Cg,
-    GPT,
     S,
     HWS,
     ct_base,
@@ -388,6 +385,8 @@ def _gn_apply_kernel(
     syb,
     syc,
     syhw,
+    Cg: tl.constexpr,
+    GPT: tl.constexpr,
     N_CB: tl.constexpr,
     ITERS: tl.constexpr,  # BLOCK_HW blocks per program
     BLOCK_C: tl.constexpr,
@@ -403,16 +402,17 @@ def _gn_apply_kernel(
 ):
     ct = ct_base + tl.program_id(0)
     t = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
+    b = tl.program_id(2)
+    x_b = x_ptr + b.to(tl.int64) * sxb
+    r_b = r_ptr + b.to(tl.int64) * srb
+    y_b = y_ptr + b.to(tl.int64) * syb
     g0 = ct * GPT
-    n_gt = tl.minimum(GPT, G - g0)
-    n_ch = n_gt * Cg
 
     # Group statistics of this tile's groups from their S partials (as in _gn_finalize_kernel).
     j = tl.arange(0, GPT_P2)
     sidx = tl.arange(0, S_P2)
     smask = sidx < S
-    pmask = (j < n_gt)[:, None] & smask[None, :]
+    pmask = (j < GPT)[:, None] & smask[None, :]
     poffs = (b * G + g0 + j)[:, None] * S + sidx[None, :]
     pmean = tl.load(mean_ptr + poffs, mask=pmask, other=0.0)
     pm2 = tl.load(m2_ptr + poffs, mask=pmask, other=0.0)
@@ -425,8 +425,8 @@ def _gn_apply_kernel(
     hw_r = t * (ITERS * BLOCK_HW) + tl.arange(0, BLOCK_HW)
     for cbk in range(N_CB):
         cl = cbk * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = cl < n_ch
-        c = g0 * Cg + cl
+        cmask = cl < GPT * Cg
+        c = ct * (GPT * Cg) + cl
         c2 = tl.expand_dims(c, HW_AXIS)
         cmask2 = tl.expand_dims(cmask, HW_AXIS)
         onehot = ((cl // Cg)[:, None] == j[None, :]) & cmask[:, None]
@@ -441,18 +441,18 @@ def _gn_apply_kernel(
             bias2 = tl.load(b_ptr + c2, mask=cmask2, other=0.0).to(tl.float32)
         if HAS_CB:
             cb2 = tl.load(cb_ptr + b * scbb + c2 * scbc, mask=cmask2, other=0.0).to(tl.float32)
-        x_c = b * sxb + c2 * sxc
-        r_c = b * srb + c2 * src
-        y_c = b * syb + c2 * syc
+        x_c = c2 * sxc
+        r_c = c2 * src
+        y_c = c2 * syc
         for it in range(ITERS):
             hw2 = tl.expand_dims(hw_r + it * BLOCK_HW, 1 - HW_AXIS)
             mask = cmask2 & (hw2 < HW)
-            xv = tl.load(x_ptr + x_c + hw2 * sxhw, mask=mask, other=0.0)
+            xv = tl.load(x_b + x_c + hw2 * sxhw, mask=mask, other=0.0)
             pre = xv.to(tl.float32)
             if HAS_CB:
                 pre += cb2
             if HAS_RES:
-                pre += tl.load(r_ptr + r_c + hw2 * srhw, mask=mask, other=0.0).to(tl.float32)
+                pre += tl.load(r_b + r_c + hw2 * srhw, mask=mask, other=0.0).to(tl.float32)
             if HAS_CB or HAS_RES:
                 pre = pre.to(xv.dtype).to(tl.float32)
             y = (pre - mean2) * a2
@@ -460,7 +460,7 @@ def _gn_apply_kernel(
                 y += bias2
             if SILU:
                 y = y * tl.sigmoid(y)
-            tl.store(y_ptr + y_c + hw2 * syhw, y.to(y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_b + y_c + hw2 * syhw, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -471,7 +471,7 @@ def _p2(n: int) -> int:
 
 
 def _num_warps(elems: int) -> int:
-    return 4 if elems <= 4096 else (8 if elems <= 16384 else 16)
+    return min(16, max(4, elems // 1024))  # about 32 fp32 values per thread
 
 
 @dataclasses.dataclass(frozen=True)
@@ -494,28 +494,29 @@ class GroupNormPlan:
     apply_warps: int = 4
 
 
-def _channel_tile(Cg: int, G: int, bytes_per_channel: int, budget: int):
-    """(BLOCK_C, GPT, N_CB): as many whole groups per channel tile as fill a power-of-two channel block
-    well (e.g. Cg=10 -> 64 channels, 6 groups; Cg=40 -> 128, 3), preferring blocks whose channel tile
-    stays under half the L2 chunk budget for huge tensors. The same in both layouts: the channels are
-    the tile's rows in NCHW (each row a contiguous H*W run) and its contiguous columns in NHWC."""
-    cands = []
-    for bc in (64, 128, 256, 32, 16):
-        if bc < Cg:
-            continue
-        gpt = min(bc // Cg, G)
-        util = gpt * Cg / bc
-        fits = gpt * Cg * bytes_per_channel <= budget // 2
-        cands.append((bc, gpt, util, fits))
-    if not cands:  # a group wider than 256 channels: one group per tile, looped in sub-blocks
+def _channel_tile(Cg: int, G: int, channels_last: bool, elem_size: int, bytes_per_channel: int, budget: int):
+    """(BLOCK_C, GPT, N_CB): the channel tile is GPT whole groups, GPT a divisor of G (every tile full,
+    so the channel mask has a constexpr bound), in a power-of-two BLOCK_C <= 256 (a wider group is
+    one tile walked in N_CB sub-blocks). NHWC: the tile's first channel must sit on a 16-byte
+    boundary or Triton cannot vectorize the channel-contiguous loads (Cg=10 fp16 -> 4 groups = 40
+    channels = 80 bytes, not 6 groups at 120 bytes); then fewest masked lanes, then 64..128 channels
+    per row. NCHW (channels are rows, H*W contiguous): fewest masked rows, then about 64 rows. Both prefer tiles under half the L2 chunk budget for huge tensors."""
+    if Cg > 256:
         return 256, 1, -(-Cg // 256)
-    # First block (in preference order) that fills >= 85% of its lanes and fits the L2 chunk,
-    # else the best-filled one that fits, else the best-filled one.
-    for bc, gpt, util, fits in cands:
-        if fits and util >= 0.85:
-            return bc, gpt, 1
-    best = max(cands, key=lambda t: (t[3], t[2]))
-    return best[0], best[1], 1
+    best = None
+    for gpt in (d for d in range(1, G + 1) if G % d == 0 and d * Cg <= 256):
+        ch = gpt * Cg
+        bc = max(_p2(ch), 1)
+        aligned = (ch * elem_size) % 16 == 0
+        fits = ch * bytes_per_channel <= budget // 2
+        util = round(ch / bc, 3)
+        if channels_last:
+            key = (aligned, fits, util, -abs(bc - 96))
+        else:
+            key = (fits, util, -abs(bc - 64))
+        if best is None or key > best[0]:
+            best = (key, bc, gpt)
+    return best[1], best[2], 1
 
 
 def group_norm_plan(
@@ -526,8 +527,8 @@ def group_norm_plan(
     G = num_groups
     Cg = C // G
     bytes_per_channel = B * HW * elem_size * (2 if has_res else 1)
-    bc, gpt, n_cb = _channel_tile(Cg, G, bytes_per_channel, T["l2_chunk_bytes"])
-    n_ct = -(-G // gpt)
+    bc, gpt, n_cb = _channel_tile(Cg, G, channels_last, elem_size, bytes_per_channel, T["l2_chunk_bytes"])
+    n_ct = G // gpt
     hw_p2 = _p2(HW)
     if n_cb == 1 and bc * hw_p2 <= T["onepass_max_elems"]:
         return GroupNormPlan("onepass", channels_last, bc, gpt, 1, n_ct, hw_p2, num_warps=_num_warps(bc * hw_p2))
@@ -633,6 +634,8 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
         return y, pre
     if return_sum and not has_add:
         pre.copy_(x)
+    if C * HW >= 2**31:
+        raise NotImplementedError(f"group_norm: C*H*W = {C * HW} per batch item needs 64-bit offsets (max 2**31 - 1)")
     cl = _is_channels_last(x)
     hw_axis = 0 if cl else 1
     plan = group_norm_plan(B, C, HW, G, cl, x.element_size(), residual is not None)
@@ -652,8 +655,8 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
     if plan.path == "onepass":
         _gn_onepass_kernel[(plan.n_ct, B)](
             x, r, cb, w, bs, y, pre if write_pre else x,
-            HW, G, Cg, plan.GPT, float(eps), *xs, *rs, scbb, scbc,
-            BLOCK_C=plan.BLOCK_C, BLOCK_HW=plan.BLOCK_HW, GPT_P2=_p2(plan.GPT), HW_AXIS=hw_axis,
+            HW, float(eps), *xs, *rs, scbb, scbc,
+            Cg=Cg, GPT=plan.GPT, BLOCK_C=plan.BLOCK_C, BLOCK_HW=plan.BLOCK_HW, GPT_P2=_p2(plan.GPT), HW_AXIS=hw_axis,
             HAS_CB=channel_bias is not None, HAS_RES=residual is not None,
             HAS_W=weight is not None, HAS_B=bias is not None, WRITE_PRE=write_pre, SILU=silu,
             num_warps=plan.num_warps,
@@ -670,15 +673,15 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
         n = min(plan.chunk_ct, plan.n_ct - ct0)
         _gn_stats_kernel[(n, S, B)](
             x, r, cb, pre if write_pre else x, pmean[0], pmean[1],
-            HW, G, Cg, plan.GPT, S, HWS, ct0, *xs, *rs, scbb, scbc,
-            N_CB=plan.N_CB, ITERS=HWS // plan.BLOCK_HW, BLOCK_C=plan.BLOCK_C, BLOCK_HW=plan.BLOCK_HW,
+            HW, G, S, HWS, ct0, *xs, *rs, scbb, scbc,
+            Cg=Cg, GPT=plan.GPT, N_CB=plan.N_CB, ITERS=HWS // plan.BLOCK_HW, BLOCK_C=plan.BLOCK_C, BLOCK_HW=plan.BLOCK_HW,
             GPT_P2=gpt_p2, HW_AXIS=hw_axis,
             HAS_CB=channel_bias is not None, HAS_RES=residual is not None, WRITE_PRE=write_pre,
             num_warps=plan.num_warps,
         )
         if plan.finalize:
             g_lo = ct0 * plan.GPT
-            n_g = min(G, (ct0 + n) * plan.GPT) - g_lo
+            n_g = n * plan.GPT
             block_r = max(1, min(_p2(n_g), 4096 // _p2(S)))
             _gn_finalize_kernel[(-(-n_g // block_r), B)](
                 pmean[0], pmean[1], fmean[0], fmean[1], G, Cg, HW, S, HWS, g_lo, n_g,
@@ -689,9 +692,9 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
             stats, s_a, hws_a = pmean, S, HWS
         _gn_apply_kernel[(n, -(-HW // plan.HWP), B)](
             src_x, r, cb, w, bs, y, stats[0], stats[1],
-            HW, G, Cg, plan.GPT, s_a, hws_a, ct0, float(eps),
+            HW, G, s_a, hws_a, ct0, float(eps),
             *xs, *rs, scbb, scbc, y.stride(0), y.stride(1), _hw_stride(y),
-            N_CB=plan.N_CB, ITERS=plan.HWP // plan.BLOCK_HW, BLOCK_C=plan.BLOCK_C, BLOCK_HW=plan.BLOCK_HW,
+            Cg=Cg, GPT=plan.GPT, N_CB=plan.N_CB, ITERS=plan.HWP // plan.BLOCK_HW, BLOCK_C=plan.BLOCK_C, BLOCK_HW=plan.BLOCK_HW,
             GPT_P2=gpt_p2, S_P2=_p2(s_a), HW_AXIS=hw_axis,
             HAS_CB=a_cb, HAS_RES=a_res, HAS_W=weight is not None, HAS_B=bias is not None, SILU=silu,
             num_warps=plan.apply_warps,
