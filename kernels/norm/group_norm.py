@@ -500,7 +500,8 @@ def _channel_tile(Cg: int, G: int, channels_last: bool, elem_size: int, bytes_pe
     one tile walked in N_CB sub-blocks). NHWC: the tile's first channel must sit on a 16-byte
     boundary or Triton cannot vectorize the channel-contiguous loads (Cg=10 fp16 -> 4 groups = 40
     channels = 80 bytes, not 6 groups at 120 bytes); then fewest masked lanes, then 64..128 channels
-    per row. NCHW (channels are rows, H*W contiguous): fewest masked rows, then about 64 rows. Both prefer tiles under half the L2 chunk budget for huge tensors."""
+    per row. NCHW (channels are rows, H*W contiguous): fewest masked rows, then about 64 rows.
+    Both prefer tiles under half the L2 chunk budget for huge tensors."""
     if Cg > 256:
         return 256, 1, -(-Cg // 256)
     best = None
@@ -674,7 +675,8 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
         _gn_stats_kernel[(n, S, B)](
             x, r, cb, pre if write_pre else x, pmean[0], pmean[1],
             HW, G, S, HWS, ct0, *xs, *rs, scbb, scbc,
-            Cg=Cg, GPT=plan.GPT, N_CB=plan.N_CB, ITERS=HWS // plan.BLOCK_HW, BLOCK_C=plan.BLOCK_C, BLOCK_HW=plan.BLOCK_HW,
+            Cg=Cg, GPT=plan.GPT, N_CB=plan.N_CB, ITERS=HWS // plan.BLOCK_HW,
+            BLOCK_C=plan.BLOCK_C, BLOCK_HW=plan.BLOCK_HW,
             GPT_P2=gpt_p2, HW_AXIS=hw_axis,
             HAS_CB=channel_bias is not None, HAS_RES=residual is not None, WRITE_PRE=write_pre,
             num_warps=plan.num_warps,
@@ -694,7 +696,8 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
             src_x, r, cb, w, bs, y, stats[0], stats[1],
             HW, G, s_a, hws_a, ct0, float(eps),
             *xs, *rs, scbb, scbc, y.stride(0), y.stride(1), _hw_stride(y),
-            Cg=Cg, GPT=plan.GPT, N_CB=plan.N_CB, ITERS=plan.HWP // plan.BLOCK_HW, BLOCK_C=plan.BLOCK_C, BLOCK_HW=plan.BLOCK_HW,
+            Cg=Cg, GPT=plan.GPT, N_CB=plan.N_CB, ITERS=plan.HWP // plan.BLOCK_HW,
+            BLOCK_C=plan.BLOCK_C, BLOCK_HW=plan.BLOCK_HW,
             GPT_P2=gpt_p2, S_P2=_p2(s_a), HW_AXIS=hw_axis,
             HAS_CB=a_cb, HAS_RES=a_res, HAS_W=weight is not None, HAS_B=bias is not None, SILU=silu,
             num_warps=plan.apply_warps,
