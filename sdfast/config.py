@@ -13,7 +13,9 @@ class OptimizeConfig:
         exact backend per shape, measured at warm-up). Numerics: fp32 softmax accumulation in every backend;
         differences from stock are fp16 rounding.
     fuse_qkv: fuse Q/K/V (self-attention) and K/V (cross-attention) projections into one GEMM each.
-        Speed: fewer, larger GEMMs. Numerics: identical math, different GEMM tiling (rounding-level).
+        Off by default: the fused output's interleaved Q/K/V views made torch 2.11's SDPA fault on the
+        H200, so they are packed before SDPA, and those packing copies (356 per SDXL step, 1.95 ms)
+        cost more than the fused GEMM saves (measured 2026-11-29). Numerics: rounding-level.
     fuse_norms: GroupNorm(+time-embedding bias)(+SiLU), LayerNorm(+residual) and GEGLU run as single
         Triton kernels (fp32 statistics). Speed: one pass over memory instead of three to five.
     channels_last: convolutions and norms run in NHWC with no layout round trips. Speed: cuDNN's
@@ -27,7 +29,7 @@ class OptimizeConfig:
     """
 
     attention: bool = True
-    fuse_qkv: bool = True
+    fuse_qkv: bool = False
     fuse_norms: bool = True
     channels_last: bool = True
     cuda_graphs: bool = True

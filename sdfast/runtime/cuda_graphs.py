@@ -109,6 +109,10 @@ class GraphedForward:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self.eager(*s_args, **s_kwargs)
+        except torch.cuda.OutOfMemoryError:
+            # Transient: nothing is cached, so the next call at this signature tries again.
+            torch.cuda.synchronize()
+            raise
         except Exception as e:  # the one logged fallback point of the graph runtime
             torch.cuda.synchronize()
             log.warning("sdfast: CUDA graph capture of %s failed (%s: %s); this input signature runs eagerly",
