@@ -474,9 +474,36 @@ def default_dispatcher() -> AttentionDispatcher:
 
 
 def _fused_layer(attn: nn.Module, name: str) -> Optional[nn.Module]:
-    if getattr(attn, "fused_projections", False):
-        return getattr(attn, name, None)
-    return None
+    """``attn.to_qkv`` / ``attn.to_kv`` when one GEMM on it computes exactly what the separate projections
+    compute now, else None (the caller then runs ``to_q``/``to_k``/``to_v``). Not so when a projection is
+    wrapped (a PEFT LoRA layer from ``load_lora_weights``: its adapter must run), or, for layers
+    :func:`apply` fused, when a projection's weight or bias no longer lives in the fused tensor (replaced
+    by ``module.to(...)``, ``param.data = ...``, a safe LoRA merge): the fused copy would be stale."""
+    if not getattr(attn, "fused_projections", False):
+        return None
+    fused = getattr(attn, name, None)
+    if fused is None:
+        return None
+    parts = (attn.to_k, attn.to_v) if name == "to_kv" else (attn.to_q, attn.to_k, attn.to_v)
+    if any(type(p) is not nn.Linear for p in parts):
+        return None
+    state = getattr(attn, _STATE_ATTR, None)
+    if state is None or state.get("fused") != name:
+        return fused  # fused by diffusers (``fuse_projections``): its own copy, as stock uses it
+    row = 0
+    for p in parts:
+        for mine, whole in ((p.weight, fused.weight), (p.bias, fused.bias)):
+            if mine is None:
+                continue
+            expected = whole.data_ptr() + row * whole.stride(0) * whole.element_size()
+            if mine.data_ptr() != expected or mine.dtype != whole.dtype:
+                if not state.get("stale_logged"):
+                    state["stale_logged"] = True
+                    log.info("sdfast attention: projection weights of a fused %s were replaced; running the "
+                             "separate projections (re-apply the pass to fuse again)", name)
+                return None
+        row += p.out_features
+    return fused
 
 
 class SdfastAttnProcessor:
