@@ -10,6 +10,7 @@ Importing sdfast does no GPU work.
 
 from __future__ import annotations
 
+from . import optimize as _optimize_module  # noqa: F401  loaded first, so the function below keeps the name
 from .config import OptimizeConfig
 from .engine import Engine
 from .errors import HubOfflineError, InvalidRequestError, ModelNotFoundError, NonFiniteOutputError
@@ -25,15 +26,15 @@ _ENGINES: dict[tuple, Engine] = {}
 
 
 def optimize(pipe, config: OptimizeConfig | None = None):
-    """Optimize a diffusers SD/SDXL pipeline in place (see ``sdfast.optimize`` module docs); returns it."""
-    from .optimize import optimize as _optimize
+    """Optimize a diffusers SD/SDXL pipeline in place (see ``sdfast.optimizer``); returns it."""
+    from .optimizer import optimize as _optimize
 
     return _optimize(pipe, config)
 
 
 def unoptimize(pipe):
     """Undo ``optimize`` on ``pipe``; returns it."""
-    from .optimize import unoptimize as _unoptimize
+    from .optimizer import unoptimize as _unoptimize
 
     return _unoptimize(pipe)
 
@@ -51,7 +52,7 @@ def load(model, *, device=None, dtype=None, seed: int = 0, optimize: bool | Opti
 
     pipe = load_pipeline(model, device=device, dtype=dtype, seed=seed)
     if optimize:
-        from .optimize import optimize as _optimize
+        from .optimizer import optimize as _optimize
 
         _optimize(pipe, optimize if isinstance(optimize, OptimizeConfig) else None)
     return Engine(pipe, name=model if isinstance(model, str) else type(model).__name__)
