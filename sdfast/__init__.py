@@ -10,7 +10,6 @@ Importing sdfast does no GPU work.
 
 from __future__ import annotations
 
-from . import optimize as _optimize_module  # noqa: F401  loaded first, so the function below keeps the name
 from .config import OptimizeConfig
 from .engine import Engine
 from .errors import HubOfflineError, InvalidRequestError, ModelNotFoundError, NonFiniteOutputError
