@@ -1,0 +1,493 @@
+"""Issue 10 (CPU, tiny architectures): what real users hit. Every size, guidance, prompt, seed, scheduler,
+LoRA and model variant gives stock diffusers' image on the optimized engine (or a clear error).
+
+``fast`` is ``sdfast.load(arch)`` (every pass on; its Triton kernels run in the interpreter here) and
+``stock`` the same seeded weights with ``optimize=False``. Images are compared on uint8 pixels.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import numpy as np
+import pytest
+import torch
+
+import sdfast
+from sdfast.config import OptimizeConfig
+from sdfast.engine import PromptTruncatedWarning
+from sdfast.errors import InvalidRequestError, ModelNotFoundError, NonFiniteOutputError
+from sdfast.prompts import encode_chunked, plan
+
+# Two steps: with one, "leading" timestep spacing runs the UNet only at t=1, where it barely changes the image.
+# DDIM: one UNet call per step (the interpreter makes each optimized UNet call cost about a second here).
+KW = dict(num_inference_steps=2, height=32, width=32, scheduler="ddim")
+PIPE_KW = dict(num_inference_steps=2, height=32, width=32)  # for calls to the diffusers pipeline itself
+LONG = "a photo of a cat, " * 30  # 180 CLIP tokens: three 75-token windows
+TOL = 2  # max |fast - stock| in uint8 levels (fp32 kernels; rounding only)
+
+
+def _px(img) -> np.ndarray:
+    return np.asarray(img).astype(np.int16)
+
+
+def _diff(a, b) -> int:
+    a, b = (a if isinstance(a, list) else [a]), (b if isinstance(b, list) else [b])
+    assert len(a) == len(b)
+    return max(int(np.abs(_px(x) - _px(y)).max()) for x, y in zip(a, b))
+
+
+def _pair(arch: str):
+    return sdfast.load(f"random:{arch}", optimize=False), sdfast.load(f"random:{arch}")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """(stock, fast, warm-up image): every case runs on a warmed-up optimized engine."""
+    stock, fast = _pair("tiny")
+    warm = fast.txt2img("a cat", seed=0, **KW)
+    return stock, fast, warm
+
+
+def _unet_calls(engine):
+    """A list that receives (batch, sequence length, added-cond shapes) of every UNet call, and its hook."""
+    calls = []
+
+    def hook(module, args, kwargs):
+        sample = args[0] if args else kwargs["sample"]
+        ehs = kwargs.get("encoder_hidden_states", args[2] if len(args) > 2 else None)
+        added = {k: tuple(v.shape) for k, v in (kwargs.get("added_cond_kwargs") or {}).items()}
+        calls.append((sample.shape[0], ehs.shape[1], added))
+
+    return calls, engine.pipe.unet.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+# --- sizes ---------------------------------------------------------------------------------------
+
+
+def test_sizes_multiple_of_8_not_64_odd_latents_many_in_a_row_match_stock(tiny):
+    stock, fast, _ = tiny
+    # latents 5x3 and 3x7: odd sides make the UNet upsample to explicit sizes; non-square both ways
+    first = None
+    for h, w in [(40, 24), (24, 56)]:
+        a = fast.txt2img("a cat", seed=1, **dict(KW, height=h, width=w))
+        assert a[0].size == (w, h)
+        assert _diff(a, stock.txt2img("a cat", seed=1, **dict(KW, height=h, width=w))) <= TOL, (h, w)
+        first = first or a
+    again = fast.txt2img("a cat", seed=1, **dict(KW, height=40, width=24))
+    assert _diff(again, first) == 0  # back to the first size: nothing stale
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 2, 2), (2, 4, 3, 5)])
+def test_vae_decode_of_small_and_odd_latents_matches_stock(tiny, shape):
+    """The VAE mid-block attention normalises (B, C, H*W) token views: exact on every latent shape."""
+    stock, fast, _ = tiny
+    z = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ours, ref = fast.pipe.vae.decode(z).sample, stock.pipe.vae.decode(z).sample
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_size_not_multiple_of_8_is_a_clear_error(tiny):
+    with pytest.raises(InvalidRequestError) as e:
+        tiny[1].txt2img("a cat", height=60, width=64)
+    assert e.value.field == "height"
+
+
+def test_batch_of_prompts_with_num_images_per_prompt_matches_stock(tiny):
+    stock, fast, _ = tiny
+    prompts = ["a cat", "a dog on a red chair"]
+    kw = dict(KW, seed=100, num_images_per_prompt=2)
+    a = fast.txt2img(prompts, **kw)
+    assert len(a) == 4 and [im.info["seed"] for im in a] == [str(100 + i) for i in range(4)]
+    assert _diff(a, stock.txt2img(prompts, **kw)) <= TOL
+
+
+@pytest.mark.parametrize("n_prompts, per_prompt", [(1, 8), (8, 1), (3, 2)])
+def test_batch_and_num_images_per_prompt_up_to_8(tiny, n_prompts, per_prompt):
+    """Counts, order and seeds (the optimized engine's parity at batch 4 is the test above; GPU: up to 8)."""
+    stock, _, _ = tiny
+    prompts = [f"a cat number {i}" for i in range(n_prompts)]
+    a = stock.txt2img(prompts, seed=7, num_images_per_prompt=per_prompt, num_inference_steps=1, height=16, width=16)
+    assert len(a) == n_prompts * per_prompt and all(im.size == (16, 16) for im in a)
+    assert [im.info["seed"] for im in a] == [str(7 + i) for i in range(len(a))]
+    assert [im.info["prompt_tokens"] for im in a] == [str(len(p.split())) for p in prompts for _ in range(per_prompt)]
+
+
+# --- guidance ------------------------------------------------------------------------------------
+
+
+def test_guidance_le_1_runs_one_unet_pass_without_cfg_batch_and_switches_back(tiny):
+    stock, fast, _ = tiny
+    calls, hook = _unet_calls(fast)
+    try:
+        for g in (1.0, 7.5):  # the engine was warmed up with CFG: off, then on again
+            calls.clear()
+            a = fast.txt2img("a dog", guidance_scale=g, seed=3, **KW)
+            assert [c[0] for c in calls] == [2 if g > 1 else 1] * KW["num_inference_steps"], g
+            assert _diff(a, stock.txt2img("a dog", guidance_scale=g, seed=3, **KW)) <= TOL, g
+    finally:
+        hook.remove()
+    calls, hook = _unet_calls(stock)
+    try:
+        stock.txt2img("a cat", guidance_scale=0.0, seed=3, **KW)
+        assert [c[0] for c in calls] == [1, 1]
+    finally:
+        hook.remove()
+
+
+# --- prompts -------------------------------------------------------------------------------------
+
+
+def test_long_prompt_is_chunked_in_75_token_windows_reported_and_matches_stock(tiny):
+    stock, fast, _ = tiny
+    calls, hook = _unet_calls(fast)
+    try:
+        a = fast.txt2img(LONG, negative_prompt="blurry", seed=4, **KW)
+    finally:
+        hook.remove()
+    info = a[0].info
+    assert (info["prompt_tokens"], info["prompt_chunks"], info["prompt_truncated_tokens"]) == ("180", "3", "0")
+    assert {c[1] for c in calls} == {3 * 77}  # the UNet cross-attends to every window
+    ref = stock.txt2img(LONG, negative_prompt="blurry", seed=4, **KW)
+    assert _diff(a, ref) <= TOL
+    cut = stock.txt2img(LONG, negative_prompt="blurry", seed=4, long_prompt="truncate", **KW)
+    assert _diff(ref, cut) > TOL  # the tokens after the 75th changed the image
+
+
+def test_long_prompt_truncate_mode_warns_reports_and_equals_stock_diffusers(tiny):
+    stock, _, _ = tiny
+    with pytest.warns(PromptTruncatedWarning, match=r"\[105\]"):
+        a = stock.txt2img(LONG, seed=5, long_prompt="truncate", **PIPE_KW)
+    assert a[0].info["prompt_truncated_tokens"] == "105" and a[0].info["prompt_chunks"] == "1"
+    with pytest.warns(PromptTruncatedWarning, match=r"and \[25\] of the negative"):
+        stock.txt2img("a cat", negative_prompt="blurry, ugly, " * 25, seed=5, long_prompt="truncate", **PIPE_KW)
+    ref = stock.pipe(LONG, generator=[torch.Generator().manual_seed(5)], guidance_scale=7.5, **PIPE_KW).images
+    assert _diff(a, ref) == 0
+
+
+def test_long_prompt_bad_policy_is_a_clear_error(tiny):
+    with pytest.raises(InvalidRequestError) as e:
+        tiny[0].txt2img("a cat", long_prompt="wrap")
+    assert e.value.field == "long_prompt"
+
+
+def test_prompt_of_75_tokens_is_stock_diffusers_exactly_and_76_needs_two_windows(tiny):
+    stock, fast, _ = tiny
+    p75, p76 = "cat " * 75, "cat " * 76
+    assert plan(fast.pipe, [p75], None, "chunk").chunks == 1
+    assert plan(fast.pipe, [p76], None, "chunk").chunks == 2
+    img = stock.txt2img(p75, seed=6, **PIPE_KW)
+    assert img[0].info["prompt_chunks"] == "1"
+    ref = stock.pipe(p75, generator=[torch.Generator().manual_seed(6)], guidance_scale=7.5, **PIPE_KW).images
+    assert _diff(img, ref) == 0
+
+
+@pytest.mark.parametrize("arch", ["tiny", "tiny-xl"])
+def test_chunked_window_equals_diffusers_encode_prompt(arch):
+    pipe = sdfast.load(f"random:{arch}", optimize=False).pipe
+    is_xl = arch == "tiny-xl"
+    # one window: exactly diffusers' encoding
+    ours = encode_chunked(pipe, ["a cat"], ["blurry"], 1, do_cfg=True)
+    ref = pipe.encode_prompt("a cat", device="cpu", num_images_per_prompt=1, do_classifier_free_guidance=True,
+                             negative_prompt="blurry")
+    names = ["prompt_embeds", "negative_prompt_embeds"] + (["pooled_prompt_embeds", "negative_pooled_prompt_embeds"] if is_xl else [])
+    for name, r in zip(names, ref):
+        assert torch.equal(ours[name], r), name
+    # a long prompt: window 0 is diffusers' (truncating) encoding; the others are new tokens
+    ours = encode_chunked(pipe, [LONG], None, 3, do_cfg=True)
+    ref = pipe.encode_prompt(LONG, device="cpu", num_images_per_prompt=1, do_classifier_free_guidance=True)
+    assert ours["prompt_embeds"].shape[1] == 3 * 77
+    torch.testing.assert_close(ours["prompt_embeds"][:, :77], ref[0], rtol=0, atol=1e-6)
+    if is_xl:  # no negative prompt: diffusers zeroes the negative embeddings itself (force_zeros_for_empty_prompt)
+        assert "negative_prompt_embeds" not in ours
+        torch.testing.assert_close(ours["pooled_prompt_embeds"], ref[2], rtol=0, atol=1e-6)
+    else:  # the empty negative prompt in every window
+        empty = pipe.encode_prompt("", device="cpu", num_images_per_prompt=1, do_classifier_free_guidance=False)[0]
+        torch.testing.assert_close(ours["negative_prompt_embeds"], empty.repeat(1, 3, 1), rtol=0, atol=1e-6)
+
+
+def test_negative_prompt_of_different_length(tiny):
+    stock, fast, _ = tiny
+    long_negative = "blurry, ugly, " * 25  # 100 tokens: two windows for a short prompt
+    a = fast.txt2img("a cat", negative_prompt=long_negative, seed=7, **KW)
+    assert a[0].info["prompt_chunks"] == "2"
+    assert _diff(a, stock.txt2img("a cat", negative_prompt=long_negative, seed=7, **KW)) <= TOL
+    # one negative string for a batch of prompts of other lengths (diffusers itself refuses str vs list)
+    prompts = ["a cat", "a very small dog sitting on a red chair"]
+    a = stock.txt2img(prompts, negative_prompt="blurry", seed=8, **PIPE_KW)
+    ref = stock.pipe(prompts, negative_prompt=["blurry", "blurry"], guidance_scale=7.5,
+                     generator=[torch.Generator().manual_seed(s) for s in (8, 9)], **PIPE_KW).images
+    assert _diff(a, ref) == 0
+    with pytest.raises(InvalidRequestError) as e:
+        stock.txt2img(prompts, negative_prompt=["blurry"], **KW)
+    assert e.value.field == "negative_prompt"
+
+
+def test_empty_and_non_ascii_prompts_match_stock(tiny):
+    stock, fast, _ = tiny
+    prompts = ["", "猫がソファで寝ている — café ☕ 🐱"]
+    negatives = ["", "ünïcödé, размыто"]
+    a = fast.txt2img(prompts, negative_prompt=negatives, seed=9, **KW)
+    assert a[0].info["prompt_tokens"] == "0" and int(a[1].info["prompt_tokens"]) > 10
+    assert _diff(a, stock.txt2img(prompts, negative_prompt=negatives, seed=9, **KW)) <= TOL
+
+
+# --- seeds ---------------------------------------------------------------------------------------
+
+
+def test_per_image_seeds_image_k_equals_alone_with_its_seed(tiny):
+    _, fast, _ = tiny
+    batch = fast.txt2img(["a cat", "a dog"], seed=[5, 42], **KW)
+    assert [im.info["seed"] for im in batch] == ["5", "42"]
+    assert _diff(batch[1], fast.txt2img("a dog", seed=42, **KW)) <= 1
+
+
+# --- schedulers ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(sdfast.SCHEDULERS))
+def test_every_scheduler_swapped_after_warm_up_matches_stock(tiny, name):
+    stock, fast, _ = tiny
+    kw = dict(KW, scheduler=name)
+    a = fast.txt2img("a cat", seed=12, **kw)
+    assert _diff(a, stock.txt2img("a cat", seed=12, **kw)) <= TOL
+
+
+def test_scheduler_swapped_back_gives_the_warm_up_image(tiny):
+    stock, fast, warm = tiny
+    fast.txt2img("a cat", seed=0, **dict(KW, scheduler="dpmpp_2m_karras"))
+    assert _diff(fast.txt2img("a cat", seed=0, **KW), warm) == 0
+
+
+# --- LoRA ----------------------------------------------------------------------------------------
+
+
+def _lora_state_dict(unet, targets: list[str], rank: int = 4, strength: float = 0.5, seed: int = 0) -> dict:
+    """A rank-``rank`` LoRA for ``unet`` in the PEFT format diffusers' loaders take (``unet.<module>.lora_A/B``),
+    on every Linear/Conv2d whose name ends with one of ``targets``. A and B are random (B is not zero, so the
+    LoRA has an effect): ``B @ A`` changes each layer's output by about ``strength`` times its input's scale."""
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name, m in unet.named_modules():
+        if not any(name == t or name.endswith("." + t) for t in targets):
+            continue
+        if isinstance(m, torch.nn.Linear):
+            a, b = (rank, m.in_features), (m.out_features, rank)
+        elif isinstance(m, torch.nn.Conv2d):
+            a, b = (rank, m.in_channels, *m.kernel_size), (m.out_channels, rank, 1, 1)
+        else:
+            continue
+        fan_in = int(np.prod(a[1:]))
+        sd[f"unet.{name}.lora_A.weight"] = torch.randn(a, generator=g) / fan_in**0.5
+        sd[f"unet.{name}.lora_B.weight"] = torch.randn(b, generator=g) * strength / rank**0.5
+    assert sd, targets
+    return sd
+
+
+@pytest.fixture
+def lora_pair(tiny):
+    """The module's engines; afterwards every LoRA is unloaded and the UNet weights are restored exactly
+    (a LoRA fused and then unloaded stays baked into the weights, as diffusers documents)."""
+    saved = [{k: v.clone() for k, v in engine.pipe.unet.state_dict().items()} for engine in tiny[:2]]
+    yield tiny
+    for engine, weights in zip(tiny[:2], saved):
+        engine.pipe.unload_lora_weights()
+        engine.pipe.unet.load_state_dict(weights)  # in place: the fused projections' views stay views
+
+
+def _unet_out(engine, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return engine.pipe.unet(**inputs, return_dict=False)[0].float()
+
+
+@pytest.fixture(scope="module")
+def fused_qkv():
+    """An optimized tiny engine with Q/K/V (self-attention) and K/V (cross-attention) projections fused."""
+    return sdfast.load("random:tiny", optimize=OptimizeConfig(fuse_qkv=True))
+
+
+@pytest.mark.parametrize("target", ["to_q", "to_k", "to_v"])
+def test_lora_on_each_of_q_k_v_is_applied_by_the_fused_qkv_attention(lora_pair, fused_qkv, target):
+    """With ``fuse_qkv`` the attention runs one GEMM on ``to_qkv`` / ``to_kv``: a LoRA on to_q, to_k or to_v
+    alone must still change the output exactly as in stock diffusers, loaded (unfused) and fused."""
+    stock, fast = lora_pair[0], fused_qkv
+    attn = fast.pipe.unet.down_blocks[0].attentions[0].transformer_blocks[0]
+    assert hasattr(attn.attn1, "to_qkv") and hasattr(attn.attn2, "to_kv")
+    saved = {k: v.clone() for k, v in fast.pipe.unet.state_dict().items()}
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(sample=torch.randn(2, 4, 5, 3, generator=g), timestep=torch.tensor(500),
+                  encoder_hidden_states=torch.randn(2, 77, 32, generator=g))
+    base = _unet_out(stock, inputs)
+    lora = _lora_state_dict(stock.pipe.unet, [target], strength=1.0)
+    for engine in (stock, fast):
+        engine.pipe.load_lora_weights(lora, adapter_name=target)
+    for state in ("loaded", "fused"):
+        if state == "fused":
+            for engine in (stock, fast):
+                engine.pipe.fuse_lora()
+        ours, ref = _unet_out(fast, inputs), _unet_out(stock, inputs)
+        assert (ref - base).abs().max() > 0.05, "the test LoRA is too weak to be seen"
+        torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-3, msg=f"LoRA on {target} ({state})")
+    fast.pipe.unload_lora_weights()
+    fast.pipe.unet.load_state_dict(saved)
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_projection_weight_replaced_after_fusing_is_used_not_the_stale_fused_copy(cross):
+    """``param.data = ...`` (or a safe LoRA merge) gives a projection new storage: the fused Q/K/V (K/V)
+    GEMM would still read the old weights, so the optimized attention must run the projections apart."""
+    import copy
+
+    from diffusers.models.attention_processor import Attention
+
+    from sdfast.passes import attention
+
+    torch.manual_seed(0)
+    ref = Attention(32, cross_attention_dim=16 if cross else None, heads=4, dim_head=8).eval()
+    ours = copy.deepcopy(ref)
+    assert attention.apply(ours) == 1 and hasattr(ours, "to_kv" if cross else "to_qkv")
+    x, ctx = torch.randn(2, 6, 32), (torch.randn(2, 5, 16) if cross else None)
+    for name in ("to_k", "to_v") if cross else ("to_q", "to_k", "to_v"):
+        new = torch.randn_like(getattr(ref, name).weight)
+        getattr(ref, name).weight.data = new.clone()
+        getattr(ours, name).weight.data = new.clone()
+        with torch.no_grad():
+            torch.testing.assert_close(ours(x, ctx), ref(x, ctx), atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_lora_load_fuse_unfuse_scale_unload_after_warm_up_matches_stock(lora_pair):
+    stock, fast, base = lora_pair
+    lora = _lora_state_dict(stock.pipe.unet, ["to_q", "to_k", "to_v", "to_out.0", "proj_in", "proj_out",
+                                              "ff.net.0.proj", "ff.net.2", "conv1", "conv2", "time_emb_proj"])
+    steps = [
+        ("load", lambda p: p.load_lora_weights(lora, adapter_name="style")),
+        ("fuse", lambda p: p.fuse_lora()),
+        ("unfuse", lambda p: p.unfuse_lora()),
+        ("scale 0.5", lambda p: p.set_adapters(["style"], adapter_weights=[0.5])),
+        ("unload", lambda p: p.unload_lora_weights()),
+    ]
+    images = {}
+    for name, step in steps:
+        for engine in (stock, fast):
+            step(engine.pipe)
+        images[name] = fast.txt2img("a cat", seed=0, **KW)  # base: the warm-up image
+        assert _diff(images[name], stock.txt2img("a cat", seed=0, **KW)) <= TOL, name
+    assert _diff(images["load"], base) > 5
+    assert _diff(images["fuse"], images["load"]) <= TOL and _diff(images["unfuse"], images["load"]) <= TOL
+    assert _diff(images["scale 0.5"], images["load"]) > TOL
+    assert _diff(images["unload"], base) <= 1
+
+
+# --- model variants ------------------------------------------------------------------------------
+
+
+def test_sd2_like_v_prediction_upcast_attention_matches_stock():
+    stock, fast = _pair("tiny-v")
+    pipe = fast.pipe
+    assert pipe.scheduler.config.prediction_type == "v_prediction"
+    assert pipe.unet.config.upcast_attention and pipe.unet.config.use_linear_projection
+    assert pipe.tokenizer.pad_token_id == 0  # SD 2.x pads with "!"
+    for prompt in ("a cat", LONG):
+        a = fast.txt2img(prompt, seed=16, **KW)
+        assert _diff(a, stock.txt2img(prompt, seed=16, **KW)) <= TOL, prompt[:20]
+
+
+def test_sdxl_like_two_encoders_pooled_time_ids_matches_stock():
+    stock, fast = _pair("tiny-xl")
+    calls, hook = _unet_calls(fast)
+    try:
+        a = fast.txt2img("a cat", seed=17, **KW)
+    finally:
+        hook.remove()
+    assert calls[0] == (2, 77, {"text_embeds": (2, 48), "time_ids": (2, 6)})
+    assert _diff(a, stock.txt2img("a cat", seed=17, **KW)) <= TOL
+    for negative in (None, "blurry"):  # zeroed negative embeddings / an encoded one, both chunked
+        a = fast.txt2img(LONG, negative_prompt=negative, seed=18, **KW)
+        assert a[0].info["prompt_chunks"] == "3"
+        assert _diff(a, stock.txt2img(LONG, negative_prompt=negative, seed=18, **KW)) <= TOL, negative
+
+
+def test_sdxl_vae_force_upcast_is_kept_in_fp32_when_the_pipeline_is_fp16():
+    engine = sdfast.load("random:tiny-xl", dtype=torch.float16, device="cpu")
+    assert engine.pipe.vae.config.force_upcast
+    assert engine.pipe.unet.dtype == torch.float16 and engine.pipe.vae.dtype == torch.float32
+    assert engine.pipe._sdfast.vae_upcast
+    sd1 = sdfast.load("random:tiny", dtype=torch.float16, device="cpu")  # SD1's VAE does not ask for it
+    assert sd1.pipe.vae.dtype == torch.float16 and not sd1.pipe._sdfast.vae_upcast
+
+
+# --- single-file checkpoints ---------------------------------------------------------------------
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """No network: HF_HUB_OFFLINE and every socket connection raising."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network access during an offline load: {args[:2]}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+@pytest.mark.parametrize("arch, family", [("tiny", "sd1"), ("tiny-v", "sd2"), ("tiny-xl", "sdxl")])
+def test_single_file_checkpoint_loads_offline_with_shipped_configs(tmp_path, offline, arch, family):
+    from safetensors.torch import save_file
+
+    from tests.ldm_checkpoint import original_state_dict
+
+    source = sdfast.load(f"random:{arch}", optimize=False, seed=3)
+    path = tmp_path / f"{arch}.safetensors"
+    save_file(original_state_dict(source.pipe, family), str(path))
+    loaded = sdfast.load(str(path), optimize=False)
+    assert type(loaded.pipe) is type(source.pipe)
+    for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        if getattr(source.pipe, name, None) is None:
+            continue
+        ours, ref = getattr(loaded.pipe, name).state_dict(), getattr(source.pipe, name).state_dict()
+        assert ours.keys() == ref.keys(), name
+        assert all(torch.equal(ours[k], ref[k]) for k in ref), name
+    assert loaded.pipe.scheduler.config.prediction_type == source.pipe.scheduler.config.prediction_type
+    assert loaded.pipe.unet.config.upcast_attention == source.pipe.unet.config.upcast_attention
+    if arch == "tiny":
+        assert _diff(loaded.txt2img("a cat", seed=19, **KW), source.txt2img("a cat", seed=19, **KW)) == 0
+
+
+def test_single_file_that_is_not_sd_is_a_clear_error(tmp_path, offline):
+    from safetensors.torch import save_file
+
+    save_file({"encoder.weight": torch.randn(4, 4)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ModelNotFoundError, match="not a Stable Diffusion checkpoint"):
+        sdfast.load(str(tmp_path / "other.safetensors"))
+    (tmp_path / "junk.safetensors").write_bytes(b"\x00not a safetensors file")
+    with pytest.raises(ModelNotFoundError, match="cannot be read"):
+        sdfast.load(str(tmp_path / "junk.safetensors"))
+    (tmp_path / "model.ckpt").write_bytes(b"pickle")
+    with pytest.raises(ModelNotFoundError, match="only .safetensors"):
+        sdfast.load(str(tmp_path / "model.ckpt"))
+    odd = {"cond_stage_model.transformer.text_model.final_layer_norm.weight": torch.ones(4),
+           "model.diffusion_model.input_blocks.0.0.weight": torch.randn(48, 4, 3, 3)}
+    save_file(odd, str(tmp_path / "odd.safetensors"))
+    with pytest.raises(ModelNotFoundError, match="48 conv_in channels.*configs only for sd15 \\(320\\), tiny \\(32\\)"):
+        sdfast.load(str(tmp_path / "odd.safetensors"))
+
+
+# --- numerics ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_vae_output_is_an_error_never_a_black_image(tiny, monkeypatch, bad):
+    _, fast, _ = tiny
+    decoder = fast.pipe.vae.decoder
+    real = decoder.forward
+
+    def poisoned(*args, **kwargs):
+        out = real(*args, **kwargs)
+        out[:, :, :4, :4] = bad  # a few pixels: clamping to [0, 1] would hide an Inf
+        return out
+
+    monkeypatch.setattr(decoder, "forward", poisoned)
+    with pytest.raises(NonFiniteOutputError, match="NaN/Inf"):
+        fast.txt2img("a cat", seed=20, **dict(KW, num_inference_steps=1))
