@@ -89,7 +89,9 @@ class Engine:
             long_prompt: what to do with a prompt (or negative prompt) over CLIP's 75 content tokens:
                 "chunk" (default) encodes it in 75-token windows and concatenates the embeddings;
                 "truncate" drops the tokens after the 75th (stock diffusers) and warns
-                (``PromptTruncatedWarning``). See ``sdfast.prompts``.
+                (``PromptTruncatedWarning``). See ``sdfast.prompts``. With "chunk", every prompt of a
+                batch is padded to the batch's largest window count, so a short prompt batched with a
+                long one does not give the image it gives alone (``sdfast.prompts.windows_of``).
 
         Returns: a list of ``PIL.Image.Image`` (RGB, ``width``×``height``). Each carries, as strings,
             ``info["seed"]``, ``info["prompt_tokens"]`` (CLIP content tokens of its prompt),

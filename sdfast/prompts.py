@@ -73,6 +73,13 @@ def windows_needed(n_tokens: int) -> int:
     return max(1, math.ceil(n_tokens / WINDOW))
 
 
+def windows_of(pipe, text: str) -> int:
+    """77-token windows ``text`` needs with ``long_prompt="chunk"`` (1 when it fits). Prompts batched in one
+    call are padded to the batch's largest count, which changes the image of a shorter one: a service that
+    batches requests should batch only texts with the same count to keep "batched == alone"."""
+    return windows_needed(len(content_ids(pipe, [text])[0]))
+
+
 def plan(pipe, prompts: list[str], negative_prompts: list[str] | None, policy: str) -> PromptReport:
     """Count tokens and decide the number of windows (see the module docstring). No encoder runs."""
     if policy not in POLICIES:

@@ -183,6 +183,13 @@ def test_prompt_of_75_tokens_is_stock_diffusers_exactly_and_76_needs_two_windows
     assert _diff(img, ref) == 0
 
 
+def test_windows_of_counts_77_token_windows(tiny):
+    from sdfast.prompts import windows_of
+
+    pipe = tiny[0].pipe
+    assert [windows_of(pipe, t) for t in ("", "a cat", "cat " * 75, "cat " * 76, LONG)] == [1, 1, 1, 2, 3]
+
+
 @pytest.mark.parametrize("arch", ["tiny", "tiny-xl"])
 def test_chunked_window_equals_diffusers_encode_prompt(arch):
     pipe = sdfast.load(f"random:{arch}", optimize=False).pipe
@@ -491,3 +498,4 @@ def test_non_finite_vae_output_is_an_error_never_a_black_image(tiny, monkeypatch
     monkeypatch.setattr(decoder, "forward", poisoned)
     with pytest.raises(NonFiniteOutputError, match="NaN/Inf"):
         fast.txt2img("a cat", seed=20, **dict(KW, num_inference_steps=1))
+
