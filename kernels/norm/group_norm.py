@@ -608,8 +608,10 @@ def _check_inputs(x, num_groups, weight, bias, channel_bias, residual, activatio
 
 
 def _hw_stride(t: torch.Tensor) -> int:
-    # Both supported layouts flatten (H, W) with stride(3): stride(2) == W * stride(3).
-    return t.stride(3)
+    """Stride of the flattened (H, W) axis. Both supported layouts have stride(2) == W * stride(3), but
+    PyTorch's contiguity checks ignore the strides of size-1 dims: with W == 1 (e.g. a (B, L, C) token
+    tensor seen as (B, C, L, 1)) stride(3) can be anything, and the step between positions is stride(2)."""
+    return t.stride(2) if t.shape[3] == 1 else t.stride(3)
 
 
 def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, activation, return_sum):

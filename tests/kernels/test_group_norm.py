@@ -264,3 +264,18 @@ def test_custom_op_fake_and_opcheck():
         (x, 4, torch.ones(16), torch.zeros(16), 1e-5, torch.randn(16), torch.randn(1, 16, 3, 3), "silu", True),
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+@pytest.mark.parametrize("token_shape", ["B,C,L,1", "B,C,1,L"])
+@pytest.mark.parametrize("path", ["onepass", "twopass"], indirect=True)
+def test_token_layout_with_a_size_one_spatial_dim(token_shape, path):
+    """A (B, L, C) token tensor (the transformer block's layout) seen as (B, C, L, 1) or (B, C, 1, L) counts
+    as channels_last for PyTorch whatever the size-1 dim's stride is; the kernel must step over the
+    positions with the stride of the dim that is not 1."""
+    B, L, C, G = 2, 21, 320, 32
+    tokens = torch.randn(B, L, C)
+    x = tokens.transpose(1, 2).unsqueeze(-1 if token_shape == "B,C,L,1" else 2)
+    w, b = torch.rand(C) + 0.5, torch.randn(C)
+    out = group_norm(x, G, w, b, 1e-6, activation="silu")
+    ref = group_norm_ref(x.contiguous(), G, w, b, 1e-6, activation="silu")
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
