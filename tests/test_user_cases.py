@@ -499,3 +499,31 @@ def test_non_finite_vae_output_is_an_error_never_a_black_image(tiny, monkeypatch
     with pytest.raises(NonFiniteOutputError, match="NaN/Inf"):
         fast.txt2img("a cat", seed=20, **dict(KW, num_inference_steps=1))
 
+
+
+def test_lora_fuse_unfuse_scale_disable_each_change_the_cuda_graph_weights_signature(tiny):
+    """CUDA graphs bake the LoRA layers' Python branches (merged? which adapters? what scale?) in at
+    capture: each LoRA state change must change ``weights_signature``, so ``GraphCache.check`` drops the
+    stale graphs (the GPU twin, test_gpu_lora_..., checks the images)."""
+    from sdfast.runtime.cuda_graphs import weights_signature
+
+    _, fast, _ = tiny
+    pipe = fast.pipe
+    lora = _lora_state_dict(pipe.unet, ["to_q", "to_v"])
+    seen = [weights_signature(pipe.unet)]
+    try:
+        for step in (
+            lambda: pipe.load_lora_weights(lora, adapter_name="style"),
+            lambda: pipe.set_adapters(["style"], adapter_weights=[0.5]),
+            lambda: pipe.fuse_lora(),
+            lambda: pipe.unfuse_lora(),
+            lambda: pipe.disable_lora(),
+            lambda: pipe.enable_lora(),
+        ):
+            step()
+            sig = weights_signature(pipe.unet)
+            assert sig != seen[-1], f"LoRA step {len(seen)} left the CUDA-graph signature unchanged"
+            seen.append(sig)
+    finally:
+        pipe.unload_lora_weights()
+    assert weights_signature(pipe.unet)[: len(seen[0])] == seen[0]

@@ -30,8 +30,30 @@ log = logging.getLogger("sdfast.runtime")
 
 
 def weights_signature(module: torch.nn.Module) -> tuple:
-    """Storage pointers of every parameter and buffer (in order): changes when one is replaced."""
-    return tuple(t.data_ptr() for t in module.parameters()) + tuple(t.data_ptr() for t in module.buffers())
+    """What a captured graph bakes in about the weights: the storage pointer of every parameter and
+    buffer (in order), which changes when one is replaced, and the adapter state of every PEFT LoRA
+    layer, which decides in Python (so at capture time) which adapters a layer adds and at what scale."""
+    pointers = tuple(t.data_ptr() for t in module.parameters()) + tuple(t.data_ptr() for t in module.buffers())
+    return pointers + adapter_signature(module)
+
+
+def adapter_signature(module: torch.nn.Module) -> tuple:
+    """The state of the PEFT tuner layers (diffusers' LoRA loaders) under ``module``: merged and active
+    adapters, whether adapters are disabled, and their scalings. ``fuse_lora``/``unfuse_lora``,
+    ``set_adapters``, ``disable_lora`` and ``enable_lora`` change it without touching any storage."""
+    state = []
+    for name, m in module.named_modules():
+        if not hasattr(m, "merged_adapters") or not hasattr(m, "active_adapters"):
+            continue  # not a peft BaseTunerLayer
+        scaling = getattr(m, "scaling", {})
+        state.append((
+            name,
+            tuple(m.merged_adapters),
+            tuple(m.active_adapters),
+            bool(getattr(m, "disable_adapters", False)),
+            tuple(sorted((k, float(v)) for k, v in scaling.items())) if isinstance(scaling, dict) else (),
+        ))
+    return tuple(state)
 
 
 def _leaf_key(x):
@@ -148,11 +170,12 @@ class GraphCache:
         return runner
 
     def check(self) -> int:
-        """Invalidate every runner whose module's weights were replaced since capture. Returns how many."""
+        """Invalidate every runner whose module's weights were replaced, or whose LoRA adapter state changed,
+        since capture. Returns how many."""
         stale = 0
         for runner in self.runners.values():
             if weights_signature(runner.module) != runner.weights:
-                log.info("sdfast: weights of %s were replaced; dropping its CUDA graphs", runner.name)
+                log.info("sdfast: weights or adapters of %s changed; dropping its CUDA graphs", runner.name)
                 runner.invalidate()
                 stale += 1
         return stale
