@@ -100,7 +100,8 @@ class Engine:
             negative prompt). ``engine.last_prompt_report`` holds the same for the whole request.
         Raises: ``InvalidRequestError`` (a ``ValueError`` naming the field) before any step runs;
             ``NonFiniteOutputError`` if the pipeline produced NaN/Inf (checked on the VAE's output,
-            before pixels are clamped), never a black image.
+            before pixels are clamped), never a black image; ``torch.OutOfMemoryError`` as is, after
+            dropping the CUDA graphs that the failed call captured (the service answers 503 and goes on).
         """
         height = self.default_size if height is None else height
         width = self.default_size if width is None else width
@@ -140,6 +141,8 @@ class Engine:
         hook = pipe.vae.decoder.register_forward_hook(
             lambda module, args, output: finite.append(bool(torch.isfinite(output).all()))
         )
+        graphs = getattr(getattr(pipe, "_sdfast", None), "graphs", None)
+        mark = graphs.mark() if graphs is not None else None
         t0 = time.perf_counter()
         try:
             out = pipe(
@@ -152,6 +155,10 @@ class Engine:
                 generator=generators,
                 output_type="np",
             )
+        except torch.OutOfMemoryError:
+            if graphs is not None:  # graphs captured for a call that could not complete: free their buffers
+                graphs.drop_since(mark)
+            raise
         finally:
             hook.remove()
         images = out.images

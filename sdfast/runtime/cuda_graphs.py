@@ -85,7 +85,8 @@ class GraphStats:
 class GraphedForward:
     """A callable that replaces ``module.forward`` (see the module docstring)."""
 
-    def __init__(self, module: torch.nn.Module, *, pool, max_graphs: int = 8, warmup_iters: int = 2, name: str = ""):
+    def __init__(self, module: torch.nn.Module, *, pool, max_graphs: int = 8, warmup_iters: int = 2, name: str = "",
+                 clock=None):
         self.module = module
         self.eager = module.forward  # the forward as it was (possibly already patched by other passes)
         self.rebound = "forward" in module.__dict__  # was forward already an instance attribute?
@@ -96,6 +97,8 @@ class GraphedForward:
         self.graphs: OrderedDict[tuple, _Graph | None] = OrderedDict()  # None: this signature runs eagerly
         self.stats = GraphStats()
         self.weights = weights_signature(module)
+        self.clock = clock or (lambda: 0)  # GraphCache's capture counter
+        self.born: dict[tuple, int] = {}  # signature -> clock value at its capture
 
     def __call__(self, *args, **kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -141,17 +144,29 @@ class GraphedForward:
                         self.name, type(e).__name__, e)
             self.stats.failures.append(f"{type(e).__name__}: {e}")
             self.graphs[key] = None
+            self.born[key] = self.clock()
             return
         self.graphs[key] = _Graph(graph, static_inputs, out)
+        self.born[key] = self.clock()
         self.stats.captures += 1
         log.info("sdfast: captured a CUDA graph of %s (%d cached)", self.name, len(self.graphs))
         while len(self.graphs) > self.max_graphs:
-            self.graphs.popitem(last=False)
+            old, _ = self.graphs.popitem(last=False)
+            self.born.pop(old, None)
             self.stats.evictions += 1
+
+    def drop_since(self, mark: int) -> int:
+        """Drop the graphs captured after clock value ``mark``. Returns how many."""
+        new = [key for key, t in self.born.items() if t > mark]
+        for key in new:
+            self.graphs.pop(key, None)
+            del self.born[key]
+        return len(new)
 
     def invalidate(self) -> None:
         """Drop every captured graph (after weights were replaced)."""
         self.graphs.clear()
+        self.born.clear()
         self.weights = weights_signature(self.module)
 
 
@@ -162,9 +177,14 @@ class GraphCache:
         self.pool = torch.cuda.graph_pool_handle()
         self.max_graphs = max_graphs
         self.runners: dict[str, GraphedForward] = {}
+        self._clock = 0
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
 
     def install(self, name: str, module: torch.nn.Module) -> GraphedForward:
-        runner = GraphedForward(module, pool=self.pool, max_graphs=self.max_graphs, name=name)
+        runner = GraphedForward(module, pool=self.pool, max_graphs=self.max_graphs, name=name, clock=self._tick)
         module.forward = runner
         self.runners[name] = runner
         return runner
@@ -179,6 +199,18 @@ class GraphCache:
                 runner.invalidate()
                 stale += 1
         return stale
+
+    def mark(self) -> int:
+        """A point in the capture history, for :meth:`drop_since`."""
+        return self._clock
+
+    def drop_since(self, mark: int) -> int:
+        """Drop every graph captured after ``mark`` (e.g. those of a call that then ran out of memory:
+        their static buffers would otherwise stay allocated for a signature that cannot complete)."""
+        dropped = sum(runner.drop_since(mark) for runner in self.runners.values())
+        if dropped:
+            log.info("sdfast: dropped %d CUDA graph(s) captured by a failed call", dropped)
+        return dropped
 
     def uninstall(self) -> int:
         for runner in self.runners.values():
