@@ -27,7 +27,7 @@ for stage in $stages; do
   echo "=== $stage"
   case $stage in
     env) run env bash -c 'nvidia-smi; python3 -c "import torch, triton, diffusers, transformers; print(torch.__version__, torch.version.cuda, triton.__version__, diffusers.__version__, transformers.__version__, torch.cuda.get_device_name())"' ;;
-    tests) run tests python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider --junitxml "$RAW/gpu-tests.xml" ${PYTEST_ARGS:-} tests ;;
+    tests) run tests bash benchmarks/gpu_tests.sh "$RAW" ${PYTEST_ARGS:-} ;;
     kernels) run kernels python3 -m benchmarks.bench_kernels --out "$RAW" ${KERNEL_ARGS:-} ;;
     txt2img) run txt2img python3 -m benchmarks.bench_txt2img --out "$RAW" ${BENCH_ARGS:-} ;;
     server) run server python3 -m benchmarks.bench_server --out "$RAW" ${SERVER_ARGS:-} ;;

@@ -43,8 +43,8 @@ def test_sd15_parity_psnr_and_fp32_error(sd15, record_property):
     stock.pipe.to(torch.float16)
     err_stock = np.abs(np.asarray(ref16, float) - np.asarray(ref32, float)).mean()
     err_ours = np.abs(np.asarray(ours, float) - np.asarray(ref32, float)).mean()
-    record_property("psnr_db", p)
-    record_property("err_vs_fp32_ratio", err_ours / max(err_stock, 1e-9))
+    record_property("psnr_db", float(p))
+    record_property("err_vs_fp32_ratio", float(err_ours / max(err_stock, 1e-9)))
     print(f"sd15 PSNR vs stock fp16 {p:.2f} dB; mean|err| vs fp32: stock fp16 {err_stock:.3f}, sdfast {err_ours:.3f}")
     assert p >= 35
     assert err_ours <= 1.5 * err_stock + 0.05

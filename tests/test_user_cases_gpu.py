@@ -253,7 +253,7 @@ def test_gpu_200_generations_at_mixed_sizes_flat_memory(sd15, record_property):
     torch.cuda.synchronize()
     gc.collect()
     end = torch.cuda.memory_allocated()
-    record_property("memory_start_mib", start / MiB)
-    record_property("memory_end_mib", end / MiB)
+    record_property("memory_start_mib", float(start / MiB))
+    record_property("memory_end_mib", float(end / MiB))
     assert {n: r.stats.captures for n, r in runners.items()} == captures  # no new graph after warm-up
     assert end <= start + 16 * MiB, (start / MiB, end / MiB)

@@ -127,9 +127,10 @@ def _candidates(x, w, b) -> dict:
             out["cusparselt_default"] = lambda: F.linear(x, ws, b)
             packed = torch._cslt_compress(w)
             out["cusparselt_alg0"] = lambda: s24.cusparselt_linear(x, packed, b)
-            plan = s24.cusparselt_search(packed, s24._pad_rows(x, 8), b)
-            out["cusparselt_tuned"] = lambda: s24.cusparselt_linear(x, packed, b, plan)
-            out["_plan"] = plan
+            if s24.cusparselt_search_enabled():
+                plan = s24.cusparselt_search(packed, s24._pad_rows(x, 8), b)
+                out["cusparselt_tuned"] = lambda: s24.cusparselt_linear(x, packed, b, plan)
+                out["_plan"] = plan
         except Exception as e:
             errors["cusparselt"] = f"{type(e).__name__}: {e}"[:300]
     else:
@@ -178,7 +179,7 @@ def _diagnosis(meta: dict) -> list[dict]:
     if s24.cusparselt_available():
         ws = s24.to_semi_structured(w, "cusparselt")
         packed = torch._cslt_compress(w)
-        plan = s24.cusparselt_search(packed, x, b)
+        plan = s24.cusparselt_search(packed, x, b) if s24.cusparselt_search_enabled() else s24.CusparseltPlan()
         xt_contig = x.t().contiguous()
         variants.update(
             {

@@ -70,6 +70,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 import warnings
 from typing import Callable
 
@@ -106,6 +107,7 @@ __all__ = [
     "cusparselt_available",
     "backend_supports",
     "cusparselt_search",
+    "cusparselt_search_enabled",
     "cusparselt_linear",
     "cutlass_linear",
     "time_us_eager",
@@ -677,6 +679,14 @@ def _aligned_rows(x2d: torch.Tensor) -> torch.Tensor:
     return x2d
 
 
+def cusparselt_search_enabled() -> bool:
+    """Whether cuSPARSELt's own algorithm search runs (``SDFAST_CUSPARSELT_SEARCH=1``). Off by default:
+    on the H200 with torch 2.11 (cuSPARSELt of its CUDA 13.0 build) ``cusparseLtMatmulSearch`` failed with
+    "internal error" on SD shapes and left the CUDA context broken (illegal instruction on every later
+    kernel), which no fallback can recover from. Without it, cuSPARSELt runs its default algorithm."""
+    return os.environ.get("SDFAST_CUSPARSELT_SEARCH", "0") == "1"
+
+
 def cusparselt_search(packed: torch.Tensor, x2d: torch.Tensor, bias: torch.Tensor | None = None) -> CusparseltPlan:
     """Run cuSPARSELt's algorithm search for ``y = x2d @ W^T (+ bias)`` in our layout (transposed
     result, x^T as a view). packed: ``torch._cslt_compress(W)``; x2d: (M, K) CUDA, M % 8 == 0."""
@@ -1017,7 +1027,8 @@ class SparseLinear(nn.Module):
                 if _capturing_or_compiling():
                     return None
                 (packed,) = self._backend_data("cusparselt")
-                choice = _Choice("cusparselt", plan=cusparselt_search(packed, _pad_rows(x2d, 8), self.bias), reason="forced")
+                plan = cusparselt_search(packed, _pad_rows(x2d, 8), self.bias) if cusparselt_search_enabled() else CusparseltPlan()
+                choice = _Choice("cusparselt", plan=plan, reason="forced")
             else:
                 choice = _Choice(self.backend, reason="forced")
             _DECISIONS[key] = choice
@@ -1043,7 +1054,7 @@ class SparseLinear(nn.Module):
                 if name == "cusparselt":
                     (packed,) = self._data[name]
                     cands["cusparselt:alg0"] = _Choice("cusparselt", plan=CusparseltPlan())
-                    plan = cusparselt_search(packed, _pad_rows(x2d, 8), b)
+                    plan = cusparselt_search(packed, _pad_rows(x2d, 8), b) if cusparselt_search_enabled() else CusparseltPlan()
                     if plan != CusparseltPlan():
                         cands["cusparselt:search"] = _Choice("cusparselt", plan=plan)
                 else:

@@ -510,7 +510,9 @@ def test_cutlass_plumbing(monkeypatch):
 
 def test_selection_flow_with_every_backend(monkeypatch, fake_cslt, fresh_decisions):
     """The whole auto-selection on CPU fp16 with emulated cuSPARSELt/CUTLASS and a stand-in timer:
-    candidates, labels, plan, chosen backend and the cleanup of the losers' compressed copies."""
+    candidates, labels, plan, chosen backend and the cleanup of the losers' compressed copies
+    (with cuSPARSELt's search switched on; off, its candidate is not built: next test)."""
+    monkeypatch.setenv("SDFAST_CUSPARSELT_SEARCH", "1")
     monkeypatch.setattr(torch, "_sparse_semi_structured_linear",
                         lambda x, p, m, bias=None: F.linear(x, s24.from_cutlass_format(p, m), bias), raising=False)
     sl = s24.SparseLinear.from_dense(nn.Linear(128, 64, dtype=torch.float16))
@@ -523,6 +525,24 @@ def test_selection_flow_with_every_backend(monkeypatch, fake_cslt, fresh_decisio
     assert choice.backend == "cusparselt" and choice.plan == s24.CusparseltPlan(3, 2, 1)
     assert choice.timings_us == times and set(sl._data) == {"cusparselt"}
     torch.testing.assert_close(sl._run(choice, x2d), F.linear(x2d, sl.weight, sl.bias))
+
+
+def test_cusparselt_search_is_off_by_default(monkeypatch, fake_cslt, fresh_decisions):
+    """cuSPARSELt's search broke the CUDA context on the H200: by default it never runs, and the
+    default-algorithm cuSPARSELt still competes."""
+    monkeypatch.delenv("SDFAST_CUSPARSELT_SEARCH", raising=False)
+    assert not s24.cusparselt_search_enabled()
+    monkeypatch.setattr(s24, "cusparselt_search", lambda *a, **k: pytest.fail("search ran"))
+    monkeypatch.setattr(torch, "_sparse_semi_structured_linear",
+                        lambda x, p, m, bias=None: F.linear(x, s24.from_cutlass_format(p, m), bias), raising=False)
+    sl = s24.SparseLinear.from_dense(nn.Linear(128, 64, dtype=torch.float16))
+    times = {"dense": 10.0, "cusparselt:alg0": 6.0, "cutlass": 8.0, "triton": 7.0}
+    timer = _fake_timer(times)
+    timer.order = list(times)
+    monkeypatch.setattr(s24, "time_us_graph", timer)
+    choice = sl._decide(torch.randn(32, 128, dtype=torch.float16))
+    assert choice.backend == "cusparselt" and choice.plan == s24.CusparseltPlan()
+    assert choice.timings_us == times
 
 
 def test_benchmark_module_shapes_and_cpu_guard():
