@@ -14,8 +14,11 @@ What is specific to Stable Diffusion's shapes:
 * head_dim 512 (the VAE mid-block: one head of 512) does not fit one program's registers: the
   output columns are split over a third grid axis (``DV0`` columns per program, q·k recomputed per
   column block), with small key tiles.
-* query / key lengths that are not tile multiples (77, 154, 4225 = 65x65): full key tiles run
-  unmasked, the last partial tile runs a masked copy of the loop body.
+* query / key lengths that are not tile multiples (77, 154, 4225 = 65x65): the last partial key
+  tile runs a copy of the loop body that sends keys past the end to -inf. K/V loads are row-masked
+  in every tile, also the full ones: the software pipeliner (num_stages > 1) prefetches the next
+  tiles before it knows the loop has ended, and an unmasked prefetch past the last key reads past
+  the tensor (an illegal memory access at 77 keys, seen on the H200 with Triton 3.6).
 * any strides: q, k, v, out may be strided views, e.g. the (B, L, H, D) output of a fused QKV
   projection seen as (B, H, L, D) through ``transpose(1, 2)``; no copy is made.
 
@@ -160,14 +163,14 @@ if HAS_TRITON:
         offs_d0 = tl.arange(0, D0)
         k0 = _load_2d(
             k_base + offs_n[:, None] * stride_kn + offs_d0[None, :] * stride_kd,
-            n_ok, offs_d0 < HEAD_DIM, not EVEN_N, D0 > HEAD_DIM,
+            n_ok, offs_d0 < HEAD_DIM, True, D0 > HEAD_DIM,
         )
         qk = tl.dot(q0, tl.trans(k0), input_precision=DOT_PREC)
         if D1 > 0:
             offs_d1 = D0 + tl.arange(0, D1)
             k1 = _load_2d(
                 k_base + offs_n[:, None] * stride_kn + offs_d1[None, :] * stride_kd,
-                n_ok, offs_d1 < HEAD_DIM, not EVEN_N, D0 + D1 > HEAD_DIM,
+                n_ok, offs_d1 < HEAD_DIM, True, D0 + D1 > HEAD_DIM,
             )
             qk = tl.dot(q1, tl.trans(k1), qk, input_precision=DOT_PREC)
         # ---- keys that must not enter the softmax: past LK, or padded ----
@@ -190,7 +193,7 @@ if HAS_TRITON:
         offs_v0 = dv_start + tl.arange(0, DV0)
         v0 = _load_2d(
             v_base + offs_n[:, None] * stride_vn + offs_v0[None, :] * stride_vd,
-            n_ok, offs_v0 < HEAD_DIM, not EVEN_N, (DV1 == 0) & (HEAD_DIM % DV0 != 0),
+            n_ok, offs_v0 < HEAD_DIM, True, (DV1 == 0) & (HEAD_DIM % DV0 != 0),
         )
         # P in the input dtype; with UPCAST also its rounding residue, so p_hi + p_lo carries
         # ~2x the mantissa bits (fp32-like P) at the cost of a second tensor-core dot.
@@ -204,7 +207,7 @@ if HAS_TRITON:
             offs_v1 = dv_start + DV0 + tl.arange(0, DV1)
             v1 = _load_2d(
                 v_base + offs_n[:, None] * stride_vn + offs_v1[None, :] * stride_vd,
-                n_ok, offs_v1 < HEAD_DIM, not EVEN_N, DV0 + DV1 > HEAD_DIM,
+                n_ok, offs_v1 < HEAD_DIM, True, DV0 + DV1 > HEAD_DIM,
             )
             acc1 = tl.dot(p_hi, v1, acc1 * alpha[:, None], input_precision=DOT_PREC)
             if UPCAST:
@@ -289,7 +292,7 @@ if HAS_TRITON:
         else:
             acc1 = tl.zeros([BLOCK_M, 1], dtype=tl.float32)  # unused placeholder
 
-        # full key tiles, no bounds checks
+        # full key tiles: no -inf masking of scores (loads stay row-masked, see the module docstring)
         n_full = (LK // BLOCK_N) * BLOCK_N
         if INTERPRET:
             # Triton 3.6's interpreter cannot take range() of a runtime bound with numpy >= 2.4
@@ -309,13 +312,22 @@ if HAS_TRITON:
                     stride_kn * SA, stride_kd, stride_vn * SA, stride_vd, stride_mn, qk_scale, dv_start,
                     HEAD_DIM, D0, D1, DV0, DV1, BLOCK_N, True, HAS_MASK, UPCAST, DOT_PREC,
                 )
-        # last partial key tile
-        if n_full < LK:
-            acc0, acc1, m_i, l_i = _attn_fwd_tile(
-                acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, kpm_base, n_full, LK,
-                stride_kn * SA, stride_kd, stride_vn * SA, stride_vd, stride_mn, qk_scale, dv_start,
-                HEAD_DIM, D0, D1, DV0, DV1, BLOCK_N, False, HAS_MASK, UPCAST, DOT_PREC,
-            )
+        # last partial key tile: a loop of 0 or 1 iteration, not an `if` (with the dots inside an `if`
+        # after the loop, Triton 3.6 on sm_90 gave wrong results or illegal accesses for some tiles)
+        if INTERPRET:
+            if n_full < LK:
+                acc0, acc1, m_i, l_i = _attn_fwd_tile(
+                    acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, kpm_base, n_full, LK,
+                    stride_kn * SA, stride_kd, stride_vn * SA, stride_vd, stride_mn, qk_scale, dv_start,
+                    HEAD_DIM, D0, D1, DV0, DV1, BLOCK_N, False, HAS_MASK, UPCAST, DOT_PREC,
+                )
+        else:
+            for start_n in range(n_full, LK, BLOCK_N):
+                acc0, acc1, m_i, l_i = _attn_fwd_tile(
+                    acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, kpm_base, start_n, LK,
+                    stride_kn * SA, stride_kd, stride_vn * SA, stride_vd, stride_mn, qk_scale, dv_start,
+                    HEAD_DIM, D0, D1, DV0, DV1, BLOCK_N, False, HAS_MASK, UPCAST, DOT_PREC,
+                )
 
         # epilogue: divide by the row sums; a query with no unpadded key has l = 0 -> zeros
         if HAS_MASK:

@@ -500,7 +500,9 @@ def sparse24_linear_configs(device: torch.device | None = None) -> list[dict]:
 def _cuda_configs(index: int) -> tuple[dict, ...]:
     props = torch.cuda.get_device_properties(index)
     smem = getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024
-    cands = [(16, 128, 128, 4, 4), (64, 128, 128, 4, 3), (128, 128, 64, 8, 3), (64, 64, 64, 4, 2)]
+    # BLOCK_K 64 for the small-M tiles: with BLOCK_K 128 Triton 3.6 failed to compile them on sm_90
+    # ("Illegal shared layout", H200, 2026-11-29)
+    cands = [(16, 128, 64, 4, 4), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 64, 64, 4, 2)]
     out = []
     for bm, bn, bk, warps, stages in cands:
         need = stages * (bm * bk * 2 + bn * (bk + bk // 8))
@@ -656,6 +658,11 @@ def backend_supports(backend: str, n: int, k: int, dtype: torch.dtype) -> tuple[
         return False, f"dtype {dtype} (2:4 backends here: float16, bfloat16)"
     if backend == "cusparselt" and not cusparselt_available():
         return False, "torch built without cuSPARSELt"
+    if backend == "cutlass" and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 8:
+        # torch's CUTLASS 2:4 kernels are built for sm_8x only ("Supported only on GPUs with compute
+        # capability 8.x" on the H200, sm_90)
+        major, minor = torch.cuda.get_device_capability()
+        return False, f"torch's CUTLASS 2:4 kernels run only on sm_8x GPUs, this one is sm_{major}{minor}"
     c = _backend_constraints(backend, dtype)
     if c is None:
         return False, f"{backend} has no constraints entry for {dtype}"

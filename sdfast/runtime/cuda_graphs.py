@@ -86,7 +86,7 @@ class GraphedForward:
     """A callable that replaces ``module.forward`` (see the module docstring)."""
 
     def __init__(self, module: torch.nn.Module, *, pool, max_graphs: int = 8, warmup_iters: int = 2, name: str = "",
-                 clock=None):
+                 clock=None, stream=None):
         self.module = module
         self.eager = module.forward  # the forward as it was (possibly already patched by other passes)
         self.rebound = "forward" in module.__dict__  # was forward already an instance attribute?
@@ -98,6 +98,7 @@ class GraphedForward:
         self.stats = GraphStats()
         self.weights = weights_signature(module)
         self.clock = clock or (lambda: 0)  # GraphCache's capture counter
+        self.stream = stream  # side stream for warm-up and capture (None: a new one per capture)
         self.born: dict[tuple, int] = {}  # signature -> clock value at its capture
 
     def __call__(self, *args, **kwargs):
@@ -124,7 +125,7 @@ class GraphedForward:
     def _capture(self, key, leaves, spec) -> None:
         static_inputs = [x.clone() if isinstance(x, torch.Tensor) else None for x in leaves]
         s_args, s_kwargs = pytree.tree_unflatten([s if s is not None else x for s, x in zip(static_inputs, leaves)], spec)
-        side = torch.cuda.Stream()
+        side = self.stream if self.stream is not None else torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         try:
             with torch.cuda.stream(side):
@@ -175,6 +176,9 @@ class GraphCache:
 
     def __init__(self, max_graphs: int = 8):
         self.pool = torch.cuda.graph_pool_handle()
+        # One side stream for every warm-up and capture: cuBLAS keeps a workspace per stream it has
+        # run on, for the life of the process, so a new stream per capture would grow memory.
+        self.stream = torch.cuda.Stream()
         self.max_graphs = max_graphs
         self.runners: dict[str, GraphedForward] = {}
         self._clock = 0
@@ -184,7 +188,8 @@ class GraphCache:
         return self._clock
 
     def install(self, name: str, module: torch.nn.Module) -> GraphedForward:
-        runner = GraphedForward(module, pool=self.pool, max_graphs=self.max_graphs, name=name, clock=self._tick)
+        runner = GraphedForward(module, pool=self.pool, max_graphs=self.max_graphs, name=name, clock=self._tick,
+                                stream=self.stream)
         module.forward = runner
         self.runners[name] = runner
         return runner

@@ -107,7 +107,11 @@ def test_w8a8_sd_shapes(M, K, N, epi, qdtype):
     ours = w8a8_linear(x, qw, ws, b, smooth=sm, group_size=gs)
     ref32 = w8a8_linear_ref(x.float(), qw, ws, b, smooth=sm, group_size=gs).float()
     lowp = ref32.half()
-    assert_close_rule(ours, ref32, lowp, 2e-2, f"w8a8 {qdtype} M{M} K{K} N{rows}")
+    # The reference quantizes x / smooth computed in fp32, the kernel from fp16: an activation on a code
+    # boundary can round to the neighbouring code, a step of 1/8 of its value in FP8 (E4M3) against
+    # 1/127 of the row's max in int8; at K = 5120 a few such flips reach ~0.025 (seen on the H200).
+    atol = 4e-2 if qdtype == "fp8" else 2e-2
+    assert_close_rule(ours, ref32, lowp, atol, f"w8a8 {qdtype} M{M} K{K} N{rows}")
     _rel_ok(ours, x.float() @ w.t() + b.float(), 0.02 if qdtype != "fp8" else 0.08, "w8a8 vs fp32 product")
 
 

@@ -30,6 +30,7 @@ def test_real_cuda_oom_answers_503_and_memory_returns_to_baseline(optimize):
         baseline = torch.cuda.memory_allocated()
         cap = baseline + (2 << 30)  # 2 GiB above what the model holds: far less than 8 x 2048² needs
         torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
+        torch.cuda.memory._record_memory_history(max_entries=200_000)  # to name what stays, if anything
         try:
             r = c.post("/v1/txt2img", json=huge)
         finally:
@@ -37,7 +38,9 @@ def test_real_cuda_oom_answers_503_and_memory_returns_to_baseline(optimize):
         assert r.status_code == 503, r.text
         assert r.json()["error"]["type"] == "gpu_out_of_memory"
         torch.cuda.synchronize()
-        assert torch.cuda.memory_allocated() <= baseline + (64 << 20), (torch.cuda.memory_allocated(), baseline)
+        left = torch.cuda.memory_allocated()
+        assert left <= baseline + (64 << 20), (left, baseline, _live_blocks_since_recording())
+        torch.cuda.memory._record_memory_history(enabled=None)
         ok = c.post("/v1/txt2img", json=small)
         assert ok.status_code == 200 and ok.headers["content-type"] == "image/png"
         h = c.get("/health").json()
@@ -45,3 +48,17 @@ def test_real_cuda_oom_answers_503_and_memory_returns_to_baseline(optimize):
     assert h["status"] == "ok" and h["gpu"] and h["device"].startswith("cuda")
     assert metric_value(text, "sdfast_gpu_memory_allocated_bytes") > 0
     assert metric_value(text, "sdfast_batches_total", outcome="oom") == 1
+
+
+def _live_blocks_since_recording(top: int = 8) -> list:
+    """The largest blocks still allocated that were allocated while history was recorded, each with
+    the innermost Python frames of its allocation (for the failure message)."""
+    blocks = []
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        for b in seg["blocks"]:
+            if b["state"] == "active_allocated" and b.get("frames"):
+                frames = [f"{f['filename'].rsplit('/', 2)[-1]}:{f['line']}:{f['name']}" for f in b["frames"]
+                          if f["filename"].endswith(".py")][:6]
+                blocks.append((b["size"], seg.get("stream"), frames))
+    return sorted(blocks, key=lambda x: -x[0])[:top]
+
