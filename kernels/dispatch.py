@@ -55,3 +55,15 @@ def use_triton(op: str, *tensors: torch.Tensor | None) -> bool:
     if not ok:
         log_fallback(op, reason)
     return ok
+
+
+def launch_autotuned(kernel, grid, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)`` for a ``triton.autotune`` kernel, dropping the autotuner's
+    reference to the arguments afterwards. Triton 3.6's ``Autotuner.run`` keeps them in ``nargs`` until
+    it returns normally: an exception while it benchmarks configs (e.g. out of memory) would keep the
+    call's tensors, the output included, alive for the life of the process (seen on the H200)."""
+    try:
+        kernel[grid](*args, **kwargs)
+    finally:
+        if getattr(kernel, "nargs", None) is not None:
+            kernel.nargs = None

@@ -137,6 +137,18 @@ def _is_oom(exc: BaseException) -> bool:
     return oom is not None and isinstance(exc, oom)
 
 
+def _clear_exception_chain(exc: BaseException) -> None:
+    """Clear the locals of every frame in the tracebacks of ``exc`` and of the exceptions it chains
+    (``__cause__``, ``__context__``: an OOM raised while handling an earlier OOM keeps the first
+    one's frames, and their tensors, alive otherwise)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc.__traceback__ = None
+        exc = exc.__cause__ or exc.__context__
+
+
 def free_gpu_memory() -> None:
     """Collect garbage and hand the CUDA caching allocator's free blocks back (no-op without CUDA)."""
     gc.collect()
@@ -309,8 +321,7 @@ class Worker:
                 outcome = "error"
                 log.exception("worker: the engine failed on a batch of %d images", len(seeds))
                 error = GenerationFailed(f"image generation failed ({type(e).__name__}: {e})")
-            traceback.clear_frames(e.__traceback__)
-            e.__traceback__ = None
+            _clear_exception_chain(e)
             images = None
         if outcome == "oom":
             free_gpu_memory()

@@ -284,6 +284,32 @@ def test_dispatcher_winner_failing_later_falls_back(caplog):
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q[:1], k[:1], v[:1]))
 
 
+def test_dispatcher_out_of_memory_is_raised_and_nothing_is_cached():
+    """An OOM is the request's size, not a backend's fault: while measuring or after the pick it is
+    raised as is, no backend is excluded, no choice cached; the next call (memory freed) measures again."""
+    state = {"oom": True}
+
+    def big(q, k, v, attn_mask, scale, upcast):
+        if state["oom"]:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    d = ap.AttentionDispatcher(candidates=("big", "math"), extra_backends={"big": big}, measure_cpu=True)
+    q, k, v = _qkv()
+    key = d.key_for(q, k, None, False)
+    with pytest.raises(torch.OutOfMemoryError):
+        d(q, k, v)
+    assert key not in d.choices() and key not in d.excluded()
+    state["oom"] = False
+    d(q, k, v)
+    assert set(d.timings()[key]) == {"big", "math"} and key not in d.excluded()
+    d._choice[key] = "big"
+    state["oom"] = True
+    with pytest.raises(torch.OutOfMemoryError):
+        d(q, k, v)
+    assert d.choices()[key] == "big" and key not in d.excluded()
+
+
 def test_dispatcher_all_fail_raises():
     def boom(*a):
         raise RuntimeError("nope")

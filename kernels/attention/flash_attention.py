@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from kernels.dispatch import interpret_mode, use_triton
+from kernels.dispatch import interpret_mode, launch_autotuned, use_triton
 
 try:  # triton is an optional dependency; the reference path works without it.
     import triton
@@ -577,7 +577,7 @@ def _launch(q, k, v, out, key_padding_mask, scale, upcast_softmax):
             *args, **consts, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages
         )
         return out
-    kernel[grid](*args, **consts)
+    launch_autotuned(kernel, grid, *args, **consts)
     _tuned_keys.add(tkey)
     return out
 

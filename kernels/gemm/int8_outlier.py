@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import interpret_mode, use_triton
+from kernels.dispatch import interpret_mode, launch_autotuned, use_triton
 from kernels.gemm._common import autotune_bench, device_index, grouped_tile
 from kernels.gemm.w8a8 import gemm8_configs, quantize_per_token, quantize_per_token_ref
 
@@ -170,7 +170,7 @@ def _int8_outlier_op(
         def grid(m):
             return (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)
 
-        kernel[grid](*args, **meta, K_TILES=0)
+        launch_autotuned(kernel, grid, *args, **meta, K_TILES=0)
     else:
         cfg = gemm8_configs(x.device)[0]
         grid = (triton.cdiv(M, cfg.kwargs["BLOCK_M"]) * triton.cdiv(N, cfg.kwargs["BLOCK_N"]),)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import interpret_mode, use_triton
+from kernels.dispatch import interpret_mode, launch_autotuned, use_triton
 from kernels.gemm._common import autotune_bench, even_k, grouped_tile, interp_meta, smem_limit
 
 EPILOGUES = (None, "gelu", "geglu")
@@ -291,7 +291,7 @@ def _linear_op(
         def grid(meta):
             return (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)
 
-        kernel[grid](*args, **common, K_TILES=0)
+        launch_autotuned(kernel, grid, *args, **common, K_TILES=0)
     else:
         cfg = linear_configs(x.device, x.element_size(), n_b)[0]
         grid = (triton.cdiv(M, cfg.kwargs["BLOCK_M"]) * triton.cdiv(N, cfg.kwargs["BLOCK_N"]),)

@@ -538,17 +538,38 @@ def _launch_sparse24(x2d, values, meta, bias, y, cfg) -> None:
     )
 
 
-def _pick_config(m: int, device: torch.device) -> dict:
+def _pick_configs(m: int, device: torch.device) -> list[dict]:
     """Heuristic, no autotuning (K is a constexpr, so each config compiles once per K): BLOCK_M 16
-    for M <= 32, 64 for M <= 256, else 128; the first valid config when the preferred one does not fit."""
+    for M <= 32, 64 for M <= 256, else 128, then the other valid configs (tried in order when one
+    does not compile here, see ``_launch_first_compiling``)."""
     cfgs = sparse24_linear_configs(device)
     if not cfgs:
         raise RuntimeError(f"sparse24_linear: no launch config fits the shared memory of {device}")
     want = 16 if m <= 32 else 64 if m <= 256 else 128
-    for cfg in cfgs:
-        if cfg["BLOCK_M"] == want:
-            return cfg
-    return cfgs[0]
+    return sorted(cfgs, key=lambda c: c["BLOCK_M"] != want)
+
+
+_FAILED_CONFIGS: set = set()  # (device index, K, dtype, config) that Triton failed to compile
+
+
+def _launch_first_compiling(x2d, values, meta, bias, y) -> None:
+    """Launch with the preferred config; a config that Triton fails to compile (a compiler error is an
+    exception, raised before anything runs) is remembered and the next one is tried, logged once."""
+    errors = []
+    for cfg in _pick_configs(x2d.shape[0], x2d.device):
+        key = (x2d.device.index, x2d.shape[1], x2d.dtype, tuple(sorted(cfg.items())))
+        if key in _FAILED_CONFIGS:
+            continue
+        try:
+            _launch_sparse24(x2d, values, meta, bias, y, cfg)
+            return
+        except RuntimeError as e:  # Triton's "PassManager::run failed" and kin
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise
+            _FAILED_CONFIGS.add(key)
+            errors.append(f"{cfg}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+            log_fallback("sparse24_linear", f"config {cfg} did not compile for K={x2d.shape[1]}; trying the next")
+    raise RuntimeError("sparse24_linear: no launch config compiled: " + "; ".join(errors))
 
 
 @torch.library.custom_op("sdfast::sparse24_linear", mutates_args=())
@@ -562,7 +583,7 @@ def _sparse24_linear_op(
     y = torch.empty(M, N, dtype=x2d.dtype, device=x2d.device)
     if M == 0:
         return y
-    _launch_sparse24(x2d, values, meta, bias, y, _pick_config(M, x2d.device))
+    _launch_first_compiling(x2d, values, meta, bias, y)
     return y
 
 

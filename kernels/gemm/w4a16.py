@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import interpret_mode, use_triton
+from kernels.dispatch import interpret_mode, launch_autotuned, use_triton
 from kernels.gemm._common import autotune_bench, device_index, even_k, grouped_tile, interp_meta, smem_limit
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -323,7 +323,7 @@ def _w4a16_op(
         def grid(m):
             return (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)
 
-        kernel[grid](*args, **meta, K_TILES=0)
+        launch_autotuned(kernel, grid, *args, **meta, K_TILES=0)
     else:
         cfg = w4a16_configs(x.device, group_size)[0]
         grid = (triton.cdiv(M, cfg.kwargs["BLOCK_M"]) * triton.cdiv(N, cfg.kwargs["BLOCK_N"]),)

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.dispatch import interpret_mode, log_fallback, use_triton
+from kernels.dispatch import interpret_mode, launch_autotuned, log_fallback, use_triton
 from kernels.gemm._common import (
     autotune_bench,
     device_index,
@@ -427,7 +427,7 @@ def _w8a8_gemm_op(
         def grid(m):
             return (triton.cdiv(M, m["BLOCK_M"]) * triton.cdiv(N, m["BLOCK_N"]),)
 
-        kernel[grid](*args, **meta, K_TILES=0)
+        launch_autotuned(kernel, grid, *args, **meta, K_TILES=0)
     else:
         cfg = gemm8_configs(a.device, group_size)[0]
         if group_size and group_size % cfg.kwargs["BLOCK_K"]:

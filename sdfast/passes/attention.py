@@ -223,7 +223,8 @@ def _mismatch(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> Optio
 
 def _time_us(fn: Callable[[], object], device: torch.device, budget_ms: float) -> float:
     """Median time of ``fn`` in µs. CUDA: per-call CUDA events, with the calls queued behind a
-    spin kernel so that Python overhead is not counted (what matters under CUDA graphs)."""
+    spin kernel long enough for the host to enqueue them all, so that host overhead (large for a
+    Triton kernel launched from Python) is not counted: under CUDA graphs it is not paid."""
     if device.type != "cuda":
         fn()
         ts = []
@@ -235,17 +236,18 @@ def _time_us(fn: Callable[[], object], device: torch.device, budget_ms: float) -
     fn()
     torch.cuda.synchronize(device)
     s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
     s.record()
     fn()
     e.record()
+    host_us = (time.perf_counter() - t0) * 1e6
     e.synchronize()
     est_ms = max(s.elapsed_time(e), 1e-3)
     n = int(min(50, max(3, budget_ms / est_ms)))
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
     if hasattr(torch.cuda, "_sleep"):
-        # ~50 µs of GPU spin per queued call (100k cycles at ~2 GHz): the host enqueues all calls
-        # before the GPU reaches them, so the events time GPU work only
-        torch.cuda._sleep(100_000 * n)
+        # twice the host time of the n calls, at >= 1 cycle per ns (H200 SMs run at ~2 GHz)
+        torch.cuda._sleep(int(1000 * (2 * host_us * n + 50)))
     for s, e in events:
         s.record()
         fn()
@@ -374,6 +376,8 @@ class AttentionDispatcher:
             return self._backends[name](q, k, v, attn_mask, scale, upcast)
         try:
             return self._backends[name](q, k, v, attn_mask, scale, upcast)
+        except torch.OutOfMemoryError:
+            raise  # the request is too big, not the backend's fault: nothing is excluded
         except Exception as e:  # noqa: BLE001
             # the cached winner failed on a later call (the key has no batch size): exclude it and
             # use SDPA's default from now on. Inside graph capture there is nothing safe to do.
@@ -439,7 +443,11 @@ class AttentionDispatcher:
                     continue
                 with torch.no_grad():
                     times[name] = _time_us(lambda: fn(q, k, v, attn_mask, scale, upcast), device, self.budget_ms)
-            except Exception as e:  # noqa: BLE001 - any failure excludes the backend for this key
+            except torch.OutOfMemoryError:
+                # transient: nothing is cached for this key, the next call measures again
+                self._excluded.pop(key, None)
+                raise
+            except Exception as e:  # noqa: BLE001 - any other failure excludes the backend for this key
                 self._exclude(key, name, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         del ref
         if not times:

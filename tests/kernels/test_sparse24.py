@@ -1,6 +1,7 @@
 """CPU tests of kernels/gemm/sparse24.py: 2:4 masks, magnitude and SparseGPT pruning, our compressed
 format, torch's CUTLASS format, the Triton sparse24_linear kernel (interpreter), SparseLinear on CPU."""
 
+import logging
 import pytest
 import torch
 import torch.nn as nn
@@ -559,3 +560,31 @@ def test_benchmark_module_shapes_and_cpu_guard():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA"):
             bench.run(quick=True)
+
+
+def test_a_config_that_does_not_compile_falls_back_to_the_next(monkeypatch, caplog):
+    """Triton 3.6 failed to compile some tiles on sm_90 ("Illegal shared layout"): the launcher remembers
+    the failing config, logs it and runs the next one, with the same result."""
+    small = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=4, num_warps=1, num_stages=1)
+    broken = dict(small, BLOCK_N=32)
+    monkeypatch.setattr(s24, "sparse24_linear_configs", lambda device=None: [dict(broken), dict(small)])
+    monkeypatch.setattr(s24, "_FAILED_CONFIGS", set())
+    real, tried = s24._launch_sparse24, []
+
+    def launch(x2d, values, meta, bias, y, cfg):
+        tried.append(cfg["BLOCK_N"])
+        if cfg["BLOCK_N"] == 32:
+            raise RuntimeError("PassManager::run failed")
+        return real(x2d, values, meta, bias, y, cfg)
+
+    monkeypatch.setattr(s24, "_launch_sparse24", launch)
+    w, _ = s24.prune_24_magnitude(torch.randn(32, 64))
+    values, meta = s24.compress_24(w)
+    x = torch.randn(5, 64)
+    with caplog.at_level(logging.INFO):
+        y1 = s24.sparse24_linear(x, values, meta)
+        y2 = s24.sparse24_linear(x, values, meta)
+    torch.testing.assert_close(y1, F.linear(x, w), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y2, y1)
+    assert tried == [32, 16, 16]  # the broken config is not tried again
+    assert "did not compile" in caplog.text

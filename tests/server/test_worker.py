@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 import threading
 
 import pytest
@@ -159,6 +160,38 @@ def test_oom_fails_that_batch_frees_its_memory_and_the_worker_goes_on():
         assert good.future.result(10).images[0].info["seed"] == "3"
         assert outcomes == [(0, "oom"), (1, "ok")]
         assert worker.alive
+    finally:
+        worker.stop()
+
+
+class ChainedOOMEngine(FakeEngine):
+    """Runs out of memory while handling an earlier out-of-memory error (as a fallback path does):
+    the tensor lives only in a frame of the first error's traceback, reachable via ``__context__``."""
+
+    def txt2img(self, prompt, **kw):
+        def first_try():
+            held = torch.ones(1 << 16)
+            self.held.append(weakref.ref(held))
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (first try)")
+
+        try:
+            first_try()
+        except torch.cuda.OutOfMemoryError:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (fallback)")  # noqa: B904 - chained on purpose
+
+
+def test_oom_raised_while_handling_an_oom_keeps_no_frame_of_either():
+    engine = ChainedOOMEngine()
+    worker = Worker(engine, max_batch=1, queue_size=4)
+    worker.start()
+    try:
+        bad = job(seeds=[1])
+        worker.submit(bad)
+        with pytest.raises(GPUOutOfMemory):
+            bad.future.result(10)
+        wait_for(lambda: not worker.busy, what="worker idle")
+        gc.collect()
+        assert engine.held and engine.held[0]() is None, "the first error's frame still holds its tensor"
     finally:
         worker.stop()
 
