@@ -18,7 +18,22 @@ from .schedulers import SCHEDULERS
 __all__ = [
     "Engine", "load", "txt2img", "optimize", "unoptimize", "OptimizeConfig", "SCHEDULERS",
     "InvalidRequestError", "ModelNotFoundError", "HubOfflineError", "NonFiniteOutputError",
+    "quantize_", "sparsify_", "W8A8Config", "W4A16Config", "Int8OutlierConfig", "Sparse24Config",
 ]
+
+# Imported on first use (they pull in the Triton kernels): name -> module.
+_LAZY = {
+    "W8A8Config": ".passes.quantize", "W4A16Config": ".passes.quantize", "Int8OutlierConfig": ".passes.quantize",
+    "Sparse24Config": ".passes.sparsity",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'sdfast' has no attribute {name!r}")
 __version__ = "0.1.0"
 
 _ENGINES: dict[tuple, Engine] = {}
@@ -36,6 +51,25 @@ def unoptimize(pipe):
     from .optimizer import unoptimize as _unoptimize
 
     return _unoptimize(pipe)
+
+
+def quantize_(module, config, *, filter_fn=None, calibration=None, **kwargs):
+    """Quantize the linear layers of ``module`` in place: W8A8 (SmoothQuant, int8 or FP8), W4A16 (AWQ,
+    GPTQ) or LLM.int8 outliers, by ``config`` (``sdfast.W8A8Config`` / ``W4A16Config`` /
+    ``Int8OutlierConfig``). See ``sdfast.passes.quantize.quantize_`` for arguments, returns and errors."""
+    from .passes.quantize import quantize_ as _quantize
+
+    return _quantize(module, config, filter_fn=filter_fn, calibration=calibration, **kwargs)
+
+
+def sparsify_(module, config=None, *, filter_fn=None, calibration=None):
+    """Prune the linear layers of ``module`` to 2:4 (magnitude or SparseGPT) and run them as sparse linears,
+    in place, by ``config`` (``sdfast.Sparse24Config``, default magnitude). See
+    ``sdfast.passes.sparsity.sparsify_`` for arguments, returns and errors."""
+    from .passes.sparsity import Sparse24Config, sparsify_ as _sparsify
+
+    return _sparsify(module, config if config is not None else Sparse24Config(), filter_fn=filter_fn,
+                     calibration=calibration)
 
 
 def load(model, *, device=None, dtype=None, seed: int = 0, optimize: bool | OptimizeConfig = True) -> Engine:

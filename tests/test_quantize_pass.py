@@ -206,3 +206,29 @@ def test_dtype_casts_keep_quantized_storage():
     w4 = W4A16Linear.from_linear(lin, method="rtn", group_size=128).half()
     assert w4.qweight.dtype == torch.int32 and w4.zeros.dtype == torch.uint8
     assert w4.weight_nbytes() < 0.3 * lin.weight.numel() * 2  # int4 + fp16 scales + uint8 zeros
+
+
+def test_public_api_sdfast_quantize_and_sparsify():
+    """``sdfast.quantize_`` / ``sdfast.sparsify_`` and their configs are the top-level API the issues name;
+    ``import sdfast`` alone does not import the Triton kernels behind them."""
+    import subprocess
+    import sys
+
+    code = "import sys, sdfast; print(any(m.startswith('kernels.gemm') for m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+    import sdfast
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    x = torch.randn(8, 64)
+    ref = model(x)
+    everything = lambda m, name: True  # noqa: E731 - the toy model has no transformer-block names
+    q = copy.deepcopy(model)
+    assert sdfast.quantize_(q, sdfast.W8A8Config(min_features=32), filter_fn=everything) == 2
+    torch.testing.assert_close(q(x), ref, atol=0.05, rtol=0.05)
+    s = copy.deepcopy(model)
+    assert sdfast.sparsify_(s, sdfast.Sparse24Config(min_features=32), filter_fn=everything) == 2
+    assert isinstance(s[0], type(s[2])) and type(s[0]) is not torch.nn.Linear
+    with pytest.raises(AttributeError):
+        sdfast.NoSuchThing  # noqa: B018
