@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -24,6 +25,16 @@ def _size(text: str) -> tuple[int, int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"size must look like WIDTHxHEIGHT, e.g. 512x512 (got {text!r})") from None
     return w, h
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be an integer in [0, 65535] (got {text!r})")
+    return port
 
 
 def default_model() -> str:
@@ -50,21 +61,40 @@ def _add_txt2img(sub) -> None:
 
 
 def _out_paths(out: str, n: int) -> list[Path]:
+    """The file of each image: ``out`` (``.png`` added when it has no extension), with ``_0``, ``_1``, ...
+    before the extension when n > 1. Raises ValueError for an extension PIL cannot write or a folder
+    that cannot be written, before anything is generated."""
+    from PIL import Image
+
     path = Path(out)
+    if not path.suffix:
+        path = path.with_suffix(".png")
+    if path.suffix.lower() not in Image.registered_extensions():
+        raise ValueError(f"--out: unknown image file extension {path.suffix!r} (use .png)")
+    try:  # a real write: permission bits do not tell (root, read-only mounts, /proc)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out: cannot write to {path.parent} ({e.strerror or e})") from None
     if n == 1:
         return [path]
-    return [path.with_name(f"{path.stem}_{i}{path.suffix or '.png'}") for i in range(n)]
+    return [path.with_name(f"{path.stem}_{i}{path.suffix}") for i in range(n)]
 
 
 def cmd_txt2img(args) -> int:
     import sdfast
     from sdfast.request import check_request
 
+    if args.model is not None and not args.model.strip():
+        raise ValueError("--model is empty")
     model = args.model or default_model()
     width, height = args.size or (None, None)
     # Validate before the (slow) load, so bad input answers at once.
-    check_request(prompt=args.prompt, height=height or 8, width=width or 8, num_inference_steps=args.steps,
-                  guidance_scale=args.guidance, num_images_per_prompt=args.n, scheduler=args.scheduler, seed=args.seed)
+    check_request(prompt=args.prompt, height=8 if height is None else height, width=8 if width is None else width,
+                  num_inference_steps=args.steps, guidance_scale=args.guidance, num_images_per_prompt=args.n,
+                  scheduler=args.scheduler, seed=args.seed)
+    paths = _out_paths(args.out, args.n)
     if model.startswith("random:"):
         from sdfast.architectures import get_architecture
 
@@ -78,7 +108,7 @@ def cmd_txt2img(args) -> int:
                             guidance_scale=args.guidance, height=height, width=width, seed=args.seed,
                             num_images_per_prompt=args.n, scheduler=args.scheduler, progress=True)
     took = time.perf_counter() - t1
-    for img, path in zip(images, _out_paths(args.out, len(images))):
+    for img, path in zip(images, paths):
         path.parent.mkdir(parents=True, exist_ok=True)
         img.save(path)
         print(f"saved {path} ({img.width}x{img.height}, seed {img.info['seed']}) in {took:.2f} s")
@@ -97,7 +127,7 @@ def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="run the HTTP image-generation service")
     p.add_argument("--model", default=None)
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--max-batch", type=int, default=4)
     p.add_argument("--queue", type=int, default=64)
     p.set_defaults(func=cmd_serve)
@@ -118,7 +148,10 @@ def _add_bench(sub) -> None:
 
 
 def cmd_bench(args, rest: list[str]) -> int:
-    from benchmarks.bench_txt2img import main as bench_main
+    try:
+        from benchmarks.bench_txt2img import main as bench_main
+    except ImportError as e:
+        raise SystemExit(f"sdfast: error: the benchmark needs sdfast's benchmarks package (a source checkout): {e}")
 
     return bench_main(rest) or 0
 

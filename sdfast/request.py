@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import math
+
 from .errors import InvalidRequestError
+
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 from .schedulers import check_scheduler_name
 
 
@@ -24,21 +28,26 @@ def check_request(
     for field, v in (("height", height), ("width", width)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v % 8:
             raise InvalidRequestError(field, f"must be a positive multiple of 8 (got {v!r})")
-    if not isinstance(num_inference_steps, int) or num_inference_steps < 1:
+    if not isinstance(num_inference_steps, int) or isinstance(num_inference_steps, bool) or num_inference_steps < 1:
         raise InvalidRequestError("num_inference_steps", f"must be an integer >= 1 (got {num_inference_steps!r})")
-    if not isinstance(guidance_scale, (int, float)) or guidance_scale < 0 or guidance_scale != guidance_scale:
-        raise InvalidRequestError("guidance_scale", f"must be a number >= 0 (got {guidance_scale!r})")
-    if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
+    if (not isinstance(guidance_scale, (int, float)) or isinstance(guidance_scale, bool)
+            or not math.isfinite(guidance_scale) or guidance_scale < 0):
+        raise InvalidRequestError("guidance_scale", f"must be a finite number >= 0 (got {guidance_scale!r})")
+    if not isinstance(num_images_per_prompt, int) or isinstance(num_images_per_prompt, bool) or num_images_per_prompt < 1:
         raise InvalidRequestError("num_images_per_prompt", f"must be an integer >= 1 (got {num_images_per_prompt!r})")
     if scheduler is not None:
         check_scheduler_name(scheduler)
     n = len(prompts) * num_images_per_prompt
     if isinstance(seed, (list, tuple)):
-        if len(seed) != n or not all(isinstance(s, int) and s >= 0 for s in seed):
-            raise InvalidRequestError("seed", f"a list of seeds needs {n} non-negative integers (one per image)")
-    elif seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
-        raise InvalidRequestError("seed", f"must be a non-negative integer (got {seed!r})")
+        if len(seed) != n or not all(_is_seed(s) for s in seed):
+            raise InvalidRequestError("seed", f"a list of seeds needs {n} integers in [0, 2**63 - 1] (one per image)")
+    elif seed is not None and not _is_seed(seed, n):
+        raise InvalidRequestError("seed", f"must be an integer in [0, 2**63 - {n}] (image i uses seed + i; got {seed!r})")
     return prompts
+
+
+def _is_seed(s, n: int = 1) -> bool:
+    return isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_SEED - (n - 1)
 
 
 def check_negative_prompt(negative_prompt, n_prompts: int) -> list[str] | None:

@@ -33,13 +33,43 @@ def test_n_images_get_numbered_paths(tmp_path):
         (["--scheduler", "nope"], "known: ddim"),
         (["--model", "/does/not/exist"], "no such folder"),
         (["--model", "random:nope"], "random:tiny"),
+        (["--size", "0x64"], "width"),
+        (["--guidance", "inf"], "guidance_scale"),
+        (["--seed", "99999999999999999999"], "seed"),
+        (["--model", ""], "--model is empty"),
+        (["--out", "x.unknownext"], "unknown image file extension"),
+        (["--out", "/proc/x.png"], "cannot write to /proc"),
     ],
 )
-def test_bad_input_is_one_line_exit_2(tmp_path, capsys, args, message):
+def test_bad_input_is_one_line_exit_2(tmp_path, capsys, monkeypatch, args, message):
+    """Bad input answers before the model loads (one line, exit 2), and nothing is written."""
+    import sdfast
+
+    if message not in ("no such folder", "random:tiny"):  # those two are found by trying to load
+        monkeypatch.setattr(sdfast, "load", lambda *a, **k: pytest.fail("the model was loaded before the input was checked"))
+    monkeypatch.chdir(tmp_path)
     assert main(["txt2img", "a cat", "--out", str(tmp_path / "x.png"), *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("sdfast: error:") and message in err[-1]
     assert not (tmp_path / "x.png").exists()
+
+
+def test_out_without_extension_gets_png_for_one_and_many(tmp_path):
+    assert main(["txt2img", "a cat", "--steps", "1", "--out", str(tmp_path / "one")]) == 0
+    assert main(["txt2img", "a cat", "--steps", "1", "--n", "2", "--out", str(tmp_path / "many")]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many_0.png", "many_1.png", "one.png"]
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_serve_port_out_of_range_is_an_argument_error(port, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["serve", "--model", "random:tiny", "--port", port])
+    assert info.value.code == 2 and "port must be an integer in [0, 65535]" in capsys.readouterr().err
+
+
+def test_bench_help_works_from_the_installed_command():
+    proc = subprocess.run([sys.executable, "-m", "sdfast.cli", "bench", "--help"], capture_output=True, text=True, cwd="/")
+    assert proc.returncode == 0 and "--systems" in proc.stdout, proc.stderr[-500:]
 
 
 def test_console_entry_point_has_no_traceback(tmp_path):
