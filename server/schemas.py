@@ -120,8 +120,9 @@ _SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
 class ImagesGenerationsRequest(BaseModel):
     """``POST /v1/images/generations``: the OpenAI Images API request.
 
-    ``model`` and ``user`` are accepted so that OpenAI clients work unchanged, and ignored: the
-    service serves the one model it was started with and never opens a path a client names.
+    ``model``, ``user``, ``quality`` and ``style`` are accepted so that OpenAI clients work unchanged,
+    and ignored: the service serves the one model it was started with and never opens a path a client
+    names; its images have one quality and no style presets.
     ``response_format`` ``url`` is refused (the service stores no files). sdfast extensions, all
     optional: ``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``seed`` (as in
     ``Txt2ImgRequest``).
@@ -135,6 +136,8 @@ class ImagesGenerationsRequest(BaseModel):
     response_format: str = Field("b64_json", description="only 'b64_json'")
     model: str | None = Field(None, description="ignored (OpenAI compatibility)")
     user: str | None = Field(None, description="ignored (OpenAI compatibility)")
+    quality: str | None = Field(None, max_length=32, description="ignored (OpenAI compatibility)")
+    style: str | None = Field(None, max_length=32, description="ignored (OpenAI compatibility)")
     negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS, description="sdfast extension")
     num_inference_steps: int = Field(30, strict=True, description="sdfast extension: 1 to 150")
     guidance_scale: float = Field(7.5, strict=True, description="sdfast extension: 0 to 30")

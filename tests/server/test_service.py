@@ -166,8 +166,9 @@ def test_api_key_by_header_and_basic_auth(monkeypatch):
 def test_openai_endpoint_maps_n_and_size():
     engine = FakeEngine()
     with serving(create_app(engine, api_key="")) as url, _client(url) as c:
-        r = c.post("/v1/images/generations", json={"prompt": "a cat", "n": 3, "size": "128x64",
-                                                   "model": "dall-e-2", "response_format": "b64_json"})
+        r = c.post("/v1/images/generations", json={"prompt": "a cat", "n": 3, "size": "128x64", "model": "dall-e-2",
+                                                   "response_format": "b64_json", "quality": "standard",
+                                                   "style": "vivid", "user": "u1"})
         assert r.status_code == 200
         data = r.json()
         assert set(data) == {"created", "data"} and len(data["data"]) == 3
