@@ -72,7 +72,7 @@ def render(rows: list[dict], env: dict) -> str:
 
 def main(argv=None) -> int:
     """Run the kernel sections; returns 0, or 1 when every section failed."""
-    from benchmarks.report import env_metadata, write_csv, write_json
+    from benchmarks.report import env_metadata
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_kernels", description="kernel micro-benchmarks")
     p.add_argument("--only", default=None, help=f"comma list of sections (default: {','.join(SECTIONS)})")
@@ -88,18 +88,22 @@ def main(argv=None) -> int:
     rows: list[dict] = []
     for name in names:
         rows.extend(run_section(name, quick=args.quick))
+        if args.out:  # after every section: a run cut short by a time limit keeps what it measured
+            _write(Path(args.out), rows, env, vars(args))
     text = render(rows, env)
     print(text)
     print(f"\ntotal kernel benchmark time {time.perf_counter() - t0:.0f} s", flush=True)
     if args.out:
-        from benchmarks.report import flatten_env
-
-        out = Path(args.out)
-        write_csv(out / "kernels.csv", [{**r, **flatten_env(env)} for r in rows])
-        write_json(out / "kernels.json", {"env": env, "args": vars(args), "rows": rows})
-        (out / "kernels.md").write_text(text + "\n")
-        print(f"wrote {out / 'kernels.csv'}, kernels.json, kernels.md", file=sys.stderr)
+        print(f"wrote {Path(args.out) / 'kernels.csv'}, kernels.json, kernels.md", file=sys.stderr)
     return 0 if not rows or any(not r.get("error") for r in rows) else 1
+
+
+def _write(out: Path, rows: list[dict], env: dict, args: dict) -> None:
+    from benchmarks.report import flatten_env, write_csv, write_json
+
+    write_csv(out / "kernels.csv", [{**r, **flatten_env(env)} for r in rows])
+    write_json(out / "kernels.json", {"env": env, "args": args, "rows": rows})
+    (out / "kernels.md").write_text(render(rows, env) + "\n")
 
 
 if __name__ == "__main__":

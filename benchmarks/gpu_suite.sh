@@ -7,6 +7,11 @@
 #     && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && bash benchmarks/gpu_suite.sh tests kernels txt2img
 # Stages: env tests kernels txt2img server (default: all). Extra args: PYTEST_ARGS, KERNEL_ARGS, BENCH_ARGS, SERVER_ARGS;
 # per-stage time limits in seconds: T_env T_tests T_kernels T_txt2img T_server (default 540).
+# All stages do not fit one 600 s device call. Measured on the H200 (2026-11-29): tests ~235 s (files in parallel;
+# the user-case file alone ~230 s), server ~70 s, kernels: attention 14 s (--quick) / 33 s, gemm 9 s (--quick),
+# quant 43 s, sparse > 60 s; txt2img stock+sdfast with --profile ~80 s, + torch.compile ~150 s. Two calls:
+#   T_tests=400 bash benchmarks/gpu_suite.sh env tests server
+#   T_kernels=300 T_txt2img=250 bash benchmarks/gpu_suite.sh kernels txt2img
 set -uo pipefail
 OUT=${OUT:-$PWD/out/gpu}
 RAW=$OUT/raw

@@ -156,6 +156,14 @@ def cmd_bench(args, rest: list[str]) -> int:
     return bench_main(rest) or 0
 
 
+class _LogFormat(logging.Formatter):
+    """``logger: message``, without repeating the name when the message already starts with "sdfast"."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        msg = super().format(record)
+        return msg if msg.startswith("sdfast") else f"{record.name}: {msg}"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sdfast", description="Fast Stable Diffusion inference")
     parser.add_argument("-v", "--verbose", action="store_true", help="log sdfast's decisions (kernel choices, fallbacks)")
@@ -170,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(_LogFormat())
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, handlers=[handler])
     if args.command == "bench":
         return cmd_bench(args, rest)
     if rest:

@@ -239,6 +239,24 @@ def test_bench_kernels_sections(tmp_path, monkeypatch, capsys):
     assert bench_kernels.main(["--only", "fake_bad"]) == 1
 
 
+def test_bench_kernels_keeps_finished_sections_when_killed(tmp_path, monkeypatch):
+    """A stage time limit kills the process mid-section: what the finished sections measured is on disk."""
+    fake = types.ModuleType("benchmarks.kernel_benches.fake_done")
+    fake.run = lambda quick=False: [{"op": "layer_norm", "us": 3.0}]
+    killed = types.ModuleType("benchmarks.kernel_benches.fake_killed")
+
+    def run(quick=False):
+        raise SystemExit(124)  # as if `timeout` ended the process here
+
+    killed.run = run
+    monkeypatch.setitem(sys.modules, fake.__name__, fake)
+    monkeypatch.setitem(sys.modules, killed.__name__, killed)
+    with pytest.raises(SystemExit):
+        bench_kernels.main(["--only", "fake_done,fake_killed", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
+    assert [r["section"] for r in rows] == ["fake_done"] and "### fake_done" in (tmp_path / "kernels.md").read_text()
+
+
 def test_unet_timer_fires_around_replaced_forward_and_compiled_module():
     """The hooks see every call when forward is an instance attribute (sdfast's CUDA-graph runner) and
     when the pipeline's unet is a torch.compile OptimizedModule."""

@@ -75,3 +75,15 @@ def test_bench_help_works_from_the_installed_command():
 def test_console_entry_point_has_no_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "sdfast.cli", "txt2img", "x", "--size", "8x9"], capture_output=True, text=True)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+def test_verbose_log_lines_name_their_source_once():
+    import logging
+
+    from sdfast.cli import _LogFormat
+
+    def line(name, msg):
+        return _LogFormat().format(logging.LogRecord(name, logging.INFO, __file__, 1, msg, None, None))
+
+    assert line("sdfast.optimize", "sdfast: optimized 3 modules") == "sdfast: optimized 3 modules"
+    assert line("sdfast.server", "worker: out of memory") == "sdfast.server: worker: out of memory"
