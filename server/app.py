@@ -254,6 +254,8 @@ def _validation_response(request: Request, exc: RequestValidationError) -> JSONR
             msg = f"unknown field; this endpoint accepts: {', '.join(model.model_fields)}"
         elif err.get("type") == "json_invalid":
             field, msg = "body", f"not valid JSON ({err.get('ctx', {}).get('error', msg)})"
+        elif field == "body" and "json" not in request.headers.get("content-type", ""):
+            msg = "send a JSON object with the header 'content-type: application/json'"
         items.append({"field": field, "message": f"{field}: {msg}"})
     first = items[0] if items else {"field": "body", "message": "body: invalid request"}
     body = _error_body(422, first["message"], "invalid_request_error", first["field"])

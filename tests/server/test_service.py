@@ -184,3 +184,12 @@ def test_sdfast_serve_refuses_bad_flags_before_loading(capsys):
     assert "--max-batch must be an integer >= 1" in capsys.readouterr().err
     assert main(["serve", "--model", "random:tiny", "--queue", "0"]) == 2
     assert "--queue must be an integer >= 1" in capsys.readouterr().err
+
+
+def test_json_without_its_content_type_is_told_so():
+    with serving(create_app(FakeEngine(), api_key="")) as url, _client(url) as c:
+        r = c.post("/v1/txt2img", content=b'{"prompt": "a cat"}', headers={"content-type": "application/x-www-form-urlencoded"})
+        assert r.status_code == 422
+        assert r.json()["error"]["message"] == "body: send a JSON object with the header 'content-type: application/json'"
+        bad = c.post("/v1/txt2img", content=b'{"prompt": ', headers={"content-type": "application/json"})
+        assert bad.status_code == 422 and "not valid JSON" in bad.json()["error"]["message"]
