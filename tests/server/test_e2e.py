@@ -150,7 +150,8 @@ BAD = [
     (OAI, {"size": "huge"}, "size", "WIDTHxHEIGHT"),
     (OAI, {"response_format": "url"}, "response_format", "b64_json"),
     (OAI, {"prompt": ""}, "prompt", "non-empty"),
-    (OAI, {"quality": "hd"}, "quality", "unknown field"),
+    (OAI, {"scheduler_path": "/tmp/x"}, "scheduler_path", "unknown field"),
+    (OAI, {"quality": "x" * 33}, "quality", "at most 32"),
 ]
 
 
