@@ -13,7 +13,9 @@ the same seeded random weights, or a real model folder with ``--model``) and eac
 - ``psnr_db``: PSNR of the system's image against stock fp16's (same seed and prompt; for stock itself,
   a timed image against its first one: run-to-run determinism); with ``--fp32-ref`` (default on for
   SD1.5) also ``psnr_fp32_db`` and ``err_fp32_ratio`` = mean|image − fp32 image| / the same for stock
-  fp16, the "error vs fp32 at most 1.5× stock fp16's" check.
+  fp16, the "error vs fp32 at most 1.5× stock fp16's" check;
+- ``second_size_s`` (with ``--second-size``): after the timed runs, the first image at width + 128, wall
+  clock: what a new resolution costs an engine that is already warm (its graphs or recompilation).
 
 A system that fails gives a row with ``error`` filled, and the run goes on. Pipelines are freed between
 systems. Published figures (``benchmarks.reference``) are printed beside, never mixed with, measured rows.
@@ -52,7 +54,7 @@ COMPILE_KWARGS = {"mode": "reduce-overhead", "fullgraph": True}
 TABLE_COLUMNS = [
     ("system", "system"), ("model", "model"), ("size", "size"), ("steps", "steps"), ("warmup_s", "warmup s"),
     ("unet_ms_step", "UNet ms/step"), ("e2e_s", "e2e s"), ("img_s", "img/s"), ("peak_gib", "peak GiB"),
-    ("psnr_db", "PSNR dB"),
+    ("psnr_db", "PSNR dB"), ("second_size_s", "2nd size s"),
 ]
 MEASURED_KEYS = [k for k, _ in TABLE_COLUMNS]
 
@@ -72,6 +74,7 @@ class Context:
     prompt: str = PROMPT
     repeats: int = 3
     profile: bool = False
+    second_size: bool = False  # also time the first image at a second resolution (width + 128)
 
     def __post_init__(self):
         from sdfast.loading import default_device_dtype
@@ -476,6 +479,17 @@ def run_system(system: System, spec: ModelSpec, ctx: Context, refs: dict) -> dic
             if refs.get("err_stock_fp32"):
                 row["err_fp32_ratio"] = row["err_fp32"] / refs["err_stock_fp32"]
 
+        if ctx.second_size:
+            stage = "second size"
+            kw2 = dict(kw, width=w + 128, height=h)
+            ctx.sync()
+            t = time.perf_counter()
+            engine.txt2img(**kw2)
+            ctx.sync()
+            row["second_size_s"] = time.perf_counter() - t
+            row["second_size"] = f"{w + 128}x{h}"
+            log(f"[{spec.label}/{system.name}] first image at {row['second_size']}: {row['second_size_s']:.2f} s")
+
         if ctx.profile and timer.captured is not None:
             stage = "profile"
             from benchmarks.profile_step import profile_unet_step
@@ -600,6 +614,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write txt2img.csv/.json/.png/.md here")
     p.add_argument("--profile", action="store_true", help="per-kernel-category breakdown of one UNet step per system")
     p.add_argument("--device", default=None, help="cuda / cuda:1 / cpu (default: cuda if available)")
+    p.add_argument("--second-size", action="store_true",
+                   help="after the timed runs, time the first image at a second resolution (width + 128): what a new "
+                        "shape costs once warmed up (graph capture / recompilation)")
     return p
 
 
@@ -614,7 +631,7 @@ def main(argv=None) -> int:
         if args.repeats < 1 or args.batch < 1 or (args.steps is not None and args.steps < 1):
             raise ValueError("--repeats, --batch and --steps must be >= 1")
         ctx = Context(device=args.device, image_seed=args.seed, batch=args.batch, guidance_scale=args.guidance,
-                      repeats=args.repeats, profile=args.profile)
+                      repeats=args.repeats, profile=args.profile, second_size=args.second_size)
         specs = model_specs(args, ctx)
     except ValueError as e:
         parser.error(str(e))

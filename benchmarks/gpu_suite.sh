@@ -11,7 +11,7 @@
 # the user-case file alone ~230 s), server ~70 s, kernels: attention 14 s (--quick) / 33 s, gemm 9 s (--quick),
 # quant 43 s, sparse > 60 s; txt2img stock+sdfast with --profile ~80 s, + torch.compile ~150 s. Two calls:
 #   T_tests=400 bash benchmarks/gpu_suite.sh env tests server
-#   T_kernels=300 T_txt2img=250 bash benchmarks/gpu_suite.sh kernels txt2img
+#   T_kernels=300 T_txt2img=250 BENCH_ARGS="--profile --second-size" bash benchmarks/gpu_suite.sh kernels txt2img
 set -uo pipefail
 OUT=${OUT:-$PWD/out/gpu}
 RAW=$OUT/raw

@@ -33,7 +33,7 @@ def tiny_run(tmp_path_factory):
         mp.setenv("TRITON_INTERPRET", "0")
         with redirect_stdout(buf):
             rc = bench_txt2img.main([*TINY, "--systems", "stock,broken,sdfast", "--profile", "--fp32-ref",
-                                     "--out", str(out)])
+                                     "--second-size", "--out", str(out)])
     return rc, buf.getvalue(), out
 
 
@@ -58,6 +58,7 @@ def test_measured_rows_have_every_column(tiny_run):
         for key in bench_txt2img.MEASURED_KEYS + ["peak_reserved_gib", "load_s", "unet_timing", "config", "env"]:
             assert r[key] not in (None, ""), (r["system"], key)
         assert r["size"] == "64x64" and r["steps"] == 2 and r["model"] == "tiny"
+        assert r["second_size"] == "192x64" and r["second_size_s"] > 0
         assert r["unet_calls_per_image"] == 3  # tiny's PNDM (skip_prk_steps) runs steps + 1 UNet calls, CFG batched
         assert 0 < r["load_s"] <= r["warmup_s"]
         assert r["e2e_s"] > 0 and math.isclose(r["img_s"], 1 / r["e2e_s"])
