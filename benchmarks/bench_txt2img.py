@@ -233,12 +233,72 @@ def build_sdfast(spec: ModelSpec, ctx: Context, **config_kwargs) -> Built:
                  info=partial(_sdfast_info, pipe))
 
 
+# Compressed-linear presets: name -> (sdfast function, config class name, config kwargs).
+COMPRESSION = {
+    "w8a8": ("quantize_", "W8A8Config", {}),
+    "fp8": ("quantize_", "W8A8Config", {"dtype": "fp8"}),
+    "w4a16": ("quantize_", "W4A16Config", {"method": "awq"}),
+    "int8-outlier": ("quantize_", "Int8OutlierConfig", {}),
+    "sparse24": ("sparsify_", "Sparse24Config", {"method": "magnitude"}),
+    "sparsegpt": ("sparsify_", "Sparse24Config", {"method": "sparsegpt"}),
+}
+CALIBRATION_PROMPTS = [
+    "a photo of a cat sitting on a windowsill, soft morning light",
+    "a watercolor painting of a lighthouse on a rocky coast",
+    "a portrait of an old fisherman, detailed, 85mm",
+    "a futuristic city street at night with neon signs, rain",
+]
+CALIBRATION_STEPS = 4
+
+
+def _linear_weight_bytes(unet) -> dict[str, int]:
+    import torch
+
+    return {n: m.weight.numel() * m.weight.element_size() for n, m in unet.named_modules() if type(m) is torch.nn.Linear}
+
+
+def build_sdfast_compressed(spec: ModelSpec, ctx: Context, *, preset: str) -> Built:
+    """A preset: the stock pipeline, its UNet linears quantized or 2:4-pruned by ``sdfast.quantize_`` /
+    ``sdfast.sparsify_`` with calibration on real prompts (``CALIBRATION_PROMPTS``, eager: the statistics
+    are collected by forward hooks, which CUDA graphs would skip), then ``sdfast.optimize``. Reports the
+    layers converted and their weight bytes against the original weights (``weight_ratio``; biases excluded,
+    scales and metadata included)."""
+    import sdfast
+
+    fn_name, config_name, kwargs = COMPRESSION[preset]
+    if spec.arch == "tiny":
+        kwargs = {**kwargs, "min_features": 32}  # the tiny UNet's linears are narrower than the default floor
+    config = getattr(sdfast, config_name)(**kwargs)
+    engine = _load(spec, ctx, False)
+    pipe = engine.pipe
+    before = _linear_weight_bytes(pipe.unet)
+
+    def calibration():
+        engine.txt2img(CALIBRATION_PROMPTS, num_inference_steps=CALIBRATION_STEPS, height=spec.height,
+                       width=spec.width, seed=1)
+
+    t0 = time.perf_counter()
+    converted = int(getattr(sdfast, fn_name)(pipe.unet, config, calibration=calibration))
+    compress_s = time.perf_counter() - t0
+    replaced = {n: m for n, m in pipe.unet.named_modules() if n in before and type(m).__name__ != "Linear"}
+    after = sum(t.numel() * t.element_size() for m in replaced.values()
+                for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)) if t is not getattr(m, "bias", None))
+    sdfast.optimize(pipe)
+    details = {"preset": preset, "layers": converted, "compress_s": compress_s,
+               "weight_ratio": after / sum(before[n] for n in replaced) if replaced else None}
+    return Built(engine, {"optimize": True, "dtype": str(engine.dtype), fn_name: config_name, **kwargs,
+                          **pipe._sdfast.config.as_dict()},
+                 info=lambda: {**details, **_sdfast_info(pipe)})
+
+
 SYSTEMS: dict[str, System] = {
     "stock": System("stock", build_stock, "stock diffusers, eager, SDPA"),
     "compile": System("compile", build_compile, "stock + torch.compile(unet, mode='reduce-overhead', fullgraph=True)"),
     "sdfast": System("sdfast", build_sdfast, "sdfast.load(optimize=True): default OptimizeConfig"),
-    # presets, one line each, e.g.:
-    # "sdfast-w8a8": System("sdfast-w8a8", partial(build_sdfast, quantize="w8a8"), "sdfast, W8A8 linears"),
+    **{f"sdfast-{name}": System(f"sdfast-{name}", partial(build_sdfast_compressed, preset=name),
+                                f"sdfast + {COMPRESSION[name][0]}({COMPRESSION[name][1]}"
+                                f"({', '.join(f'{k}={v!r}' for k, v in COMPRESSION[name][2].items())}))")
+       for name in COMPRESSION},
 }
 DEFAULT_SYSTEMS = ("stock", "compile", "sdfast")
 
@@ -552,6 +612,12 @@ def render(rows: list[dict], env: dict, *, profile: bool = False) -> str:
                      + (f", {fmt(r['err_fp32_ratio'])}x stock fp16's" if r.get("err_fp32_ratio") is not None else "")
                      + ")" for r in fp32]
             out.append(f"- {model} vs stock fp32 (target: error <= 1.5x stock fp16's): " + "; ".join(parts))
+    for r in rows:
+        info = r.get("info") or {}
+        if info.get("preset"):
+            out.append(f"- {r['model']}/{r['system']}: {info['layers']} linear layers converted in "
+                       f"{fmt(info['compress_s'])} s (calibration on {len(CALIBRATION_PROMPTS)} prompts, "
+                       f"{CALIBRATION_STEPS} steps), their weights {fmt(info['weight_ratio'])}x the original bytes")
     if profile:
         from benchmarks.profile_step import format_breakdown
 

@@ -12,6 +12,9 @@
 # quant 43 s, sparse > 60 s; txt2img stock+sdfast with --profile ~80 s, + torch.compile ~150 s. Two calls:
 #   T_tests=400 bash benchmarks/gpu_suite.sh env tests server
 #   T_kernels=300 T_txt2img=250 BENCH_ARGS="--profile --second-size" bash benchmarks/gpu_suite.sh kernels txt2img
+# Quantized / 2:4 presets at model level (issues 7, 8; not timed yet, expect a few minutes):
+#   BENCH_ARGS="--steps 30 --systems sdfast,sdfast-w8a8,sdfast-fp8,sdfast-w4a16,sdfast-sparse24,sdfast-sparsegpt" \
+#     bash benchmarks/gpu_suite.sh txt2img
 set -uo pipefail
 OUT=${OUT:-$PWD/out/gpu}
 RAW=$OUT/raw
