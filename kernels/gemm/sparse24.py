@@ -563,6 +563,8 @@ def _launch_first_compiling(x2d, values, meta, bias, y) -> None:
         try:
             _launch_sparse24(x2d, values, meta, bias, y, cfg)
             return
+        except torch.OutOfMemoryError:
+            raise  # not the config's fault
         except RuntimeError as e:  # Triton's "PassManager::run failed" and kin
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 raise
@@ -1087,6 +1089,8 @@ class SparseLinear(nn.Module):
                         cands["cusparselt:search"] = _Choice("cusparselt", plan=plan)
                 else:
                     cands[name] = _Choice(name)
+            except torch.OutOfMemoryError:
+                raise  # transient: nothing is decided, the next call measures again
             except Exception as e:  # a backend that cannot even be prepared here is measured out, and said so
                 _log_backend_error(name, e)
                 self._data.pop(name, None)
@@ -1106,6 +1110,8 @@ class SparseLinear(nn.Module):
                             raise RuntimeError(f"wrong result: max|sparse - ref32| = {err:.3e} > {tol:.3e}")
                     del out
                     timings[label] = timer(lambda c=cand: self._run(c, x2d))
+                except torch.OutOfMemoryError:
+                    raise
                 except Exception as e:
                     _log_backend_error(label, e)
         if "dense" not in timings:  # dense itself failed to time (e.g. capture failed): do not guess

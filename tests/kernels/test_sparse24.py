@@ -546,6 +546,27 @@ def test_cusparselt_search_is_off_by_default(monkeypatch, fake_cslt, fresh_decis
     assert choice.timings_us == times
 
 
+def test_out_of_memory_while_measuring_decides_nothing(monkeypatch, fresh_decisions):
+    """An OOM while a backend is measured is the input's size, not the backend's fault: it is raised and
+    no decision is cached, so the next call (memory freed) measures again."""
+    sl = s24.SparseLinear.from_dense(nn.Linear(128, 64, dtype=torch.float16))
+    state = {"oom": True}
+
+    def timer(fn, *a, **k):
+        if state["oom"]:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        fn()
+        return 1.0
+
+    monkeypatch.setattr(s24, "time_us_graph", timer)
+    x2d = torch.randn(32, 128, dtype=torch.float16)
+    with pytest.raises(torch.OutOfMemoryError):
+        sl._decide(x2d)
+    assert sl._key(x2d) not in s24._DECISIONS
+    state["oom"] = False
+    assert sl._decide(x2d) is not None and sl._key(x2d) in s24._DECISIONS
+
+
 def test_benchmark_module_shapes_and_cpu_guard():
     from benchmarks.kernel_benches import sparse as bench
 
@@ -588,3 +609,11 @@ def test_a_config_that_does_not_compile_falls_back_to_the_next(monkeypatch, capl
     torch.testing.assert_close(y2, y1)
     assert tried == [32, 16, 16]  # the broken config is not tried again
     assert "did not compile" in caplog.text
+
+    def oom(*args):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    monkeypatch.setattr(s24, "_launch_sparse24", oom)
+    with pytest.raises(torch.OutOfMemoryError):  # an OOM is raised as is, and no config is blamed
+        s24.sparse24_linear(x, values, meta)
+    assert len(s24._FAILED_CONFIGS) == 1
