@@ -15,10 +15,11 @@ What is specific to Stable Diffusion's shapes:
   output columns are split over a third grid axis (``DV0`` columns per program, q·k recomputed per
   column block), with small key tiles.
 * query / key lengths that are not tile multiples (77, 154, 4225 = 65x65): the last partial key
-  tile runs a copy of the loop body that sends keys past the end to -inf. K/V loads are row-masked
-  in every tile, also the full ones: the software pipeliner (num_stages > 1) prefetches the next
-  tiles before it knows the loop has ended, and an unmasked prefetch past the last key reads past
-  the tensor (an illegal memory access at 77 keys, seen on the H200 with Triton 3.6).
+  tile runs a copy of the loop body that sends keys past the end to -inf, as a loop of 0 or 1
+  iteration after the main loop. Written as an `if`, Triton 3.6 miscompiled it on sm_90 (wrong
+  results for some tiles, illegal memory accesses for others, with or without software pipelining;
+  H200, 2026-11-29). K/V loads are row-masked in every tile, also the full ones: a cheap guard,
+  added while that fault was hunted; the fault itself was the `if`.
 * any strides: q, k, v, out may be strided views, e.g. the (B, L, H, D) output of a fused QKV
   projection seen as (B, H, L, D) through ``transpose(1, 2)``; no copy is made.
 
@@ -292,7 +293,7 @@ if HAS_TRITON:
         else:
             acc1 = tl.zeros([BLOCK_M, 1], dtype=tl.float32)  # unused placeholder
 
-        # full key tiles: no -inf masking of scores (loads stay row-masked, see the module docstring)
+        # full key tiles: no -inf masking of scores (the loads stay row-masked: module docstring)
         n_full = (LK // BLOCK_N) * BLOCK_N
         if INTERPRET:
             # Triton 3.6's interpreter cannot take range() of a runtime bound with numpy >= 2.4
