@@ -10,14 +10,16 @@ Importing sdfast does no GPU work.
 
 from __future__ import annotations
 
+import os
+
 from .config import OptimizeConfig
-from .engine import Engine
+from .engine import Engine, PromptTruncatedWarning
 from .errors import HubOfflineError, InvalidRequestError, ModelNotFoundError, NonFiniteOutputError
 from .schedulers import SCHEDULERS
 
 __all__ = [
     "Engine", "load", "txt2img", "optimize", "unoptimize", "OptimizeConfig", "SCHEDULERS",
-    "InvalidRequestError", "ModelNotFoundError", "HubOfflineError", "NonFiniteOutputError",
+    "InvalidRequestError", "ModelNotFoundError", "HubOfflineError", "NonFiniteOutputError", "PromptTruncatedWarning",
     "quantize_", "sparsify_", "W8A8Config", "W4A16Config", "Int8OutlierConfig", "Sparse24Config",
 ]
 
@@ -83,16 +85,20 @@ def load(model, *, device=None, dtype=None, seed: int = 0, optimize: bool | Opti
     """
     from .loading import load_pipeline
 
+    if not isinstance(optimize, (bool, OptimizeConfig)):
+        raise TypeError(f"optimize must be True, False or an sdfast.OptimizeConfig, got {optimize!r}")
     pipe = load_pipeline(model, device=device, dtype=dtype, seed=seed)
     if optimize:
         from .optimizer import optimize as _optimize
 
         _optimize(pipe, optimize if isinstance(optimize, OptimizeConfig) else None)
-    return Engine(pipe, name=model if isinstance(model, str) else type(model).__name__)
+    return Engine(pipe, name=str(model) if isinstance(model, (str, os.PathLike)) else type(model).__name__)
 
 
 def txt2img(prompt, *, model: str = "random:tiny", device=None, dtype=None, optimize=True, **kwargs):
     """``load(model).txt2img(prompt, **kwargs)``, keeping one engine per (model, device, dtype, optimize)."""
+    if not isinstance(optimize, (bool, OptimizeConfig)):
+        raise TypeError(f"optimize must be True, False or an sdfast.OptimizeConfig, got {optimize!r}")
     key = (model, str(device), str(dtype), optimize)
     if key not in _ENGINES:
         _ENGINES[key] = load(model, device=device, dtype=dtype, optimize=optimize)

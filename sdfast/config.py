@@ -36,5 +36,12 @@ class OptimizeConfig:
     max_graphs: int = 8
     vae_fp32_when_asked: bool = True
 
+    def __post_init__(self):
+        for name, value in asdict(self).items():
+            if name != "max_graphs" and not isinstance(value, bool):
+                raise TypeError(f"OptimizeConfig.{name} must be True or False, got {value!r}")
+        if not isinstance(self.max_graphs, int) or isinstance(self.max_graphs, bool) or self.max_graphs < 1:
+            raise ValueError(f"OptimizeConfig.max_graphs must be an integer >= 1, got {self.max_graphs!r}")
+
     def as_dict(self) -> dict:
         return asdict(self)

@@ -112,10 +112,14 @@ class Engine:
         )
         negatives = check_negative_prompt(negative_prompt, len(prompts))
         check_long_prompt(long_prompt)
+        # checked integral (numpy scalars included): plain ints from here on
+        height, width, num_inference_steps, num_images_per_prompt = (
+            int(v) for v in (height, width, num_inference_steps, num_images_per_prompt))
+        guidance_scale = float(guidance_scale)
         n = len(prompts) * num_images_per_prompt
         if seed is None:
             seed = secrets.randbelow(2**31 - n)
-        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed + i for i in range(n)]
+        seeds = [int(s) for s in seed] if isinstance(seed, (list, tuple)) else [int(seed) + i for i in range(n)]
         generators = [torch.Generator("cpu").manual_seed(s) for s in seeds]
         pipe = self.pipe
         do_cfg = guidance_scale > 1 and pipe.unet.config.get("time_cond_proj_dim") is None
@@ -124,8 +128,8 @@ class Engine:
         if report.any_truncated:
             warnings.warn(
                 f"prompt truncated to CLIP's {prompt_policy.WINDOW} tokens (long_prompt='truncate'): dropped "
-                f"{report.truncated} token(s) of the prompt(s)"
-                + (f" and {report.negative_truncated} of the negative prompt(s)" if report.negative_truncated else "")
+                f"{sum(report.truncated)} token(s) of the prompt(s)"
+                + (f" and {sum(report.negative_truncated)} of the negative prompt(s)" if any(report.negative_truncated or ()) else "")
                 + "; use long_prompt='chunk' to keep them",
                 PromptTruncatedWarning,
                 stacklevel=2,

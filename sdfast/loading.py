@@ -204,11 +204,14 @@ def load_pipeline(model, *, device=None, dtype=None, seed: int = 0):
     Raises ``ModelNotFoundError`` (missing path or file, naming it), ``HubOfflineError``, ``ValueError``
     (unknown ``random:`` architecture, listing the known ones), ``TypeError`` (unsupported object).
     """
-    device, dtype = default_device_dtype(device, dtype)
     if not isinstance(model, (str, os.PathLike)):
         if hasattr(model, "unet") and hasattr(model, "vae"):
-            return model
+            # a pipeline object is used as it is, moved or cast only when asked to
+            if dtype is not None:
+                model = model.to(dtype)
+            return model.to(device) if device is not None else model
         raise TypeError(f"model must be a path, a hub id, 'random:<arch>' or a diffusers pipeline, not {type(model).__name__}")
+    device, dtype = default_device_dtype(device, dtype)
     name = str(model)
     if name.startswith("random:"):
         return build_random_pipeline(name.split(":", 1)[1], device=device, dtype=dtype, seed=seed)

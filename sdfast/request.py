@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 
 from .errors import InvalidRequestError
 
@@ -22,28 +23,37 @@ def check_request(
     seed,
 ) -> list[str]:
     """Validate and normalise; returns the prompt as a list. Raises ``InvalidRequestError`` naming the field."""
-    prompts = [prompt] if isinstance(prompt, str) else list(prompt) if prompt is not None else None
+    prompts = [prompt] if isinstance(prompt, str) else list(prompt) if isinstance(prompt, (list, tuple)) else None
     if not prompts or not all(isinstance(p, str) for p in prompts):
-        raise InvalidRequestError("prompt", "must be a string or a non-empty list of strings")
+        raise InvalidRequestError("prompt", f"must be a string or a non-empty list of strings (got {type(prompt).__name__})")
+    height, width, num_inference_steps, num_images_per_prompt = (
+        _as_int(v) for v in (height, width, num_inference_steps, num_images_per_prompt))
     for field, v in (("height", height), ("width", width)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v % 8:
             raise InvalidRequestError(field, f"must be a positive multiple of 8 (got {v!r})")
     if not isinstance(num_inference_steps, int) or isinstance(num_inference_steps, bool) or num_inference_steps < 1:
         raise InvalidRequestError("num_inference_steps", f"must be an integer >= 1 (got {num_inference_steps!r})")
-    if (not isinstance(guidance_scale, (int, float)) or isinstance(guidance_scale, bool)
+    if (not isinstance(guidance_scale, numbers.Real) or isinstance(guidance_scale, bool)
             or not math.isfinite(guidance_scale) or guidance_scale < 0):
         raise InvalidRequestError("guidance_scale", f"must be a finite number >= 0 (got {guidance_scale!r})")
     if not isinstance(num_images_per_prompt, int) or isinstance(num_images_per_prompt, bool) or num_images_per_prompt < 1:
         raise InvalidRequestError("num_images_per_prompt", f"must be an integer >= 1 (got {num_images_per_prompt!r})")
     if scheduler is not None:
+        if not isinstance(scheduler, str):
+            raise InvalidRequestError("scheduler", f"must be a scheduler name (a string) or None, got {type(scheduler).__name__}")
         check_scheduler_name(scheduler)
     n = len(prompts) * num_images_per_prompt
     if isinstance(seed, (list, tuple)):
-        if len(seed) != n or not all(_is_seed(s) for s in seed):
+        if len(seed) != n or not all(_is_seed(_as_int(s)) for s in seed):
             raise InvalidRequestError("seed", f"a list of seeds needs {n} integers in [0, 2**63 - 1] (one per image)")
-    elif seed is not None and not _is_seed(seed, n):
+    elif seed is not None and not _is_seed(_as_int(seed), n):
         raise InvalidRequestError("seed", f"must be an integer in [0, 2**63 - {n}] (image i uses seed + i; got {seed!r})")
     return prompts
+
+
+def _as_int(v):
+    """numpy / other integral scalars as a Python int; anything else unchanged (rejected by the checks)."""
+    return int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else v
 
 
 def _is_seed(s, n: int = 1) -> bool:

@@ -48,6 +48,9 @@ _SDPA_FORCED = {
 }
 BACKEND_NAMES = ("cudnn", "flash", "efficient", "math", "sdpa", "xformers", "triton")
 _STATE_ATTR = "_sdfast_attention_state"
+# Names of the fused Q/K/V (K/V) projections this pass adds: views of to_q/to_k/to_v's weights, used
+# only while those are plain nn.Linear, so other passes (quantize_, sparsify_) never convert them.
+FUSED_PROJECTIONS = (".to_qkv", ".to_kv")
 # processors whose math SdfastAttnProcessor reproduces (others, e.g. IP-Adapter or LoRA processors,
 # are left alone)
 _STOCK_PROCESSORS = {"AttnProcessor", "AttnProcessor2_0", "FusedAttnProcessor2_0", "XFormersAttnProcessor"}
@@ -653,6 +656,8 @@ def _unfuse(attn: nn.Module, name: str) -> None:
     cross = name == "to_kv"
     parts = [attn.to_k, attn.to_v] if cross else [attn.to_q, attn.to_k, attn.to_v]
     for p in parts:  # own storage again (exact same values)
+        if type(p) is not nn.Linear:
+            continue  # replaced since (quantized, pruned, LoRA-wrapped): it no longer lives in the fused tensor
         p.weight.data = p.weight.data.clone()
         if p.bias is not None:
             p.bias.data = p.bias.data.clone()

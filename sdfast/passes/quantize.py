@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from sdfast.passes.attention import FUSED_PROJECTIONS
 from sdfast.quantization.calibration import collect_linear_stats
 from sdfast.quantization.modules import Int8OutlierLinear, QuantizedLinear, W4A16Linear, W8A8Linear
 
@@ -223,7 +224,7 @@ def quantize_(
         if isinstance(m, QuantizedLinear):
             skipped_already += 1
             continue
-        if type(m) is not nn.Linear or not filter_fn(m, name):
+        if type(m) is not nn.Linear or name.endswith(FUSED_PROJECTIONS) or not filter_fn(m, name):
             continue
         if min(m.in_features, m.out_features) < config.min_features:
             skipped_shape += 1

@@ -44,6 +44,8 @@ from kernels.gemm.sparse24 import (
     sparsegpt_prune_24,
 )
 
+from sdfast.passes.attention import FUSED_PROJECTIONS
+
 log = logging.getLogger("sdfast.passes")
 
 __all__ = [
@@ -202,7 +204,7 @@ def _targets(module: nn.Module, config: Sparse24Config, filter_fn) -> dict[str, 
     filter_fn = filter_fn or default_filter
     found: dict[str, nn.Linear] = {}
     for name, m in module.named_modules():
-        if not name or isinstance(m, SparseLinear) or not isinstance(m, nn.Linear):
+        if not name or isinstance(m, SparseLinear) or not isinstance(m, nn.Linear) or name.endswith(FUSED_PROJECTIONS):
             continue
         if not filter_fn(m, name):
             continue
@@ -232,6 +234,11 @@ def sparsify_(
     otherwise); a targeted layer that saw no calibration input is pruned by magnitude and logged
     (``sparsity_stats`` counts it under ``"magnitude_fallback"``).
     """
+    if not isinstance(module, nn.Module):  # a diffusers pipeline: its UNet, as quantize_ does
+        unet = getattr(module, "unet", None)
+        if not isinstance(unet, nn.Module):
+            raise TypeError(f"sparsify_: module must be an nn.Module or a pipeline with .unet, got {type(module).__name__}")
+        module = unet
     if not isinstance(config, Sparse24Config):
         raise TypeError(f"config must be a Sparse24Config, got {type(config).__name__}")
     if config.method == "sparsegpt" and calibration is None:

@@ -1,0 +1,83 @@
+"""Edge cases of the Python API that a new user hit (CPU, random:tiny): clear errors, not raw ones."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import sdfast
+from sdfast.errors import InvalidRequestError
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"prompt": 123}, "prompt"),
+    ({"prompt": {"a": 1}}, "prompt"),
+    ({"scheduler": ["ddim"]}, "scheduler"),
+    ({"guidance_scale": float("inf")}, "guidance_scale"),
+    ({"num_inference_steps": True}, "num_inference_steps"),
+])
+def test_bad_arguments_are_invalid_request_errors_naming_the_field(tiny_engine, kwargs, field):
+    kw = {"prompt": "a cat", "num_inference_steps": 2, **kwargs}
+    with pytest.raises(InvalidRequestError) as info:
+        tiny_engine.txt2img(kw.pop("prompt"), **kw)
+    assert info.value.field == field
+
+
+def test_numpy_scalars_are_accepted_like_python_numbers(tiny_engine):
+    a = tiny_engine.txt2img("a cat", num_inference_steps=np.int64(2), guidance_scale=np.float32(7.5),
+                            seed=np.int64(3), height=np.int64(64), width=64)[0]
+    b = tiny_engine.txt2img("a cat", num_inference_steps=2, guidance_scale=7.5, seed=3, height=64, width=64)[0]
+    assert a.info["seed"] == "3" and np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_truncation_warning_counts_tokens_and_is_exported(tiny_engine):
+    with pytest.warns(sdfast.PromptTruncatedWarning, match=r"dropped \d+ token\(s\) of the prompt\(s\); use"):
+        tiny_engine.txt2img("word " * 120, num_inference_steps=1, long_prompt="truncate", negative_prompt="short")
+
+
+@pytest.mark.parametrize("bad", [{"attention": False}, "yes", [1]])
+def test_optimize_must_be_a_bool_or_a_config(bad):
+    with pytest.raises(TypeError, match="optimize must be"):
+        sdfast.load("random:tiny", optimize=bad)
+
+
+@pytest.mark.parametrize("kwargs, error", [
+    ({"max_graphs": 0}, ValueError), ({"max_graphs": "a"}, ValueError), ({"attention": "yes"}, TypeError),
+])
+def test_optimize_config_values_are_checked(kwargs, error):
+    with pytest.raises(error, match="OptimizeConfig"):
+        sdfast.OptimizeConfig(**kwargs)
+
+
+def test_a_pipeline_object_is_cast_when_asked_and_named_by_path(tmp_path):
+    pipe = sdfast.load("random:tiny", optimize=False).pipe
+    engine = sdfast.load(pipe, dtype=torch.float64, optimize=False)
+    assert engine.pipe.unet.dtype == torch.float64
+    pipe.to(torch.float32).save_pretrained(tmp_path / "tiny")
+    assert sdfast.load(Path(tmp_path / "tiny"), optimize=False).name == str(tmp_path / "tiny")
+
+
+def test_sparsify_takes_a_pipeline_like_quantize_and_rejects_other_things():
+    engine = sdfast.load("random:tiny", optimize=False)
+    assert sdfast.sparsify_(engine.pipe, sdfast.Sparse24Config(min_features=32)) > 0
+    with pytest.raises(TypeError, match="nn.Module or a pipeline"):
+        sdfast.sparsify_(5)
+
+
+def test_unoptimize_after_quantizing_fused_projections():
+    """With fuse_qkv, quantize_ converts to_q/to_k/to_v but never the fused to_qkv/to_kv (views of them,
+    unused once they are converted), and unoptimize then restores the pipeline without error."""
+    engine = sdfast.load("random:tiny", optimize=sdfast.OptimizeConfig(fuse_qkv=True))
+    names = [n for n, m in engine.pipe.unet.named_modules() if n.endswith((".to_qkv", ".to_kv"))]
+    assert names
+    stats = sdfast.quantize_(engine.pipe.unet, sdfast.W8A8Config(min_features=32))
+    assert not any(n.endswith((".to_qkv", ".to_kv")) for n in stats.layers)
+    sdfast.unoptimize(engine.pipe)
+    assert getattr(engine.pipe, "_sdfast", None) is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert engine.txt2img("a cat", num_inference_steps=1)[0].size == (64, 64)
