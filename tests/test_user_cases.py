@@ -481,6 +481,25 @@ def test_single_file_that_is_not_sd_is_a_clear_error(tmp_path, offline):
         sdfast.load(str(tmp_path / "odd.safetensors"))
 
 
+def test_incomplete_checkpoint_or_folder_is_a_clear_error(tmp_path, offline):
+    """Weights missing from a single file (diffusers leaves them on the meta device) or a component folder
+    without its weights file: a ModelNotFoundError that says so, not an unrelated error."""
+    from safetensors.torch import save_file
+
+    from tests.ldm_checkpoint import original_state_dict
+
+    source = sdfast.load("random:tiny", optimize=False, seed=3)
+    sd = {k: v for k, v in original_state_dict(source.pipe, "sd1").items() if not k.startswith("model.diffusion_model.out.")}
+    save_file(sd, str(tmp_path / "partial.safetensors"))
+    with pytest.raises(ModelNotFoundError, match=r"is incomplete: weight tensors of the tiny architecture are missing"):
+        sdfast.load(str(tmp_path / "partial.safetensors"), optimize=False)
+    source.pipe.save_pretrained(tmp_path / "folder")
+    for f in (tmp_path / "folder" / "unet").glob("diffusion_pytorch_model*"):
+        f.unlink()
+    with pytest.raises(ModelNotFoundError, match="is incomplete"):
+        sdfast.load(str(tmp_path / "folder"), optimize=False)
+
+
 # --- numerics ------------------------------------------------------------------------------------
 
 
