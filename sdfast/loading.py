@@ -27,11 +27,28 @@ ASSETS = Path(__file__).parent / "assets"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
+_DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+
+
 def default_device_dtype(device=None, dtype=None) -> tuple[torch.device, torch.dtype]:
-    """CUDA and fp16 when a GPU is present, else CPU and fp32 (each overridable)."""
-    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """CUDA and fp16 when a GPU is present, else CPU and fp32 (each overridable; ``dtype`` may also be a
+    name: "float16", "bfloat16", "float32"). Raises ValueError for an unknown or unavailable device and
+    TypeError for a dtype that is not a floating-point type."""
+    try:
+        dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device: {device!r} is not a torch device ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} asked for, but this torch has no usable CUDA GPU")
+    if isinstance(dtype, str):
+        if dtype.removeprefix("torch.") not in _DTYPES:
+            raise TypeError(f"dtype: {dtype!r} is not one of {', '.join(_DTYPES)}")
+        dtype = _DTYPES[dtype.removeprefix("torch.")]
     if dtype is None:
         dtype = torch.float16 if dev.type == "cuda" else torch.float32
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype: must be a floating-point torch.dtype such as torch.float16, got {dtype!r}")
     return dev, dtype
 
 

@@ -81,3 +81,16 @@ def test_unoptimize_after_quantizing_fused_projections():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert engine.txt2img("a cat", num_inference_steps=1)[0].size == (64, 64)
+
+
+def test_device_and_dtype_arguments_are_checked():
+    with pytest.raises(ValueError, match="device"):
+        sdfast.load("random:tiny", device="nonsense")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no usable CUDA GPU"):
+            sdfast.load("random:tiny", device="cuda")
+    with pytest.raises(TypeError, match="dtype"):
+        sdfast.load("random:tiny", dtype=torch.int8)
+    with pytest.raises(TypeError, match="dtype"):
+        sdfast.load("random:tiny", dtype="float8")
+    assert sdfast.load("random:tiny", dtype="float32", optimize=False).dtype == torch.float32
