@@ -94,3 +94,13 @@ def test_device_and_dtype_arguments_are_checked():
     with pytest.raises(TypeError, match="dtype"):
         sdfast.load("random:tiny", dtype="float8")
     assert sdfast.load("random:tiny", dtype="float32", optimize=False).dtype == torch.float32
+
+
+@pytest.mark.parametrize("make", [
+    lambda: sdfast.W8A8Config(min_features="a"), lambda: sdfast.W8A8Config(min_features=-1),
+    lambda: sdfast.W4A16Config(n_grid=0), lambda: sdfast.W4A16Config(n_samples=True),
+    lambda: sdfast.Int8OutlierConfig(min_features=0),
+])
+def test_quantization_config_integers_are_checked(make):
+    with pytest.raises(ValueError, match="must be an integer >="):
+        make()

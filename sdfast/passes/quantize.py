@@ -42,6 +42,14 @@ FilterFn = Callable[[nn.Module, str], bool]
 # --------------------------------------------------------------------------------------------
 # configs
 # --------------------------------------------------------------------------------------------
+def _check_ints(config, **minimums) -> None:
+    """Each named field of ``config`` is an int (not a bool) >= its minimum; ValueError naming it otherwise."""
+    for name, low in minimums.items():
+        v = getattr(config, name)
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise ValueError(f"{type(config).__name__}: {name} must be an integer >= {low}, got {v!r}")
+
+
 @dataclass(frozen=True)
 class W8A8Config:
     """W8A8: 8-bit weights (per output channel) and activations (per token, dynamic).
@@ -60,6 +68,7 @@ class W8A8Config:
     min_features: int = 320
 
     def __post_init__(self):
+        _check_ints(self, min_features=1)
         if self.dtype not in ("int8", "fp8"):
             raise ValueError(f"W8A8Config: dtype must be 'int8' or 'fp8', got {self.dtype!r}")
         if not 0.0 <= self.alpha <= 1.0:
@@ -91,6 +100,7 @@ class W4A16Config:
     min_features: int = 320
 
     def __post_init__(self):
+        _check_ints(self, group_size=16, n_grid=1, n_samples=1, min_features=1)
         if self.method not in ("awq", "gptq", "rtn"):
             raise ValueError(f"W4A16Config: method must be 'awq', 'gptq' or 'rtn', got {self.method!r}")
         if self.group_size <= 0 or self.group_size % 16:
@@ -113,6 +123,7 @@ class Int8OutlierConfig:
     min_features: int = 320
 
     def __post_init__(self):
+        _check_ints(self, min_features=1)
         if self.threshold <= 0:
             raise ValueError(f"Int8OutlierConfig: threshold must be > 0, got {self.threshold}")
 
