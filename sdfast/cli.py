@@ -101,7 +101,7 @@ def cmd_txt2img(args) -> int:
         get_architecture(model.split(":", 1)[1])
         print(RANDOM_NOTE.format(model=model), file=sys.stderr)
     t0 = time.perf_counter()
-    engine = sdfast.load(model, **({"optimize": False} if args.no_optimize and _accepts_optimize() else {}))
+    engine = sdfast.load(model, optimize=not args.no_optimize)
     print(f"loaded {model} on {engine.device} ({str(engine.dtype).replace('torch.', '')}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     t1 = time.perf_counter()
     images = engine.txt2img(args.prompt, negative_prompt=args.negative, num_inference_steps=args.steps,
@@ -113,14 +113,6 @@ def cmd_txt2img(args) -> int:
         img.save(path)
         print(f"saved {path} ({img.width}x{img.height}, seed {img.info['seed']}) in {took:.2f} s")
     return 0
-
-
-def _accepts_optimize() -> bool:
-    import inspect
-
-    import sdfast
-
-    return "optimize" in inspect.signature(sdfast.load).parameters
 
 
 def _add_serve(sub) -> None:

@@ -193,21 +193,7 @@ def load_single_file(path: Path, *, dtype, architecture: str | None = None):
                 raise
             raise ModelNotFoundError(f"model {str(path)!r} is incomplete: weight tensors of the {arch_name} "
                                      "architecture are missing from the checkpoint") from None
-    _check_complete(pipe, path)
     return pipe
-
-
-def _check_complete(pipe, source) -> None:
-    """Raise ``ModelNotFoundError`` when weights the model needs were not in ``source`` (diffusers leaves
-    them on the meta device, and the first use fails with an unrelated "Cannot copy out of meta tensor")."""
-    import torch
-
-    missing = [f"{name}.{p}" for name, comp in getattr(pipe, "components", {}).items() if isinstance(comp, torch.nn.Module)
-               for p, t in (*comp.named_parameters(), *comp.named_buffers()) if t.is_meta]
-    if missing:
-        raise ModelNotFoundError(
-            f"model {str(source)!r} is incomplete: {len(missing)} weight tensor(s) missing, e.g. {', '.join(missing[:3])}"
-        )
 
 
 def _hub_reachable(timeout: float = 3.0) -> bool:
@@ -262,7 +248,6 @@ def load_pipeline(model, *, device=None, dtype=None, seed: int = 0):
             pipe = diffusers.DiffusionPipeline.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
         except OSError as e:  # a component folder without its weights file, and kin
             raise ModelNotFoundError(f"model folder {name!r} is incomplete: {str(e).splitlines()[0]}") from None
-        _check_complete(pipe, path)
     elif path.is_file():
         pipe = load_single_file(path, dtype=dtype)
     elif _HUB_ID.match(name) and not name.startswith((".", "/", "~")):
