@@ -372,3 +372,20 @@ def test_triton_backend_key_padding_mask():
         ap.key_padding_from_mask(torch.zeros(2, 1, 1, 40), 2, 40)  # additive float mask
     with pytest.raises(NotImplementedError):
         ap.key_padding_from_mask(torch.ones(2, 2, 1, 40, dtype=torch.bool), 2, 40)  # per-head
+
+
+def test_processor_upcast_modules_use_the_stock_numerics():
+    # diffusers' upcast flags ask for an fp32 softmax with P cast back to the value dtype, which every
+    # backend does: the processor must not ask for the kernel's slower split-P mode.
+    seen = []
+
+    def spy(q, k, v, attn_mask, scale, upcast):
+        seen.append(upcast)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+
+    d = ap.AttentionDispatcher("spy", extra_backends={"spy": spy})
+    attn = Attention(query_dim=32, heads=2, dim_head=16, upcast_attention=True, upcast_softmax=True).eval()
+    attn.set_processor(ap.SdfastAttnProcessor(d))
+    with torch.no_grad():
+        attn(torch.randn(1, 6, 32))
+    assert seen == [False]

@@ -5,10 +5,10 @@
 views of the fused projection output (B, L, 3|2, H, D); UNet batch 2 (CFG), VAE batch 1.
 
 One row per (shape, backend), backends: ``sdpa`` (SDPA's own choice = stock diffusers), ``cudnn``,
-``flash``, ``efficient``, ``math`` (SDPA forced), ``xformers`` (if it works), ``triton`` (ours, with
-the processor's upcast flag: True for the VAE, whose attention sets ``upcast_softmax``),
-``triton_plain`` (VAE only: ours without upcast), and ``dispatcher`` (an ``AttentionDispatcher``
-after its warm-up measurement, i.e. what the pass runs). Columns:
+``flash``, ``efficient``, ``math`` (SDPA forced), ``xformers`` (if it works), ``triton`` (ours), and
+``dispatcher`` (an ``AttentionDispatcher`` after its warm-up measurement, i.e. what the pass runs). All
+with ``upcast=False``, as the processor calls them: the VAE's ``upcast_softmax`` asks for the fp32
+softmax that every backend already does (see ``SdfastAttnProcessor``). Columns:
 
 - ``us``: ``triton.testing.do_bench_cudagraph`` median, calls replayed in a CUDA graph (how sdfast
   runs the UNet); ``us_eager``: ``triton.testing.do_bench`` median (host overhead included).
@@ -18,7 +18,8 @@ after its warm-up measurement, i.e. what the pass runs). Columns:
   ours/best, on the ``dispatcher`` row dispatcher/best.
 - ``note``: ``error: ...`` for a backend that raised or gave a wrong answer (never dropped).
 
-Targets (issue 4): dispatcher x_best <= ~1.0 everywhere; triton x_best <= 1.3 on head_dim 40/64
+Targets (issue 4): dispatcher x_best <= 1.0 everywhere, up to timing noise (two medians of the same
+kernel differ by up to ~3 %); triton x_best <= 1.3 on head_dim 40/64
 self-attention; triton faster than ``sdpa`` on the VAE's 1 x 512 heads.
 """
 
@@ -49,9 +50,9 @@ def shapes(quick: bool = False) -> list[dict]:
     if not quick:
         unet("sdxl", 1024, 20, 64)
     # VAE mid-block: one head of 512 over the latent grid (decode of 512² and 1024² images)
-    s.append(dict(model="vae512", attn="self", B=1, H=1, Lq=4096, Lk=4096, D=512, upcast=True))
+    s.append(dict(model="vae512", attn="self", B=1, H=1, Lq=4096, Lk=4096, D=512, upcast=False))
     if not quick:
-        s.append(dict(model="vae1024", attn="self", B=1, H=1, Lq=16384, Lk=16384, D=512, upcast=True))
+        s.append(dict(model="vae1024", attn="self", B=1, H=1, Lq=16384, Lk=16384, D=512, upcast=False))
     return s
 
 
@@ -111,13 +112,11 @@ def run(quick: bool = False) -> list[dict]:
             except Exception as e:  # noqa: BLE001 - reported in the rows
                 picked = f"error: {type(e).__name__}: {e}"[:200]
             calls = {n: (lambda fn=dispatcher.backend_fn(n): fn(q, k, v, None, scale, upcast)) for n in names}
-            if sh["model"].startswith("vae"):
-                calls["triton_plain"] = lambda: dispatcher.backend_fn("triton")(q, k, v, None, scale, False)
             if not str(picked).startswith("error"):
                 calls["dispatcher"] = lambda: dispatcher(q, k, v, scale=scale, upcast=upcast)
             timed = {}
             for name, fn in calls.items():
-                r = dict(base, backend=name, upcast=upcast if name != "triton_plain" else False)
+                r = dict(base, backend=name, upcast=upcast)
                 try:
                     bad = ap._mismatch(fn(), ref, dtype)
                     if bad is not None:
