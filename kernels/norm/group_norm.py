@@ -52,6 +52,9 @@ _TUNING = {
     "force_splits": None,  # tests: exactly this many H*W splits (capped by the blocks available)
     "apply_programs": 4096,  # above this many apply tiles, one program loops over several (<= 8)
     "l2_chunk_bytes": 16 << 20,  # per-chunk input bytes so the apply pass re-reads from L2
+    "groups_per_tile": None,  # force GPT (whole groups per channel tile; must divide G), None: chosen
+    "stats_warps": 4,
+    "apply_warps": 4,
 }
 
 
@@ -529,6 +532,9 @@ def group_norm_plan(
     Cg = C // G
     bytes_per_channel = B * HW * elem_size * (2 if has_res else 1)
     bc, gpt, n_cb = _channel_tile(Cg, G, channels_last, elem_size, bytes_per_channel, T["l2_chunk_bytes"])
+    forced = T["groups_per_tile"]
+    if forced and n_cb == 1 and G % forced == 0 and forced * Cg <= 256:
+        gpt, bc = forced, _p2(forced * Cg)
     n_ct = G // gpt
     hw_p2 = _p2(HW)
     if n_cb == 1 and bc * hw_p2 <= T["onepass_max_elems"]:
@@ -555,7 +561,7 @@ def group_norm_plan(
     iters = max(1, min(8, tiles // T["apply_programs"]))
     return GroupNormPlan(
         "twopass", channels_last, bc, gpt, n_cb, n_ct, block_hw, S=s, HWS=hws, finalize=finalize,
-        HWP=iters * block_hw, chunk_ct=chunk, num_warps=4, apply_warps=4,
+        HWP=iters * block_hw, chunk_ct=chunk, num_warps=T["stats_warps"], apply_warps=T["apply_warps"],
     )
 
 
