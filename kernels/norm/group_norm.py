@@ -51,9 +51,14 @@ _TUNING = {
     "max_splits": 512,
     "force_splits": None,  # tests: exactly this many H*W splits (capped by the blocks available)
     "apply_programs": 4096,  # above this many apply tiles, one program loops over several (<= 8)
-    "l2_chunk_bytes": 16 << 20,  # per-chunk input bytes so the apply pass re-reads from L2
+    # Per-chunk input bytes so the apply pass re-reads from L2. Off: on the H200 (run 4,
+    # benchmarks/tune_group_norm.py) 8, 16 and 32 MB chunks were slower than none on every shape
+    # (2x640x128x128 NHWC: 121 / 99 / 72 µs against 66 µs); L2 keeps much of the input anyway.
+    "l2_chunk_bytes": 1 << 40,
     "groups_per_tile": None,  # force GPT (whole groups per channel tile; must divide G), None: chosen
     "stats_warps": 4,
+    "stats_warps_large": 2,  # from 16 MB of input: 2 warps per statistics program (run 4: -5..-15 %)
+    "large_bytes": 16 << 20,
     "apply_warps": 4,
 }
 
@@ -561,7 +566,8 @@ def group_norm_plan(
     iters = max(1, min(8, tiles // T["apply_programs"]))
     return GroupNormPlan(
         "twopass", channels_last, bc, gpt, n_cb, n_ct, block_hw, S=s, HWS=hws, finalize=finalize,
-        HWP=iters * block_hw, chunk_ct=chunk, num_warps=T["stats_warps"], apply_warps=T["apply_warps"],
+        HWP=iters * block_hw, chunk_ct=chunk, apply_warps=T["apply_warps"],
+        num_warps=T["stats_warps_large"] if C * bytes_per_channel >= T["large_bytes"] else T["stats_warps"],
     )
 
 

@@ -279,3 +279,11 @@ def test_token_layout_with_a_size_one_spatial_dim(token_shape, path):
     out = group_norm(x, G, w, b, 1e-6, activation="silu")
     ref = group_norm_ref(x.contiguous(), G, w, b, 1e-6, activation="silu")
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_plan_defaults_measured_on_the_h200():
+    # benchmarks/tune_group_norm.py (run 4): no L2 chunking, 2-warp statistics programs from 16 MB
+    big = gn_mod.group_norm_plan(2, 640, 128 * 128, 32, True, 2, False)  # SDXL 128² ResNet norm, 42 MB
+    assert big.path == "twopass" and big.chunk_ct == big.n_ct and big.num_warps == 2
+    small = gn_mod.group_norm_plan(2, 320, 64 * 64, 32, True, 2, False)  # SD1.5 64², 5 MB
+    assert small.num_warps == 4
