@@ -1,0 +1,8 @@
+"""Fused elementwise epilogues that no neighbouring kernel can absorb (bias + residual adds).
+
+Each op has a plain-PyTorch ``*_ref`` beside it and is registered as ``torch.ops.sdfast.<name>``.
+"""
+
+from kernels.elementwise.bias_residual import bias_residual_add, bias_residual_add_ref
+
+__all__ = ["bias_residual_add", "bias_residual_add_ref"]
