@@ -78,6 +78,37 @@ def test_fused_resnet_adds_time_embedding_inside_the_norm(monkeypatch, unet_inpu
     assert any(seen)
 
 
+def test_fused_resnet_folds_conv_biases_into_one_add(monkeypatch, unet_inputs):
+    from sdfast.passes import norms as mod
+
+    calls = []
+    real = mod.bias_residual_add
+    monkeypatch.setattr(mod, "bias_residual_add", lambda *a, **k: calls.append(a[1] is not None) or real(*a, **k))
+    unet = sdfast.load("random:tiny", optimize=False).pipe.unet
+    stock = _run(unet, unet_inputs)
+    norms.apply(unet)
+    torch.testing.assert_close(_run(unet, unet_inputs), stock, atol=2e-4, rtol=1e-4)
+    assert calls == [True] * 8  # one per ResnetBlock2D, carrying conv2's (+ conv_shortcut's) bias
+
+
+def test_fused_resnet_runs_wrapped_convs_as_they_are(unet_inputs):
+    # A conv that is not a plain nn.Conv2d (a PEFT LoRA layer, a user's subclass) keeps its own forward.
+    class Scaled(torch.nn.Conv2d):
+        def forward(self, x):
+            return super().forward(x) * 1.5
+
+    unet = sdfast.load("random:tiny", optimize=False).pipe.unet
+    r = unet.down_blocks[0].resnets[0]
+    for name in ("conv1", "conv2"):
+        old = getattr(r, name)
+        new = Scaled(old.in_channels, old.out_channels, old.kernel_size, padding=old.padding)
+        new.load_state_dict(old.state_dict())
+        setattr(r, name, new)
+    stock = _run(unet, unet_inputs)
+    norms.apply(unet)
+    torch.testing.assert_close(_run(unet, unet_inputs), stock, atol=2e-4, rtol=1e-4)
+
+
 def test_layout_pass_makes_convs_channels_last_and_keeps_output(unet_inputs):
     unet = sdfast.load("random:tiny", optimize=False).pipe.unet
     stock = _run(unet, unet_inputs)

@@ -3,8 +3,8 @@ fused kernels (``kernels.norm``), wired in at block level.
 
 Rewrites (each per module instance, reversible with ``undo``):
 - ``ResnetBlock2D`` (time_embedding_norm "default", no up/down-sampling): ``forward`` is rebound to one
-  that runs norm1+SiLU as one kernel, and adds the time-embedding projection as a per-(batch, channel)
-  bias inside norm2+SiLU. diffusers reuses ``self.nonlinearity`` on the time embedding, so SiLU is fused
+  that runs norm1+SiLU as one kernel, adds the time-embedding projection and conv1's bias as a
+  per-(batch, channel) bias inside norm2+SiLU, and ends with one bias + shortcut add kernel. diffusers reuses ``self.nonlinearity`` on the time embedding, so SiLU is fused
   here at block level rather than by replacing the SiLU module.
 - ``conv_norm_out`` + ``conv_act`` (UNet and VAE decoder tails): GroupNorm+SiLU as one kernel.
 - every other ``nn.GroupNorm`` (Transformer2D input norm, VAE attention group_norm): the fused GroupNorm.
@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.elementwise import bias_residual_add
 from kernels.norm import geglu, group_norm, layer_norm
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -65,20 +66,42 @@ def _resnet_supported(m: nn.Module) -> bool:
     )
 
 
+def _conv_without_bias(conv: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``conv(x)`` minus its bias, and the bias, for a plain ``nn.Conv2d`` with one; anything else (no bias,
+    a PEFT LoRA wrapper, a quantized conv) runs as it is and returns ``(conv(x), None)``."""
+    if type(conv) is nn.Conv2d and conv.bias is not None:
+        return conv._conv_forward(x, conv.weight, None), conv.bias
+    return conv(x), None
+
+
+def _sum_biases(*biases: torch.Tensor | None) -> torch.Tensor | None:
+    present = [b for b in biases if b is not None]
+    if not present:
+        return None
+    total = present[0]
+    for b in present[1:]:
+        total = total + b
+    return total
+
+
 def fused_resnet_forward(self, input_tensor: torch.Tensor, temb: torch.Tensor | None, *args, **kwargs) -> torch.Tensor:
-    """diffusers ``ResnetBlock2D.forward`` (default time-embedding norm) with the norms fused."""
+    """diffusers ``ResnetBlock2D.forward`` (default time-embedding norm) with the norms and adds fused.
+
+    The convolutions run without their biases (PyTorch adds a conv bias in a separate full-tensor pass):
+    conv1's bias joins the time-embedding projection as norm2's per-(batch, channel) bias, and conv2's and
+    conv_shortcut's biases, the shortcut add and ``output_scale_factor`` are one ``bias_residual_add``."""
     n1, n2 = self.norm1, self.norm2
     h = group_norm(input_tensor, n1.num_groups, n1.weight, n1.bias, n1.eps, activation="silu")
-    h = self.conv1(h)
-    channel_bias = None
+    h, b1 = _conv_without_bias(self.conv1, h)
+    t = None
     if self.time_emb_proj is not None and temb is not None:
-        channel_bias = self.time_emb_proj(temb if self.skip_time_act else F.silu(temb))
+        t = self.time_emb_proj(temb if self.skip_time_act else F.silu(temb))
+    channel_bias = _sum_biases(t, b1)
     h = group_norm(h, n2.num_groups, n2.weight, n2.bias, n2.eps, channel_bias=channel_bias, activation="silu")
     h = self.dropout(h)
-    h = self.conv2(h)
-    shortcut = self.conv_shortcut(input_tensor) if self.conv_shortcut is not None else input_tensor
-    out = shortcut + h
-    return out if self.output_scale_factor == 1 else out / self.output_scale_factor
+    h, b2 = _conv_without_bias(self.conv2, h)
+    shortcut, bs = (input_tensor, None) if self.conv_shortcut is None else _conv_without_bias(self.conv_shortcut, input_tensor)
+    return bias_residual_add(h, _sum_biases(b2, bs), shortcut, out_scale=self.output_scale_factor)
 
 
 def _block_supported(m: nn.Module) -> bool:
