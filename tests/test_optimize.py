@@ -120,6 +120,24 @@ def test_layout_pass_makes_convs_channels_last_and_keeps_output(unet_inputs):
     assert unet.conv_in.weight.is_contiguous()
 
 
+def test_layout_pass_runs_pointwise_proj_convs_as_token_linears(unet_inputs):
+    unet = sdfast.load("random:tiny", optimize=False).pipe.unet
+    stock = _run(unet, unet_inputs)
+    layout.apply(unet)
+    norms.apply(unet)  # layout-preserving GroupNorms: the Transformer2D input stays NHWC
+    conv_calls = []
+    for name, m in unet.named_modules():
+        if name.endswith(("proj_in", "proj_out")):
+            m.register_forward_hook(lambda *a, n=name: conv_calls.append(n))
+    inputs = dict(unet_inputs, sample=unet_inputs["sample"].contiguous(memory_format=torch.channels_last))
+    torch.testing.assert_close(_run(unet, inputs), stock, atol=2e-4, rtol=1e-4)
+    assert conv_calls == []  # both ran as F.linear on the token view
+    layout.undo(unet)
+    norms.undo(unet)
+    _run(unet, unet_inputs)
+    assert conv_calls  # the stock path calls the modules again
+
+
 def _px(img):
     return np.asarray(img).astype(np.int16)
 
