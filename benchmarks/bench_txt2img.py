@@ -711,6 +711,8 @@ def main(argv=None) -> int:
             reference_only(spec, ctx, refs)
         for name in order:
             rows.append(run_system(SYSTEMS[name], spec, ctx, refs))
+            if args.out:  # after every row: a run cut by a time limit keeps what it measured
+                write_outputs(args.out, rows, env, {**vars(args), "partial": True}, render(rows, env, profile=args.profile))
     text = render(rows, env, profile=args.profile)
     print(text)
     total = time.perf_counter() - t_run

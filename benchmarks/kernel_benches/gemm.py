@@ -10,7 +10,9 @@
 - ``w8a8_int8``: per-token quantize kernel + int8 GEMM with dequant epilogue (SmoothQuant, smoothing fused);
   ``w8a8_int8_gemm_only``: the int8 GEMM on pre-quantized activations; ``torch_int_mm``: ``torch._int_mm``
   on the same operands (int32 out, no dequant) for reference.
-- ``w8a8_fp8``: the same with E4M3 (sm_89+).
+- ``w8a8_fp8``: the same with E4M3 (sm_89+). ``fp8_scaled_mm_rowwise``: our per-token FP8 quantize kernel,
+  then ``torch._scaled_mm`` with row-wise (per-token x per-channel) scales and the bias (cuBLASLt/CUTLASS);
+  ``..._gemm_only`` on pre-quantized activations. A candidate backend, measured before any switch.
 - ``w4a16_triton`` / ``w4a16_csrc``: packed int4, group_size 128, dequantized in the main loop.
 - ``int8_outlier``: LLM.int8() with a fixed outlier mask of 8 columns (as after calibration).
 
@@ -140,6 +142,18 @@ def _candidates(shape: dict, phase: str, csrc_state: dict, device: str = "cuda")
     if device == "cpu" or torch.cuda.get_device_capability() >= (8, 9):
         qf8, wsf8 = quantize_weight_per_channel(w32 / smooth, torch.float8_e4m3fn)
         c["w8a8_fp8"] = (lambda: w8a8_linear(x, qf8, wsf8, b, smooth=smooth), "gemm")
+        if device == "cuda" and K % 16 == 0 and rows % 16 == 0:
+            # cuBLASLt/CUTLASS FP8 with row-wise scales (torch._scaled_mm): a candidate W8A8 FP8 backend
+            qa_f8, sa_f8 = quantize_per_token(x, smooth, torch.float8_e4m3fn)
+            wt_f8, sw = qf8.t(), wsf8.view(1, -1)
+
+            def fp8_scaled_mm(gemm_only=False):
+                qa, sa = (qa_f8, sa_f8) if gemm_only else quantize_per_token(x, smooth, torch.float8_e4m3fn)
+                return torch._scaled_mm(qa, wt_f8, scale_a=sa.view(-1, 1), scale_b=sw, bias=b,
+                                        out_dtype=torch.float16)
+
+            c["fp8_scaled_mm_rowwise"] = (fp8_scaled_mm, "gemm")
+            c["fp8_scaled_mm_rowwise_gemm_only"] = (lambda: fp8_scaled_mm(True), "gemm")
     c["w4a16_triton"] = (lambda: w4a16_linear(x, qw4, s4, z4, b, group_size=128), "gemm")
     qo, wso = quantize_weight_per_channel(w32, torch.int8)
     c["int8_outlier"] = (lambda: int8_outlier_linear(x, qo, wso, b, outlier_mask=mask), "gemm")
