@@ -55,7 +55,8 @@ def _add_txt2img(sub) -> None:
     p.add_argument("--n", type=int, default=1, help="images to generate")
     p.add_argument("--negative", default=None, help="negative prompt")
     p.add_argument("--scheduler", default=None)
-    p.add_argument("--out", default="sdfast.png", help="output PNG path; with --n > 1, _0, _1, ... are appended")
+    p.add_argument("--out", default="sdfast.png",
+                   help="output PNG path, or a folder (ending in /) for sdfast.png in it; with --n > 1, _0, _1, ... are appended")
     p.add_argument("--no-optimize", action="store_true", help="run the stock diffusers pipeline")
     p.set_defaults(func=cmd_txt2img)
 
@@ -67,6 +68,8 @@ def _out_paths(out: str, n: int) -> list[Path]:
     from PIL import Image
 
     path = Path(out)
+    if out.endswith(("/", "\\")) or path.is_dir():  # a folder: the image goes inside it
+        path = path / "sdfast.png"
     if not path.suffix:
         path = path.with_suffix(".png")
     if path.suffix.lower() not in Image.registered_extensions():
@@ -156,8 +159,15 @@ class _LogFormat(logging.Formatter):
         return msg if msg.startswith("sdfast") else f"{record.name}: {msg}"
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the one-line error of the rest of the CLI (``sdfast: error: ...``, exit code 2)."""
+
+    def error(self, message):
+        self.exit(2, f"sdfast: error: {message} (see: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sdfast", description="Fast Stable Diffusion inference")
+    parser = _Parser(prog="sdfast", description="Fast Stable Diffusion inference")
     parser.add_argument("-v", "--verbose", action="store_true", help="log sdfast's decisions (kernel choices, fallbacks)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_txt2img(sub)
@@ -184,6 +194,14 @@ def main(argv: list[str] | None = None) -> int:
     except (InvalidRequestError, ModelNotFoundError, HubOfflineError, ValueError, TypeError) as e:
         print(f"sdfast: error: {e}", file=sys.stderr)
         return 2
+    except MemoryError as e:
+        print(f"sdfast: error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # torch.OutOfMemoryError (CUDA or host memory) is a RuntimeError
+        if type(e).__name__ != "OutOfMemoryError":
+            raise
+        print(f"sdfast: error: out of memory: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -100,8 +100,9 @@ class Engine:
             negative prompt). ``engine.last_prompt_report`` holds the same for the whole request.
         Raises: ``InvalidRequestError`` (a ``ValueError`` naming the field) before any step runs;
             ``NonFiniteOutputError`` if the pipeline produced NaN/Inf (checked on the VAE's output,
-            before pixels are clamped), never a black image; ``torch.OutOfMemoryError`` as is, after
-            dropping the CUDA graphs that the failed call captured (the service answers 503 and goes on).
+            before pixels are clamped), never a black image; ``torch.OutOfMemoryError`` (a host allocation
+            failure too), after dropping the CUDA graphs that the failed call captured (the service answers
+            503 and goes on).
         """
         height = self.default_size if height is None else height
         width = self.default_size if width is None else width
@@ -159,9 +160,14 @@ class Engine:
                 generator=generators,
                 output_type="np",
             )
-        except torch.OutOfMemoryError:
-            if graphs is not None:  # graphs captured for a call that could not complete: free their buffers
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+            oom = isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)
+            if oom and graphs is not None:  # graphs captured for a call that could not complete: free their buffers
                 graphs.drop_since(mark)
+            if oom and not isinstance(e, torch.OutOfMemoryError):  # host memory: the same error type as CUDA's
+                raise torch.OutOfMemoryError(
+                    f"out of host memory for {n} image(s) of {width}x{height} on {self.device} ({e}); "
+                    "ask for fewer or smaller images") from e
             raise
         finally:
             hook.remove()

@@ -225,8 +225,8 @@ def load_hub(model_id: str, *, dtype):
 def load_pipeline(model, *, device=None, dtype=None, seed: int = 0):
     """Resolve ``model`` (see module docstring) to a diffusers pipeline on ``device`` in ``dtype``.
 
-    Raises ``ModelNotFoundError`` (missing path or file, naming it), ``HubOfflineError``, ``ValueError``
-    (unknown ``random:`` architecture, listing the known ones), ``TypeError`` (unsupported object).
+    Raises ``ModelNotFoundError`` (missing path or file, naming it; unknown ``random:`` architecture, listing
+    the known ones), ``HubOfflineError``, ``TypeError`` (unsupported object).
     """
     if not isinstance(model, (str, os.PathLike)):
         if hasattr(model, "unet") and hasattr(model, "vae"):
@@ -238,7 +238,12 @@ def load_pipeline(model, *, device=None, dtype=None, seed: int = 0):
     device, dtype = default_device_dtype(device, dtype)
     name = str(model)
     if name.startswith("random:"):
-        return build_random_pipeline(name.split(":", 1)[1], device=device, dtype=dtype, seed=seed)
+        arch = name.split(":", 1)[1]
+        try:
+            architectures.get_architecture(arch)
+        except ValueError as e:  # a built-in model that does not exist is a missing model, like a bad path
+            raise ModelNotFoundError(str(e)) from None
+        return build_random_pipeline(arch, device=device, dtype=dtype, seed=seed)
     path = Path(name).expanduser()
     if path.is_dir():
         import diffusers

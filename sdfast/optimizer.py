@@ -64,14 +64,21 @@ def _install_graphs(pipe, state: OptimizeState) -> None:
 def optimize(pipe, config: OptimizeConfig | None = None):
     """Optimize a diffusers SD/SDXL pipeline in place and return it.
 
-    Raises ``TypeError`` if ``pipe`` has no ``unet`` and ``vae``. Calling it again on an optimized
-    pipeline returns it unchanged (``unoptimize`` first to change the config).
+    Raises ``TypeError`` if ``pipe`` has no ``unet`` and ``vae`` or ``config`` is not an ``OptimizeConfig``
+    (or None). Calling it again on an optimized pipeline returns it unchanged with the same config (or None);
+    with another config it raises ``ValueError``: ``unoptimize`` first to change the config.
     """
     from .passes import attention, layout, norms
 
     if not (hasattr(pipe, "unet") and hasattr(pipe, "vae")):
         raise TypeError(f"optimize expects a diffusers Stable Diffusion pipeline, got {type(pipe).__name__}")
-    if getattr(pipe, "_sdfast", None) is not None:
+    if config is not None and not isinstance(config, OptimizeConfig):
+        raise TypeError(f"optimize: config must be an sdfast.OptimizeConfig or None, got {type(config).__name__}")
+    current: OptimizeState | None = getattr(pipe, "_sdfast", None)
+    if current is not None:
+        if config is not None and config != current.config:
+            raise ValueError("optimize: this pipeline is already optimized with another config; call "
+                             "sdfast.unoptimize(pipe) first, then optimize(pipe, config)")
         return pipe
     config = config or OptimizeConfig()
     state = OptimizeState(config=config)

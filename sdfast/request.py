@@ -7,8 +7,11 @@ import numbers
 
 from .errors import InvalidRequestError
 
-MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 from .schedulers import check_scheduler_name
+
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
+MAX_SIDE = 8192  # pixels: 8x SD1.5's and 4x SDXL's native side (a 64x larger latent than SDXL's)
+MAX_IMAGES = 64  # images per call (prompts x num_images_per_prompt); loop for more
 
 
 def check_request(
@@ -31,6 +34,8 @@ def check_request(
     for field, v in (("height", height), ("width", width)):
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v % 8:
             raise InvalidRequestError(field, f"must be a positive multiple of 8 (got {v!r})")
+        if v > MAX_SIDE:
+            raise InvalidRequestError(field, f"must be at most {MAX_SIDE} pixels (got {v})")
     if not isinstance(num_inference_steps, int) or isinstance(num_inference_steps, bool) or num_inference_steps < 1:
         raise InvalidRequestError("num_inference_steps", f"must be an integer >= 1 (got {num_inference_steps!r})")
     if (not isinstance(guidance_scale, numbers.Real) or isinstance(guidance_scale, bool)
@@ -43,6 +48,10 @@ def check_request(
             raise InvalidRequestError("scheduler", f"must be a scheduler name (a string) or None, got {type(scheduler).__name__}")
         check_scheduler_name(scheduler)
     n = len(prompts) * num_images_per_prompt
+    if n > MAX_IMAGES:
+        raise InvalidRequestError(
+            "num_images_per_prompt", f"{len(prompts)} prompt(s) x {num_images_per_prompt} = {n} images; at most "
+            f"{MAX_IMAGES} per call (call again for more)")
     if isinstance(seed, (list, tuple)):
         if len(seed) != n or not all(_is_seed(_as_int(s)) for s in seed):
             raise InvalidRequestError("seed", f"a list of seeds needs {n} integers in [0, 2**63 - 1] (one per image)")

@@ -302,7 +302,10 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError):
         headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
-        return error_response(exc.status, exc.message, exc.type, exc.field, headers=headers)
+        body = _error_body(exc.status, exc.message, exc.type, exc.field)
+        if exc.status == 422:  # the same shape as a schema 422: ``detail`` lists the failing fields
+            body["detail"] = [{"field": exc.field or "body", "message": exc.message}]
+        return JSONResponse(body, status_code=exc.status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

@@ -19,6 +19,10 @@ from sdfast.errors import InvalidRequestError
     ({"scheduler": ["ddim"]}, "scheduler"),
     ({"guidance_scale": float("inf")}, "guidance_scale"),
     ({"num_inference_steps": True}, "num_inference_steps"),
+    ({"height": 10**6}, "height"),
+    ({"width": 8200}, "width"),
+    ({"num_images_per_prompt": 10**7}, "num_images_per_prompt"),
+    ({"prompt": ["a"] * 9, "num_images_per_prompt": 8}, "num_images_per_prompt"),
 ])
 def test_bad_arguments_are_invalid_request_errors_naming_the_field(tiny_engine, kwargs, field):
     kw = {"prompt": "a cat", "num_inference_steps": 2, **kwargs}
@@ -104,3 +108,31 @@ def test_device_and_dtype_arguments_are_checked():
 def test_quantization_config_integers_are_checked(make):
     with pytest.raises(ValueError, match="must be an integer >="):
         make()
+
+
+def test_optimize_checks_its_config_and_refuses_to_silently_ignore_a_new_one():
+    pipe = sdfast.load("random:tiny", optimize=False).pipe
+    with pytest.raises(TypeError, match="OptimizeConfig or None"):
+        sdfast.optimize(pipe, 123)
+    sdfast.optimize(pipe)
+    assert sdfast.optimize(pipe) is pipe and sdfast.optimize(pipe, sdfast.OptimizeConfig()) is pipe
+    with pytest.raises(ValueError, match="unoptimize"):
+        sdfast.optimize(pipe, sdfast.OptimizeConfig(fuse_norms=False))
+    sdfast.unoptimize(pipe)
+    assert sdfast.optimize(pipe, sdfast.OptimizeConfig(fuse_norms=False))._sdfast.config.fuse_norms is False
+
+
+def test_host_out_of_memory_is_torch_out_of_memory_error(tiny_engine, monkeypatch):
+    def fail(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(type(tiny_engine.pipe), "__call__", fail)
+    with pytest.raises(torch.OutOfMemoryError, match="out of host memory"):
+        tiny_engine.txt2img("a cat", num_inference_steps=1)
+
+    def other(*args, **kwargs):
+        raise RuntimeError("some other failure")
+
+    monkeypatch.setattr(type(tiny_engine.pipe), "__call__", other)
+    with pytest.raises(RuntimeError, match="some other failure"):
+        tiny_engine.txt2img("a cat", num_inference_steps=1)

@@ -39,6 +39,9 @@ def test_n_images_get_numbered_paths(tmp_path):
         (["--model", ""], "--model is empty"),
         (["--out", "x.unknownext"], "unknown image file extension"),
         (["--out", "/proc/x.png"], "cannot write to /proc"),
+        (["--size", "100000x100000"], "at most 8192"),
+        (["--steps", "x"], "invalid int value"),
+        (["--size", "-64x64"], "expected one argument"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, monkeypatch, args, message):
@@ -48,10 +51,22 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, monkeypatch, args, messa
     if message not in ("no such folder", "random:tiny"):  # those two are found by trying to load
         monkeypatch.setattr(sdfast, "load", lambda *a, **k: pytest.fail("the model was loaded before the input was checked"))
     monkeypatch.chdir(tmp_path)
-    assert main(["txt2img", "a cat", "--out", str(tmp_path / "x.png"), *args]) == 2
+    try:
+        code = main(["txt2img", "a cat", "--out", str(tmp_path / "x.png"), *args])
+    except SystemExit as e:  # argparse's own errors exit from inside parse
+        code = e.code
+    assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 or "note:" in err[0], err  # one line (after the random-weights note, when loading)
     assert err[-1].startswith("sdfast: error:") and message in err[-1]
     assert not (tmp_path / "x.png").exists()
+
+
+def test_out_folder_gets_sdfast_png_inside(tmp_path):
+    assert main(["txt2img", "a cat", "--steps", "1", "--out", str(tmp_path / "new") + "/"]) == 0
+    (tmp_path / "old").mkdir()
+    assert main(["txt2img", "a cat", "--steps", "1", "--out", str(tmp_path / "old")]) == 0
+    assert (tmp_path / "new" / "sdfast.png").is_file() and (tmp_path / "old" / "sdfast.png").is_file()
 
 
 def test_out_without_extension_gets_png_for_one_and_many(tmp_path):

@@ -33,7 +33,9 @@ def test_random_weights_are_seeded():
 
 
 def test_unknown_random_architecture_lists_known():
-    with pytest.raises(ValueError, match="random:tiny.*random:sdxl"):
+    from sdfast.errors import ModelNotFoundError
+
+    with pytest.raises(ModelNotFoundError, match="random:tiny.*random:sdxl"):
         sdfast.load("random:nope")
 
 

@@ -166,6 +166,8 @@ def test_bad_input_answers_422_naming_the_field(live, path, change, field, hint)
     err = r.json()["error"]
     assert err["param"] == field and err["message"].startswith(f"{field}:") and hint in err["message"], err
     assert err["type"] == "invalid_request_error"
+    detail = r.json()["detail"]  # every 422, from the schema or from the endpoint, lists its fields
+    assert detail and detail[0]["field"] == field and detail[0]["message"] == err["message"]
 
 
 def test_every_endpoint_but_health_needs_the_key(live):
