@@ -392,6 +392,23 @@ def _version() -> str:
         return "0"
 
 
+def _check_can_listen(host: str, port: int) -> None:
+    """Raise ``ValueError`` when ``host:port`` cannot be bound (taken, no such address, no permission)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"--host: cannot resolve {host!r} ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise ValueError(f"--port: cannot listen on {host}:{port} ({e.strerror or e})") from None
+
+
 def serve(*, model: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 4, queue_size: int = 64,
           api_key: str | None = None, request_timeout_s: float = DEFAULT_TIMEOUT_S, optimize: bool = True,
           log_level: str = "info") -> int:
@@ -410,11 +427,10 @@ def serve(*, model: str, host: str = "127.0.0.1", port: int = 8000, max_batch: i
             raise ValueError(f"{flag} must be an integer >= 1 (got {v!r})")
     if not request_timeout_s > 0:
         raise ValueError(f"request_timeout_s must be > 0 (got {request_timeout_s!r})")
-    import inspect
+    _check_can_listen(host, port)  # before the (slow) load: a taken port answers at once
 
     t0 = time.perf_counter()
-    kwargs = {"optimize": optimize} if "optimize" in inspect.signature(sdfast.load).parameters else {}
-    engine = sdfast.load(model, **kwargs)
+    engine = sdfast.load(model, optimize=optimize)
     print(f"sdfast: loaded {model} on {engine.device} in {time.perf_counter() - t0:.1f} s; "
           f"max batch {max_batch} images, queue {queue_size} requests", file=sys.stderr)
     if str(model).startswith("random:"):

@@ -82,6 +82,22 @@ def test_serve_port_out_of_range_is_an_argument_error(port, capsys):
     assert info.value.code == 2 and "port must be an integer in [0, 65535]" in capsys.readouterr().err
 
 
+def test_serve_on_a_taken_port_fails_before_loading(capsys, monkeypatch):
+    import socket
+
+    import sdfast
+
+    pytest.importorskip("uvicorn")
+    monkeypatch.setattr(sdfast, "load", lambda *a, **k: pytest.fail("the model was loaded before the port was checked"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", "random:tiny", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"sdfast: error: --port: cannot listen on 127.0.0.1:{port} (Address already in use)"]
+
+
 def test_bench_help_works_from_the_installed_command():
     proc = subprocess.run([sys.executable, "-m", "sdfast.cli", "bench", "--help"], capture_output=True, text=True, cwd="/")
     assert proc.returncode == 0 and "--systems" in proc.stdout, proc.stderr[-500:]
