@@ -32,24 +32,10 @@ KNOBS = {
 }
 
 
-def _timer():
-    import torch
-    from triton.testing import do_bench
+def _time_us(fn) -> float:
+    from benchmarks.kernel_benches.norm import _time_us as time_in_graph  # the norm benchmark's harness
 
-    def time_us(fn) -> float:
-        fn()
-        torch.cuda.synchronize()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return do_bench(g.replay, warmup=3, rep=15, return_mode="median") * 1e3
-
-    return time_us
+    return time_in_graph(fn)[0]
 
 
 def tune_shape(shape, layout: str, deadline: float) -> list[dict]:
@@ -59,7 +45,7 @@ def tune_shape(shape, layout: str, deadline: float) -> list[dict]:
 
     gn = importlib.import_module("kernels.norm.group_norm")  # the module (the package exports the function)
 
-    time_us = _timer()
+    time_us = _time_us
     B, C, H, W = shape
     fmt = torch.channels_last if layout == "nhwc" else torch.contiguous_format
     g = torch.Generator(device="cuda").manual_seed(0)
