@@ -389,3 +389,16 @@ def test_processor_upcast_modules_use_the_stock_numerics():
     with torch.no_grad():
         attn(torch.randn(1, 6, 32))
     assert seen == [False]
+
+
+def test_undo_keeps_a_processor_the_user_set_after_apply():
+    unet = tiny_unet()
+    before = dict(unet.attn_processors)
+    n = ap.apply(unet)
+    name = next(iter(before))  # "...attn1.processor"
+    mine = AttnProcessor2_0()
+    dict(unet.named_modules())[name.removesuffix(".processor")].set_processor(mine)
+    assert ap.undo(unet) == n
+    after = unet.attn_processors
+    assert after[name] is mine
+    assert all(after[k] is v for k, v in before.items() if k != name)

@@ -750,23 +750,27 @@ def apply(
 
 
 def undo(module: nn.Module) -> int:
-    """Restore the processors and separate projections that :func:`apply` replaced.
+    """Restore the processors and separate projections that :func:`apply` replaced. A module whose processor
+    was set to something else after ``apply`` keeps that processor (its projections are still unfused).
 
     Returns the number of ``Attention`` modules restored. Outputs are then bit-identical to
     before ``apply`` (the projection weights are restored with the same values).
     """
     old: Dict[str, object] = {}
+    restored = 0
     for name, m in module.named_modules():
         state = getattr(m, _STATE_ATTR, None)
         if state is None:
             continue
         if state["fused"] is not None:
             _unfuse(m, state["fused"])
-        old[name] = state["processor"]
+        if isinstance(getattr(m, "processor", None), SdfastAttnProcessor):
+            old[name] = state["processor"]  # a processor the user set after apply stays
         delattr(m, _STATE_ATTR)
+        restored += 1
     if old:
         _set_processors(module, old)
-    return len(old)
+    return restored
 
 
 __all__ = [
