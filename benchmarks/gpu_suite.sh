@@ -5,16 +5,17 @@
 # On the device machine (see README "GPU runs"):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && bash benchmarks/gpu_suite.sh tests kernels txt2img
-# Stages: env tests kernels txt2img server (default: all). Extra args: PYTEST_ARGS, KERNEL_ARGS, BENCH_ARGS, SERVER_ARGS;
-# per-stage time limits in seconds: T_env T_tests T_kernels T_txt2img T_server (default 540).
-# All stages do not fit one 600 s device call. Measured on the H200 (2026-11-29): tests ~235 s (files in parallel;
-# the user-case file alone ~230 s), server ~70 s, kernels: attention 14 s (--quick) / 33 s, gemm 9 s (--quick),
-# quant 43 s, sparse > 60 s; txt2img stock+sdfast with --profile ~80 s, + torch.compile ~150 s. Two calls:
-#   T_tests=400 bash benchmarks/gpu_suite.sh env tests server
-#   T_kernels=300 T_txt2img=250 BENCH_ARGS="--profile --second-size" bash benchmarks/gpu_suite.sh kernels txt2img
-# Quantized / 2:4 presets at model level (issues 7, 8; not timed yet, expect a few minutes):
-#   BENCH_ARGS="--steps 30 --systems sdfast,sdfast-w8a8,sdfast-fp8,sdfast-w4a16,sdfast-sparse24,sdfast-sparsegpt" \
-#     bash benchmarks/gpu_suite.sh txt2img
+# Stages: env tests kernels txt2img server presets warmup tune (default: env tests kernels txt2img server). Extra args:
+# PYTEST_ARGS, KERNEL_ARGS, BENCH_ARGS, SERVER_ARGS, PRESET_ARGS; per-stage time limits in seconds: T_<stage>
+# (default 540). All stages do not fit one 600 s device call. Measured on the H200 (2026-11-29, run 4): tests ~270 s
+# (files in parallel; the user-case file alone ~245 s), server ~70 s, kernels: attention ~35 s, sparse ~150 s,
+# gemm ~25 s, norm (--quick) ~20 s, quant 43 s; txt2img stock+sdfast with --profile --second-size ~120 s,
+# + torch.compile ~150 s; presets: SD1.5 (7 presets) > 290 s, SDXL (4) ~135 s; warmup (cold Triton cache, SD1.5)
+# ~75 s; tune ~210 s. Suggested calls:
+#   T_tests=300 T_txt2img=170 BENCH_ARGS="--systems stock,sdfast --profile --second-size" bash benchmarks/gpu_suite.sh tests txt2img
+#   KERNEL_ARGS="--only attention,sparse,norm" bash benchmarks/gpu_suite.sh kernels warmup
+# Quantized / 2:4 presets at model level (issues 7, 8), SD1.5 then SDXL into presets-sd15/ and presets-sdxl/:
+#   T_presets=560 PRESET_MODELS=sd15 bash benchmarks/gpu_suite.sh presets   (then PRESET_MODELS=sdxl)
 set -uo pipefail
 OUT=${OUT:-$PWD/out/gpu}
 RAW=$OUT/raw
@@ -39,6 +40,9 @@ for stage in $stages; do
     kernels) run kernels python3 -m benchmarks.bench_kernels --out "$RAW" ${KERNEL_ARGS:-} ;;
     txt2img) run txt2img python3 -m benchmarks.bench_txt2img --out "$RAW" ${BENCH_ARGS:-} ;;
     server) run server python3 -m benchmarks.bench_server --out "$RAW" ${SERVER_ARGS:-} ;;
+    presets) run presets bash benchmarks/presets.sh "$RAW" ;;
+    warmup) run warmup python3 -m benchmarks.profile_warmup --cold --out "$RAW/warmup" ;;
+    tune) run tune python3 -m benchmarks.tune_group_norm --out "$RAW" --budget-s "${T_tune_budget:-200}" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
@@ -46,5 +50,5 @@ tar -czf "$OUT/results.tgz" -C "$RAW" .
 echo
 echo "=== summary (stage | exit | seconds)"
 cat "$summary"
-for f in "$RAW"/txt2img.md "$RAW"/kernels.md; do [ -f "$f" ] && { echo "--- $(basename "$f")"; cat "$f"; }; done
+for f in "$RAW"/txt2img.md "$RAW"/kernels.md "$RAW"/presets-*/txt2img.md "$RAW"/warmup/warmup.txt; do [ -f "$f" ] && { echo "--- $(basename "$f")"; cat "$f"; }; done
 exit 0
