@@ -171,7 +171,7 @@ def apply(model: nn.Module, *, filter_fn: FilterFn | None = None) -> int:
             _rebind(m, fused_resnet_forward)
         elif _block_supported(m):
             _rebind(m, fused_transformer_block_forward)
-        elif isinstance(m, GEGLU) and isinstance(m.proj, nn.Linear):
+        elif isinstance(m, GEGLU) and isinstance(m.proj, nn.Module):  # any projection: quantized, 2:4, LoRA
             _rebind(m, fused_geglu_forward)
         elif type(getattr(m, "conv_norm_out", None)) is nn.GroupNorm and isinstance(getattr(m, "conv_act", None), nn.SiLU):
             m._sdfast_tail = (m.conv_norm_out, m.conv_act)
