@@ -36,6 +36,7 @@ import statistics
 import sys
 import time
 import traceback
+from collections import Counter
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -286,9 +287,17 @@ def build_sdfast_compressed(spec: ModelSpec, ctx: Context, *, preset: str) -> Bu
     sdfast.optimize(pipe)
     details = {"preset": preset, "layers": converted, "compress_s": compress_s,
                "weight_ratio": after / sum(before[n] for n in replaced) if replaced else None}
+    def info():
+        out = {**details, **_sdfast_info(pipe)}
+        if fn_name == "sparsify_":  # which shapes ran sparse: decided per (N, K, M) at the first GPU call
+            from kernels.gemm.sparse24 import shape_decisions
+
+            out["sparse_shapes"] = shape_decisions()
+            out["sparse_shapes_by_backend"] = dict(Counter(d["backend"] for d in out["sparse_shapes"]))
+        return out
+
     return Built(engine, {"optimize": True, "dtype": str(engine.dtype), fn_name: config_name, **kwargs,
-                          **pipe._sdfast.config.as_dict()},
-                 info=lambda: {**details, **_sdfast_info(pipe)})
+                          **pipe._sdfast.config.as_dict()}, info=info)
 
 
 SYSTEMS: dict[str, System] = {

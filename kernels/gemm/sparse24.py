@@ -90,6 +90,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 log = logging.getLogger("sdfast.kernels")
 
 __all__ = [
+    "shape_decisions",
     "prune_24_magnitude",
     "mask_24_from_scores",
     "is_24_sparse",
@@ -844,6 +845,16 @@ _DECISIONS: dict[tuple, _Choice] = {}
 def clear_decisions() -> None:
     """Forget the per-shape backend measurements (layers re-measure at their next GPU call)."""
     _DECISIONS.clear()
+
+
+def shape_decisions() -> list[dict]:
+    """The per-shape backend choices made so far: one dict per (N, K, M, dtype) with ``backend``
+    ("dense" or a sparse backend), ``reason`` and the measured ``timings_us`` (for reports)."""
+    return [
+        {"N": k[1], "K": k[2], "M": k[3], "dtype": str(k[4]).replace("torch.", ""), "backend": c.backend,
+         "reason": c.reason, "timings_us": dict(c.timings_us)}
+        for k, c in _DECISIONS.items()
+    ]
 
 
 class SparseLinear(nn.Module):

@@ -617,3 +617,17 @@ def test_a_config_that_does_not_compile_falls_back_to_the_next(monkeypatch, capl
     with pytest.raises(torch.OutOfMemoryError):  # an OOM is raised as is, and no config is blamed
         s24.sparse24_linear(x, values, meta)
     assert len(s24._FAILED_CONFIGS) == 1
+
+
+def test_shape_decisions_report_the_choices():
+    import kernels.gemm.sparse24 as mod
+
+    mod.clear_decisions()
+    assert mod.shape_decisions() == []
+    key = (0, 5120, 640, 8192, torch.float16, True, "auto", "graph", 1.0)
+    mod._DECISIONS[key] = mod._Choice("cusparselt", timings_us={"dense": 86.4, "cusparselt": 77.7}, reason="fastest")
+    try:
+        assert mod.shape_decisions() == [{"N": 5120, "K": 640, "M": 8192, "dtype": "float16", "backend": "cusparselt",
+                                          "reason": "fastest", "timings_us": {"dense": 86.4, "cusparselt": 77.7}}]
+    finally:
+        mod.clear_decisions()
