@@ -402,3 +402,17 @@ def test_undo_keeps_a_processor_the_user_set_after_apply():
     after = unet.attn_processors
     assert after[name] is mine
     assert all(after[k] is v for k, v in before.items() if k != name)
+
+
+def test_undo_keeps_fused_projections_for_a_user_processor_that_needs_them():
+    from diffusers.models.attention_processor import FusedAttnProcessor2_0
+
+    unet = tiny_unet()
+    ap.apply(unet, fuse_projections=True)
+    name, attn = next((n, m) for n, m in unet.named_modules() if hasattr(m, "to_qkv"))
+    attn.set_processor(FusedAttnProcessor2_0())
+    ap.undo(unet)
+    assert isinstance(attn.processor, FusedAttnProcessor2_0) and hasattr(attn, "to_qkv")
+    x = torch.randn(1, 16, attn.to_qkv.in_features)
+    with torch.no_grad():
+        torch.testing.assert_close(attn(x), AttnProcessor2_0()(attn, x), atol=1e-5, rtol=1e-5)

@@ -24,6 +24,7 @@ from kernels.dispatch import use_triton
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK = 4096  # elements per program: 16 per thread with 8 warps (two 16-byte fp16 vectors)
+INT64_FROM = 2**31  # element counts from which offsets are computed in int64 (tests lower it)
 
 
 def _is_channels_last(x: torch.Tensor) -> bool:
@@ -80,8 +81,12 @@ def _bias_residual_kernel(
     R_SAME: tl.constexpr,  # residual has x's strides: read it at the same offsets
     SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
+    INT64: tl.constexpr,  # N >= 2**31: 64-bit offsets (slower index math, only for huge tensors)
 ):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    if INT64:
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    else:
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
     xv = tl.load(x_ptr + offs, mask=mask, other=0.0)
     s = xv.to(tl.float32)
@@ -149,8 +154,6 @@ def _bias_residual_impl(x, bias, residual, out_scale):
     N = x.numel()
     if N == 0:
         return y
-    if N >= 2**31:
-        raise NotImplementedError(f"bias_residual_add: {N} elements need 64-bit offsets (max 2**31 - 1)")
     B, C, H, W = x.shape
     cl = _is_channels_last(x)
     r = residual if residual is not None else x
@@ -159,7 +162,7 @@ def _bias_residual_impl(x, bias, residual, out_scale):
         x, bias.contiguous() if bias is not None else x, r, y, N, C, H * W,
         r.stride(0), r.stride(1), _hw_stride(r), float(out_scale),
         CHANNELS_LAST=cl, HAS_B=bias is not None, HAS_R=residual is not None, R_SAME=same,
-        SCALE=out_scale != 1.0, BLOCK=BLOCK, num_warps=8,
+        SCALE=out_scale != 1.0, BLOCK=BLOCK, INT64=N + BLOCK >= INT64_FROM, num_warps=8,
     )
     return y
 
@@ -193,8 +196,7 @@ def bias_residual_add(
     read as fp32) or None; residual: like x (same dtype, either dense memory format) or None; out_scale > 0
     (diffusers' ``output_scale_factor``). Returns a new tensor in x's dtype and memory format.
 
-    Raises ValueError (shapes, layouts, scale, devices), TypeError (dtypes), NotImplementedError (2**31
-    elements or more). Falls back to the PyTorch reference where Triton cannot run (``kernels.dispatch``).
+    Raises ValueError (shapes, layouts, scale, devices) or TypeError (dtypes). Falls back to the PyTorch reference where Triton cannot run (``kernels.dispatch``).
     Registered as ``torch.ops.sdfast.bias_residual_add``.
     """
     return torch.ops.sdfast.bias_residual_add(x, bias, residual, float(out_scale))

@@ -751,7 +751,8 @@ def apply(
 
 def undo(module: nn.Module) -> int:
     """Restore the processors and separate projections that :func:`apply` replaced. A module whose processor
-    was set to something else after ``apply`` keeps that processor (its projections are still unfused).
+    was set to something else after ``apply`` keeps that processor and its fused projections (the separate
+    ``to_q``/``to_k``/``to_v`` remain valid views of them), since that processor may use either.
 
     Returns the number of ``Attention`` modules restored. Outputs are then bit-identical to
     before ``apply`` (the projection weights are restored with the same values).
@@ -762,10 +763,11 @@ def undo(module: nn.Module) -> int:
         state = getattr(m, _STATE_ATTR, None)
         if state is None:
             continue
-        if state["fused"] is not None:
-            _unfuse(m, state["fused"])
-        if isinstance(getattr(m, "processor", None), SdfastAttnProcessor):
-            old[name] = state["processor"]  # a processor the user set after apply stays
+        ours = isinstance(getattr(m, "processor", None), SdfastAttnProcessor)
+        if ours:  # a processor the user set after apply stays, with the projections it may use (fused or not:
+            old[name] = state["processor"]  # the separate layers stay valid views of the fused weight)
+            if state["fused"] is not None:
+                _unfuse(m, state["fused"])
         delattr(m, _STATE_ATTR)
         restored += 1
     if old:

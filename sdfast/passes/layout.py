@@ -17,12 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.elementwise import bias_residual_add
+from sdfast.passes._modules import runs_as_its_class
+
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _pointwise_conv(m: nn.Module) -> bool:
     """A plain 1x1 ``nn.Conv2d`` (SD 1.x ``proj_in``/``proj_out``): on NHWC memory it is a linear on the tokens."""
     return (
-        type(m) is nn.Conv2d and m.kernel_size == (1, 1) and m.stride == (1, 1) and m.padding == (0, 0)
+        runs_as_its_class(m, nn.Conv2d) and m.kernel_size == (1, 1) and m.stride == (1, 1) and m.padding == (0, 0)
         and m.dilation == (1, 1) and m.groups == 1 and m.padding_mode == "zeros"
     )
 
@@ -55,7 +59,8 @@ def _transformer_output(self, hidden_states, residual, batch_size, height, width
     memory) and one ``bias_residual_add``, instead of a layout copy, conv, bias add and residual add."""
     fmt = torch.channels_last if _is_channels_last(residual) else torch.contiguous_format
     if not self.use_linear_projection:
-        if _pointwise_conv(self.proj_out) and fmt is torch.channels_last:
+        if (_pointwise_conv(self.proj_out) and fmt is torch.channels_last and residual.dtype == hidden_states.dtype
+                and residual.dtype in _KERNEL_DTYPES):  # else (autocast's mixed dtypes, fp64) diffusers' own ops
             out = F.linear(hidden_states, self.proj_out.weight.flatten(1))
             out = out.reshape(batch_size, height, width, -1).permute(0, 3, 1, 2)
             return bias_residual_add(out, self.proj_out.bias, residual)

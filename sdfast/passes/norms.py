@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.elementwise import bias_residual_add
+from sdfast.passes._modules import runs_as_its_class
 from kernels.norm import geglu, group_norm, layer_norm
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -46,10 +47,18 @@ class FusedGroupNorm(nn.GroupNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 3:
             return self.forward(x.unsqueeze(2)).squeeze(2)  # (B, C, 1, L): stride(3) is the token stride in both layouts
-        return group_norm(x, self.num_groups, self.weight, self.bias, self.eps, activation=self.activation)
+        return group_norm(_dense(x), self.num_groups, self.weight, self.bias, self.eps, activation=self.activation)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", activation={self.activation}"
+
+
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """``x`` if it is NCHW-contiguous or channels_last (what the kernels read), else an NCHW copy (a sliced or
+    transposed view handed to a block directly; inside a UNet every activation is dense)."""
+    if x.dim() != 4 or x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last):
+        return x
+    return x.contiguous()
 
 
 def _resnet_supported(m: nn.Module) -> bool:
@@ -68,8 +77,9 @@ def _resnet_supported(m: nn.Module) -> bool:
 
 def _conv_without_bias(conv: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``conv(x)`` minus its bias, and the bias, for a plain ``nn.Conv2d`` with one; anything else (no bias,
-    a PEFT LoRA wrapper, a quantized conv) runs as it is and returns ``(conv(x), None)``."""
-    if type(conv) is nn.Conv2d and conv.bias is not None:
+    a PEFT LoRA wrapper, a quantized conv, a conv with hooks or a replaced ``forward``) runs as it is and
+    returns ``(conv(x), None)``."""
+    if conv.bias is not None and runs_as_its_class(conv, nn.Conv2d):
         return conv._conv_forward(x, conv.weight, None), conv.bias
     return conv(x), None
 
@@ -91,17 +101,25 @@ def fused_resnet_forward(self, input_tensor: torch.Tensor, temb: torch.Tensor | 
     conv1's bias joins the time-embedding projection as norm2's per-(batch, channel) bias, and conv2's and
     conv_shortcut's biases, the shortcut add and ``output_scale_factor`` are one ``bias_residual_add``."""
     n1, n2 = self.norm1, self.norm2
+    input_tensor = _dense(input_tensor)
     h = group_norm(input_tensor, n1.num_groups, n1.weight, n1.bias, n1.eps, activation="silu")
     h, b1 = _conv_without_bias(self.conv1, h)
     t = None
     if self.time_emb_proj is not None and temb is not None:
         t = self.time_emb_proj(temb if self.skip_time_act else F.silu(temb))
     channel_bias = _sum_biases(t, b1)
+    if channel_bias is not None:
+        channel_bias = channel_bias.to(h.dtype)  # under autocast: an fp32 conv bias, a bf16 activation
     h = group_norm(h, n2.num_groups, n2.weight, n2.bias, n2.eps, channel_bias=channel_bias, activation="silu")
     h = self.dropout(h)
     h, b2 = _conv_without_bias(self.conv2, h)
     shortcut, bs = (input_tensor, None) if self.conv_shortcut is None else _conv_without_bias(self.conv_shortcut, input_tensor)
-    return bias_residual_add(h, _sum_biases(b2, bs), shortcut, out_scale=self.output_scale_factor)
+    bias = _sum_biases(b2, bs)
+    if shortcut.dtype != h.dtype:  # autocast: stock adds a low-precision h to an fp32 input (type promotion)
+        h = h if bias is None else h + bias.to(h.dtype).view(1, -1, 1, 1)
+        out = shortcut + h
+        return out if self.output_scale_factor == 1 else out / self.output_scale_factor
+    return bias_residual_add(h, bias, shortcut, out_scale=self.output_scale_factor)
 
 
 def _block_supported(m: nn.Module) -> bool:

@@ -67,3 +67,12 @@ def test_fake_impl_for_compile_and_graphs():
         x = torch.empty(2, 8, 4, 4).contiguous(memory_format=torch.channels_last)
         y = torch.ops.sdfast.bias_residual_add(x, torch.empty(8), x, 1.0)
     assert y.shape == x.shape and y.stride() == x.stride()
+
+
+def test_int64_offsets_path(monkeypatch):
+    import kernels.elementwise.bias_residual as mod
+
+    monkeypatch.setattr(mod, "INT64_FROM", 0)  # every call takes the 64-bit path (a real one needs 2**31 elements)
+    x = _t((2, 24, 5, 3), torch.float32, True)
+    b, r = torch.randn(24), _t((2, 24, 5, 3), torch.float32, False)
+    torch.testing.assert_close(bias_residual_add(x, b, r, out_scale=2.0), bias_residual_add_ref(x, b, r, out_scale=2.0))
