@@ -13,7 +13,7 @@ import torch
 from . import prompts as prompt_policy
 from .errors import NonFiniteOutputError
 from .request import check_long_prompt, check_negative_prompt, check_request
-from .schedulers import make_scheduler
+from .schedulers import check_steps, make_scheduler
 
 log = logging.getLogger("sdfast")
 
@@ -113,6 +113,8 @@ class Engine:
         )
         negatives = check_negative_prompt(negative_prompt, len(prompts))
         check_long_prompt(long_prompt)
+        sched = self._scheduler(scheduler)
+        check_steps(int(num_inference_steps), sched, scheduler)
         # checked integral (numpy scalars included): plain ints from here on
         height, width, num_inference_steps, num_images_per_prompt = (
             int(v) for v in (height, width, num_inference_steps, num_images_per_prompt))
@@ -140,7 +142,7 @@ class Engine:
             text = prompt_policy.encode_chunked(pipe, prompts, negatives, report.chunks, do_cfg=do_cfg)
         else:
             text = {"prompt": prompts, "negative_prompt": negatives}
-        pipe.scheduler = self._scheduler(scheduler)
+        pipe.scheduler = sched
         pipe.set_progress_bar_config(disable=not progress)
         finite = []
         hook = pipe.vae.decoder.register_forward_hook(

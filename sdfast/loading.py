@@ -235,8 +235,10 @@ def load_pipeline(model, *, device=None, dtype=None, seed: int = 0):
                 model = model.to(dtype)
             return model.to(device) if device is not None else model
         raise TypeError(f"model must be a path, a hub id, 'random:<arch>' or a diffusers pipeline, not {type(model).__name__}")
-    device, dtype = default_device_dtype(device, dtype)
     name = str(model)
+    if not name.strip():
+        raise ModelNotFoundError("model is empty: give a model folder, a .safetensors file, a hub id or random:<arch>")
+    device, dtype = default_device_dtype(device, dtype)
     if name.startswith("random:"):
         arch = name.split(":", 1)[1]
         try:

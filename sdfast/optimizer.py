@@ -105,6 +105,8 @@ def unoptimize(pipe):
     """Undo ``optimize``: the stock modules, processors, layouts and forwards come back. Returns ``pipe``."""
     from .passes import attention, layout, norms
 
+    if not (hasattr(pipe, "unet") and hasattr(pipe, "vae")):
+        raise TypeError(f"unoptimize expects a diffusers Stable Diffusion pipeline, got {type(pipe).__name__}")
     state: OptimizeState | None = getattr(pipe, "_sdfast", None)
     if state is None:
         return pipe

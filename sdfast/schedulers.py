@@ -34,3 +34,15 @@ def make_scheduler(name: str, base_config) -> object:
     check_scheduler_name(name)
     cls_name, overrides = SCHEDULERS[name]
     return getattr(diffusers, cls_name).from_config(base_config, **overrides)
+
+
+def check_steps(num_inference_steps: int, scheduler, name: str | None) -> None:
+    """Raise ``InvalidRequestError`` (field ``num_inference_steps``) when ``scheduler`` cannot take that many
+    steps: at most its ``num_train_timesteps`` (1000 for SD), and for LCM its ``original_inference_steps`` (50)."""
+    cfg = scheduler.config
+    limit = int(cfg.get("num_train_timesteps", 1000))
+    if cfg.get("original_inference_steps") is not None:
+        limit = min(limit, int(cfg["original_inference_steps"]))
+    if num_inference_steps > limit:
+        which = name or f"model's own ({type(scheduler).__name__})"
+        raise InvalidRequestError("num_inference_steps", f"at most {limit} with the {which} scheduler (got {num_inference_steps})")

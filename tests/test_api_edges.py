@@ -23,6 +23,8 @@ from sdfast.errors import InvalidRequestError
     ({"width": 8200}, "width"),
     ({"num_images_per_prompt": 10**7}, "num_images_per_prompt"),
     ({"prompt": ["a"] * 9, "num_images_per_prompt": 8}, "num_images_per_prompt"),
+    ({"num_inference_steps": 1001, "scheduler": "ddim"}, "num_inference_steps"),
+    ({"num_inference_steps": 51, "scheduler": "lcm"}, "num_inference_steps"),
 ])
 def test_bad_arguments_are_invalid_request_errors_naming_the_field(tiny_engine, kwargs, field):
     kw = {"prompt": "a cat", "num_inference_steps": 2, **kwargs}
@@ -136,3 +138,12 @@ def test_host_out_of_memory_is_torch_out_of_memory_error(tiny_engine, monkeypatc
     monkeypatch.setattr(type(tiny_engine.pipe), "__call__", other)
     with pytest.raises(RuntimeError, match="some other failure"):
         tiny_engine.txt2img("a cat", num_inference_steps=1)
+
+
+def test_unoptimize_and_load_reject_what_they_cannot_use():
+    from sdfast.errors import ModelNotFoundError
+
+    with pytest.raises(TypeError, match="unoptimize expects"):
+        sdfast.unoptimize(None)
+    with pytest.raises(ModelNotFoundError, match="model is empty"):
+        sdfast.load("  ")
