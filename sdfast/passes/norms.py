@@ -4,8 +4,9 @@ fused kernels (``kernels.norm``), wired in at block level.
 Rewrites (each per module instance, reversible with ``undo``):
 - ``ResnetBlock2D`` (time_embedding_norm "default", no up/down-sampling): ``forward`` is rebound to one
   that runs norm1+SiLU as one kernel, adds the time-embedding projection and conv1's bias as a
-  per-(batch, channel) bias inside norm2+SiLU, and ends with one bias + shortcut add kernel. diffusers reuses ``self.nonlinearity`` on the time embedding, so SiLU is fused
-  here at block level rather than by replacing the SiLU module.
+  per-(batch, channel) bias inside norm2+SiLU, and ends with one bias + shortcut add kernel. diffusers
+  reuses ``self.nonlinearity`` on the time embedding, so SiLU is fused here at block level rather than by
+  replacing the SiLU module.
 - ``conv_norm_out`` + ``conv_act`` (UNet and VAE decoder tails): GroupNorm+SiLU as one kernel.
 - every other ``nn.GroupNorm`` (Transformer2D input norm, VAE attention group_norm): the fused GroupNorm.
 - ``BasicTransformerBlock`` (norm_type "layer_norm"): norm2/norm3 fused with the residual add before them.
@@ -24,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.elementwise import bias_residual_add
-from sdfast.passes._modules import runs_as_its_class
 from kernels.norm import geglu, group_norm, layer_norm
+from sdfast.passes._modules import runs_as_its_class
 
 FilterFn = Callable[[nn.Module, str], bool]
 
