@@ -20,15 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.checks import check_like
+from kernels.checks import is_channels_last as _is_channels_last
 from kernels.dispatch import use_triton
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK = 4096  # elements per program: 16 per thread with 8 warps (two 16-byte fp16 vectors)
 INT64_FROM = 2**31  # element counts from which offsets are computed in int64 (tests lower it)
-
-
-def _is_channels_last(x: torch.Tensor) -> bool:
-    return (not x.is_contiguous()) and x.is_contiguous(memory_format=torch.channels_last)
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,10 +127,7 @@ def _check_inputs(x, bias, residual, out_scale) -> None:
     if bias is not None and (tuple(bias.shape) != (C,) or not bias.is_floating_point()):
         raise ValueError(f"bias_residual_add: bias must be a float ({C},) tensor, got {tuple(bias.shape)} {bias.dtype}")
     if residual is not None:
-        if tuple(residual.shape) != tuple(x.shape):
-            raise ValueError(f"bias_residual_add: residual shape {tuple(residual.shape)} must equal x shape {tuple(x.shape)}")
-        if residual.dtype != x.dtype:
-            raise TypeError(f"bias_residual_add: residual dtype {residual.dtype} must match x dtype {x.dtype}")
+        check_like("bias_residual_add", "residual", residual, x)
         if not _dense(residual):
             raise ValueError(f"bias_residual_add: residual must be NCHW-contiguous or channels_last, got {residual.stride()}")
     if not out_scale > 0:

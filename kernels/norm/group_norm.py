@@ -36,6 +36,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.checks import check_like
+from kernels.checks import is_channels_last as _is_channels_last
 from kernels.dispatch import use_triton
 
 ACTIVATIONS = (None, "silu")
@@ -66,11 +68,6 @@ _TUNING = {
 # --------------------------------------------------------------------------------------------
 # reference
 # --------------------------------------------------------------------------------------------
-def _is_channels_last(x: torch.Tensor) -> bool:
-    """True when ``x`` (4D) is in channels_last memory and not (also) NCHW-contiguous."""
-    return (not x.is_contiguous()) and x.is_contiguous(memory_format=torch.channels_last)
-
-
 def _like_layout(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``t`` in the memory format of ``x`` (NCHW-contiguous or channels_last)."""
     if _is_channels_last(x):
@@ -607,10 +604,7 @@ def _check_inputs(x, num_groups, weight, bias, channel_bias, residual, activatio
         if channel_bias.dtype != x.dtype:
             raise TypeError(f"group_norm: channel_bias dtype {channel_bias.dtype} must match x dtype {x.dtype}")
     if residual is not None:
-        if tuple(residual.shape) != tuple(x.shape):
-            raise ValueError(f"group_norm: residual shape {tuple(residual.shape)} must equal x shape {tuple(x.shape)}")
-        if residual.dtype != x.dtype:
-            raise TypeError(f"group_norm: residual dtype {residual.dtype} must match x dtype {x.dtype}")
+        check_like("group_norm", "residual", residual, x)
         _check_layout(residual, "residual")
     if activation not in ACTIVATIONS:
         raise ValueError(f"group_norm: activation must be one of {ACTIVATIONS}, got {activation!r}")

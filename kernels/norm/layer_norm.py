@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kernels.checks import check_like
 from kernels.dispatch import use_triton
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -222,10 +223,7 @@ def _check_inputs(x, weight, bias, residual) -> None:
         if not t.is_floating_point():
             raise TypeError(f"layer_norm: {name} must be floating point, got {t.dtype}")
     if residual is not None:
-        if tuple(residual.shape) != tuple(x.shape):
-            raise ValueError(f"layer_norm: residual shape {tuple(residual.shape)} must equal x shape {tuple(x.shape)}")
-        if residual.dtype != x.dtype:
-            raise TypeError(f"layer_norm: residual dtype {residual.dtype} must match x dtype {x.dtype}")
+        check_like("layer_norm", "residual", residual, x)
     devs = {t.device for t in (x, weight, bias, residual) if t is not None}
     if len(devs) > 1:
         raise ValueError(f"layer_norm: all tensors must be on one device, got {sorted(map(str, devs))}")
