@@ -79,6 +79,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.dispatch import log_fallback, use_triton
+from kernels.gemm.sparsegpt_block import sparsegpt_block
 
 try:  # triton is installed in CI and on the GPU machine; the reference path works without it
     import triton
@@ -188,7 +189,8 @@ def sparsegpt_prune_24(
     reconstruction loss, ``H = 2 X^T X / n`` accumulated over the calibration inputs X (n, K).
     Computes in float64 when ``weight`` or ``H`` is float64, else float32, on ``weight``'s device.
 
-    Algorithm (column by column, lazily batched in blocks of ``blocksize`` columns):
+    Algorithm (column by column, lazily batched in blocks of ``blocksize`` columns; the loop inside a block
+    is one Triton launch for float32, ``kernels.gemm.sparsegpt_block``):
 
     - dead inputs (``diag(H) == 0``) get ``H_jj = 1`` and ``W[:, j] = 0``; damping
       ``lambda = percdamp * mean(diag(H))`` is added to the diagonal;
@@ -239,22 +241,8 @@ def sparsegpt_prune_24(
     for b0 in range(0, k, blocksize):
         b1 = min(b0 + blocksize, k)
         W1 = W[:, b0:b1].clone()
-        U1 = U[b0:b1, b0:b1]
-        d1 = torch.diagonal(U1)
-        Err1 = torch.zeros_like(W1)
-        prune = None
-        for j in range(b1 - b0):
-            if j % 4 == 0:
-                score = W1[:, j : j + 4].square() / d1[j : j + 4].square()
-                drop = score.topk(2, dim=1, largest=False).indices
-                prune = torch.zeros(n, 4, dtype=torch.bool, device=W.device).scatter_(1, drop, True)
-            w = W1[:, j]
-            q = w.masked_fill(prune[:, j % 4], 0.0)
-            err = (w - q) / d1[j]
-            losses += (w - q).square() / (2 * d1[j].square())
-            W1[:, j:] -= err[:, None] * U1[j, j:][None, :]
-            W1[:, j] = q
-            Err1[:, j] = err
+        # the column-by-column OBS loop of this block: one Triton launch (fp32), or PyTorch (sparsegpt_block)
+        Err1 = sparsegpt_block(W1, U[b0:b1, b0:b1], losses)
         W[:, b0:b1] = W1
         if b1 < k:
             W[:, b1:] -= Err1 @ U[b0:b1, b1:]
@@ -867,7 +855,8 @@ class SparseLinear(nn.Module):
     - CPU (or any non-CUDA tensor): ``F.linear`` with the pruned weight (the reference).
     - CUDA, ``backend="auto"``: at the first call with a given number of rows M (and dtype), the
       layer measures dense cuBLAS and every sparse backend available for its shape (cuSPARSELt with
-      the default and the searched algorithm, CUTLASS, our Triton kernel when M <= ``triton_max_m``)
+      the default and the searched algorithm, CUTLASS; our Triton kernel only where neither of those runs
+      the shape, and when M <= ``triton_max_m``)
       on its real input, checks each sparse result against fp32 (a wrong backend is dropped and
       logged), and keeps the fastest; a sparse backend must be at least
       ``min_speedup`` times faster than dense, else the layer stays dense for that M (counted in
@@ -1031,6 +1020,13 @@ class SparseLinear(nn.Module):
                 # dense tensor cores + in-register decompression cannot beat cuBLAS once the GEMM
                 # is compute-bound; skip the candidate (and its per-K compile) above this M
                 return False, f"M={x2d.shape[0]} > triton_max_m={self.triton_max_m}"
+            if self.backend == "auto" and any(
+                backend_supports(hw, self.out_features, self.in_features, x2d.dtype)[0] for hw in ("cusparselt", "cutlass")
+            ):
+                # our kernel runs dense tensor cores: it is the fallback where no sparse-tensor-core backend
+                # runs the shape (H200, 2026-11-30: 0.15-0.33x of dense at every SD shape, and several of its
+                # configs fail to compile on sm_90, which made the 2:4 presets' warm-up minutes long)
+                return False, "a sparse-tensor-core backend runs this shape"
             if x2d.dtype not in (torch.float16, torch.bfloat16, torch.float32):
                 return False, f"dtype {x2d.dtype}"
             return True, ""
@@ -1133,7 +1129,15 @@ class SparseLinear(nn.Module):
             if label != "dense" and t * self.min_speedup <= t_dense and t < best_t:
                 best_label, best_t = label, t
         choice = dataclasses.replace(cands[best_label], timings_us=timings)
-        choice.reason = f"{best_label}: {best_t:.1f} us vs dense {t_dense:.1f} us"
+        sparse = {k: t for k, t in timings.items() if k != "dense"}
+        if best_label != "dense":
+            choice.reason = f"{best_label}: {best_t:.1f} us vs dense {t_dense:.1f} us"
+        elif sparse:
+            fastest = min(sparse, key=sparse.get)
+            choice.reason = (f"dense {t_dense:.1f} us; fastest sparse {fastest} {sparse[fastest]:.1f} us "
+                             f"(needs <= dense / {self.min_speedup:g})")
+        else:
+            choice.reason = f"dense {t_dense:.1f} us; no sparse backend ran"
         for name in list(self._data):  # keep only the compressed copy we use
             if name != choice.backend:
                 del self._data[name]
