@@ -520,29 +520,29 @@ def test_non_finite_vae_output_is_an_error_never_a_black_image(tiny, monkeypatch
 
 
 
-def test_lora_fuse_unfuse_scale_disable_each_change_the_cuda_graph_weights_signature(tiny):
+def test_lora_fuse_unfuse_scale_disable_each_change_the_cuda_graph_weights_state(tiny):
     """CUDA graphs bake the LoRA layers' Python branches (merged? which adapters? what scale?) in at
-    capture: each LoRA state change must change ``weights_signature``, so ``GraphCache.check`` drops the
+    capture: each LoRA state change must be seen by ``WeightsWatch``, so ``GraphCache.check`` drops the
     stale graphs (the GPU twin, test_gpu_lora_..., checks the images)."""
-    from sdfast.runtime.cuda_graphs import weights_signature
+    from sdfast.runtime.cuda_graphs import WeightsWatch
 
     _, fast, _ = tiny
     pipe = fast.pipe
     lora = _lora_state_dict(pipe.unet, ["to_q", "to_v"])
-    seen = [weights_signature(pipe.unet)]
+    watch = WeightsWatch(pipe.unet)
+    first = watch.state
     try:
-        for step in (
+        for i, step in enumerate((
             lambda: pipe.load_lora_weights(lora, adapter_name="style"),
             lambda: pipe.set_adapters(["style"], adapter_weights=[0.5]),
             lambda: pipe.fuse_lora(),
             lambda: pipe.unfuse_lora(),
             lambda: pipe.disable_lora(),
             lambda: pipe.enable_lora(),
-        ):
+        )):
             step()
-            sig = weights_signature(pipe.unet)
-            assert sig != seen[-1], f"LoRA step {len(seen)} left the CUDA-graph signature unchanged"
-            seen.append(sig)
+            assert watch.changed(), f"LoRA step {i} left the CUDA-graph weights state unchanged"
+            assert not watch.changed()  # the new state is the reference now
     finally:
         pipe.unload_lora_weights()
-    assert weights_signature(pipe.unet)[: len(seen[0])] == seen[0]
+    assert watch.changed() and watch.state[1] == first[1]  # the original storages again

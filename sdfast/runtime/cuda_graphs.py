@@ -11,7 +11,7 @@ copied out at once. At most ``max_graphs`` are kept (least recently used dropped
 
 Parameters are read by the graph from their storage, so in-place weight updates (``param.copy_``, a
 fused LoRA) are seen by the next replay; replacing a parameter's storage (``module.to(dtype)``, new
-modules) changes ``weights_signature`` and ``GraphCache.check`` drops the stale graphs.
+modules, LoRA adapter state) is seen by ``WeightsWatch`` and ``GraphCache.check`` drops the stale graphs.
 
 Method: ``torch.cuda.CUDAGraph`` as in PyTorch's "CUDA Graphs" notes; graph pools as in
 ``torch.cuda.make_graphed_callables``.
@@ -29,31 +29,64 @@ from torch.utils import _pytree as pytree
 log = logging.getLogger("sdfast.runtime")
 
 
-def weights_signature(module: torch.nn.Module) -> tuple:
-    """What a captured graph bakes in about the weights: the storage pointer of every parameter and
-    buffer (in order), which changes when one is replaced, and the adapter state of every PEFT LoRA
-    layer, which decides in Python (so at capture time) which adapters a layer adds and at what scale."""
-    pointers = tuple(t.data_ptr() for t in module.parameters()) + tuple(t.data_ptr() for t in module.buffers())
-    return pointers + adapter_signature(module)
+def _is_tuner_layer(m: torch.nn.Module) -> bool:
+    """A PEFT ``BaseTunerLayer`` (what diffusers' LoRA loaders inject)."""
+    return hasattr(m, "merged_adapters") and hasattr(m, "active_adapters")
 
 
-def adapter_signature(module: torch.nn.Module) -> tuple:
-    """The state of the PEFT tuner layers (diffusers' LoRA loaders) under ``module``: merged and active
-    adapters, whether adapters are disabled, and their scalings. ``fuse_lora``/``unfuse_lora``,
-    ``set_adapters``, ``disable_lora`` and ``enable_lora`` change it without touching any storage."""
-    state = []
-    for name, m in module.named_modules():
-        if not hasattr(m, "merged_adapters") or not hasattr(m, "active_adapters"):
-            continue  # not a peft BaseTunerLayer
-        scaling = getattr(m, "scaling", {})
-        state.append((
-            name,
-            tuple(m.merged_adapters),
-            tuple(m.active_adapters),
-            bool(getattr(m, "disable_adapters", False)),
-            tuple(sorted((k, float(v)) for k, v in scaling.items())) if isinstance(scaling, dict) else (),
-        ))
-    return tuple(state)
+def _adapter_state(name: str, m: torch.nn.Module) -> tuple:
+    scaling = getattr(m, "scaling", {})
+    return (
+        name,
+        tuple(m.merged_adapters),
+        tuple(m.active_adapters),
+        bool(getattr(m, "disable_adapters", False)),
+        tuple(sorted((k, float(v)) for k, v in scaling.items())) if isinstance(scaling, dict) else (),
+    )
+
+
+class WeightsWatch:
+    """What a captured graph bakes in about a module's weights, checked before every pipeline call.
+
+    The state is: the module tree (each module's children, by identity), the storage pointer of every
+    parameter and buffer (changes when one is replaced or moved: ``module.weight = ...``,
+    ``module.to(dtype)``, ``param.data = ...``), and the adapter state of every PEFT LoRA layer (merged and
+    active adapters, disabled or not, scalings: ``fuse_lora``/``unfuse_lora``, ``set_adapters``,
+    ``disable_lora`` change it without touching any storage, and the layer decides them in Python, so at
+    capture time). In-place updates (``param.copy_``) change none of it: the graphs read the storage.
+
+    The module list and the LoRA layers are found once per snapshot, so a check is one flat pass over the
+    modules with no recursion and no attribute probing (about 1 ms for SD1.5's UNet where walking
+    ``named_modules`` and probing every module for adapters took several).
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.snapshot()
+
+    def snapshot(self) -> None:
+        """Take the current state as the reference."""
+        self.modules = list(self.module.modules())
+        self.tuners = [(n, m) for n, m in self.module.named_modules() if _is_tuner_layer(m)]
+        self.state = self._state()
+
+    def _state(self) -> tuple:
+        mods = self.modules
+        structure = tuple(tuple(m._modules.values()) for m in mods)
+        pointers = tuple(
+            0 if t is None else t.data_ptr()
+            for m in mods
+            for d in (m._parameters, m._buffers)
+            for t in d.values()
+        )
+        return structure, pointers, tuple(_adapter_state(n, m) for n, m in self.tuners)
+
+    def changed(self) -> bool:
+        """True (and a new snapshot taken) when the state differs from the reference."""
+        if self._state() == self.state:
+            return False
+        self.snapshot()
+        return True
 
 
 def _leaf_key(x):
@@ -96,7 +129,7 @@ class GraphedForward:
         self.name = name or type(module).__name__
         self.graphs: OrderedDict[tuple, _Graph | None] = OrderedDict()  # None: this signature runs eagerly
         self.stats = GraphStats()
-        self.weights = weights_signature(module)
+        self.watch = WeightsWatch(module)
         self.clock = clock or (lambda: 0)  # GraphCache's capture counter
         self.stream = stream  # side stream for warm-up and capture (None: a new one per capture)
         self.born: dict[tuple, int] = {}  # signature -> clock value at its capture
@@ -168,7 +201,7 @@ class GraphedForward:
         """Drop every captured graph (after weights were replaced)."""
         self.graphs.clear()
         self.born.clear()
-        self.weights = weights_signature(self.module)
+        self.watch.snapshot()
 
 
 class GraphCache:
@@ -199,7 +232,7 @@ class GraphCache:
         since capture. Returns how many."""
         stale = 0
         for runner in self.runners.values():
-            if weights_signature(runner.module) != runner.weights:
+            if runner.watch.changed():
                 log.info("sdfast: weights or adapters of %s changed; dropping its CUDA graphs", runner.name)
                 runner.invalidate()
                 stale += 1
