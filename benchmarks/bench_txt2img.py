@@ -403,6 +403,39 @@ class UnetTimer:
         return [(e - s) * 1e3 for s, e in self.pairs]
 
 
+def _phase_modules(pipe) -> dict:
+    """The modules whose calls make up one image besides the UNet: text encoder(s), VAE decoder."""
+    mods = {name: getattr(pipe, name, None) for name in ("text_encoder", "text_encoder_2")}
+    vae = getattr(pipe, "vae", None)
+    mods["vae_decoder"] = getattr(vae, "decoder", None)
+    return {k: m for k, m in mods.items() if m is not None}
+
+
+def e2e_breakdown(unet_timer: UnetTimer, phase_timers: dict, e2e_s: list[float], repeats: int) -> dict:
+    """Where one image's wall time goes, per image (ms): text encoder(s) and VAE decoder (their forwards'
+    spans), the denoising loop's span from the first UNet call's start to the last one's end, the UNet
+    calls' sum inside it (``loop_gaps_ms`` = span - sum: scheduler steps, input copies and idle GPU), and
+    ``rest_ms`` = e2e - the three spans (host work before/after, image conversion). CUDA-event spans are
+    GPU-timeline spans, so they include any idle GPU time between their two events."""
+    pairs = unet_timer.pairs
+    if not pairs or not repeats or len(pairs) % repeats:
+        return {}
+    per = len(pairs) // repeats
+    spans, sums = [], []
+    for i in range(repeats):
+        chunk = pairs[i * per:(i + 1) * per]
+        span = chunk[0][0].elapsed_time(chunk[-1][1]) if unet_timer.cuda else (chunk[-1][1] - chunk[0][0]) * 1e3
+        spans.append(span)
+        sums.append(sum(unet_timer.times_ms()[i * per:(i + 1) * per]))
+    out = {"e2e_ms": statistics.median(e2e_s) * 1e3, "denoise_loop_ms": statistics.median(spans),
+           "unet_sum_ms": statistics.median(sums)}
+    out["loop_gaps_ms"] = out["denoise_loop_ms"] - out["unet_sum_ms"]
+    for name, t in phase_timers.items():
+        out[f"{name}_ms"] = sum(t.times_ms()) / repeats
+    out["rest_ms"] = out["e2e_ms"] - out["denoise_loop_ms"] - sum(out[f"{n}_ms"] for n in phase_timers)
+    return out
+
+
 def _pixels(img):
     import numpy as np
 
@@ -515,8 +548,11 @@ def run_system(system: System, spec: ModelSpec, ctx: Context, refs: dict) -> dic
         if ctx.cuda:
             torch.cuda.reset_peak_memory_stats(ctx.device)
         timer = UnetTimer(engine.pipe.unet, cuda=ctx.cuda, capture=ctx.profile)
+        phases = {k: UnetTimer(m, cuda=ctx.cuda) for k, m in _phase_modules(engine.pipe).items()}
         e2e = []
-        with timer:
+        with contextlib.ExitStack() as stack:
+            for tm in (timer, *phases.values()):
+                stack.enter_context(tm)
             for _ in range(ctx.repeats):
                 ctx.sync()
                 t = time.perf_counter()
@@ -531,6 +567,7 @@ def run_system(system: System, spec: ModelSpec, ctx: Context, refs: dict) -> dic
         row["unet_ms_step"] = statistics.median(unet_ms) if unet_ms else None
         row["unet_calls_per_image"] = len(unet_ms) / ctx.repeats
         row["unet_timing"] = "cuda events (hooks)" if ctx.cuda else "wall clock (hooks, CPU)"
+        row["e2e_breakdown"] = e2e_breakdown(timer, phases, e2e, ctx.repeats)
         log(f"[{spec.label}/{system.name}] e2e {row['e2e_s']:.3f} s, UNet {row['unet_ms_step']:.2f} ms/step")
 
         stage = "fidelity"
@@ -627,6 +664,13 @@ def render(rows: list[dict], env: dict, *, profile: bool = False) -> str:
             out.append(f"- {r['model']}/{r['system']}: {info['layers']} linear layers converted in "
                        f"{fmt(info['compress_s'])} s (calibration on {len(CALIBRATION_PROMPTS)} prompts, "
                        f"{CALIBRATION_STEPS} steps), their weights {fmt(info['weight_ratio'])}x the original bytes")
+    split = [r for r in rows if r.get("e2e_breakdown")]
+    if split:
+        keys = list(dict.fromkeys(k for r in split for k in r["e2e_breakdown"]))
+        table = [dict(system=f"{r['model']}/{r['system']}", **{k: r["e2e_breakdown"].get(k) for k in keys})
+                 for r in split]
+        out += ["", "### Where one image's time goes (ms, per image; see `e2e_breakdown`)", "",
+                markdown_table(table, ["system", *keys])]
     if profile:
         from benchmarks.profile_step import format_breakdown
 

@@ -5,8 +5,8 @@
 # On the device machine (see README "GPU runs"):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && bash benchmarks/gpu_suite.sh tests kernels txt2img
-# Stages: env tests kernels txt2img server presets warmup tune (default: env tests kernels txt2img server). Extra args:
-# PYTEST_ARGS, KERNEL_ARGS, BENCH_ARGS, SERVER_ARGS, PRESET_ARGS; per-stage time limits in seconds: T_<stage>
+# Stages: env tests kernels txt2img server presets warmup warmup2 hostwarm tune (default: env tests kernels txt2img server). Extra args:
+# PYTEST_ARGS, KERNEL_ARGS, BENCH_ARGS, SERVER_ARGS, PRESET_ARGS, TUNE_ARGS; per-stage time limits in seconds: T_<stage>
 # (default 540). All stages do not fit one 600 s device call. Measured on the H200 (2026-11-29, run 4): tests ~270 s
 # (files in parallel; the user-case file alone ~245 s), server ~70 s, kernels: attention ~35 s, sparse ~150 s,
 # gemm ~25 s, norm (--quick) ~20 s, quant 43 s; txt2img stock+sdfast with --profile --second-size ~120 s,
@@ -42,7 +42,9 @@ for stage in $stages; do
     server) run server python3 -m benchmarks.bench_server --out "$RAW" ${SERVER_ARGS:-} ;;
     presets) run presets bash benchmarks/presets.sh "$RAW" ;;
     warmup) run warmup python3 -m benchmarks.profile_warmup --cold --out "$RAW/warmup" ;;
-    tune) run tune python3 -m benchmarks.tune_group_norm --out "$RAW" --budget-s "${T_tune_budget:-200}" ;;
+    warmup2) run warmup2 python3 -m benchmarks.profile_warmup --second-size --out "$RAW/warmup2" ;;
+    hostwarm) run hostwarm python3 -m benchmarks.profile_warmup --warm --out "$RAW/hostwarm" ;;
+    tune) run tune python3 -m benchmarks.tune_group_norm --out "$RAW" --budget-s "${T_tune_budget:-200}" ${TUNE_ARGS:-} ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
@@ -50,5 +52,5 @@ tar -czf "$OUT/results.tgz" -C "$RAW" .
 echo
 echo "=== summary (stage | exit | seconds)"
 cat "$summary"
-for f in "$RAW"/txt2img.md "$RAW"/kernels.md "$RAW"/presets-*/txt2img.md "$RAW"/warmup/warmup.txt; do [ -f "$f" ] && { echo "--- $(basename "$f")"; cat "$f"; }; done
+for f in "$RAW"/txt2img.md "$RAW"/kernels.md "$RAW"/presets-*/txt2img.md "$RAW"/warmup/warmup.txt "$RAW"/warmup2/warmup.txt "$RAW"/hostwarm/warmup.txt; do [ -f "$f" ] && { echo "--- $(basename "$f")"; cat "$f"; }; done
 exit 0

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Quantized and 2:4 presets at model level (issues 7, 8): bench_txt2img per model into OUT_DIR/presets-<model>/
 # (rows are written as they finish, so a time limit keeps what was measured). PRESET_MODELS (default "sd15 sdxl"),
-# PRESET_ARGS (extra bench_txt2img arguments). Usage: bash benchmarks/presets.sh OUT_DIR
+# PRESET_SYSTEMS (a comma list for every model instead of the defaults below), PRESET_ARGS (extra
+# bench_txt2img arguments). Usage: bash benchmarks/presets.sh OUT_DIR
 set -uo pipefail
 out=${1:-out/gpu}
 declare -A systems=(
@@ -10,5 +11,5 @@ declare -A systems=(
 )
 for model in ${PRESET_MODELS:-sd15 sdxl}; do
   python3 -m benchmarks.bench_txt2img --models "$model" --steps 30 --repeats 2 --no-fp32-ref \
-    --systems "${systems[$model]}" --out "$out/presets-$model" ${PRESET_ARGS:-}
+    --systems "${PRESET_SYSTEMS:-${systems[$model]}}" --out "$out/presets-$model" ${PRESET_ARGS:-}
 done

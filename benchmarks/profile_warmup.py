@@ -1,11 +1,12 @@
 """Where the warm-up goes: ``sdfast.load(..., optimize=True)`` plus the first image, profiled with cProfile.
 
-    python -m benchmarks.profile_warmup --out DIR [--model random:sd15] [--cold]
+    python -m benchmarks.profile_warmup --out DIR [--model random:sd15] [--cold] [--second-size | --warm]
 
 ``--cold`` points Triton at an empty cache directory (``TRITON_CACHE_DIR``), so every kernel compiles, as
 on a machine that never ran sdfast; without it the user's cache is used. Prints the wall time of the load
 and of the first image, the time spent compiling Triton kernels, in SDPA calls (mostly the attention
-dispatcher's measurements) and in CUDA-graph capture, and the top functions by cumulative time; writes ``DIR/warmup.pstats`` and ``DIR/warmup.txt``.
+dispatcher's measurements) and in CUDA-graph capture, and the top functions by cumulative time (``--second-size``: of the first image at a second size only; ``--warm``: of a warm 50-step image, the host
+work per image); writes ``DIR/warmup.pstats`` and ``DIR/warmup.txt``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--model", default="random:sd15")
     ap.add_argument("--cold", action="store_true", help="compile every Triton kernel (empty cache)")
+    ap.add_argument("--second-size", action="store_true",
+                    help="profile only the first image at a second size (width + 128) after an unprofiled first one")
+    ap.add_argument("--warm", action="store_true",
+                    help="profile only a warm image (the third at the same size, 50 steps): the host's share")
     args = ap.parse_args(argv)
+    if args.second_size and args.warm:
+        ap.error("--second-size and --warm profile different images; pick one")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.cold:
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
@@ -51,18 +58,38 @@ def main(argv=None) -> int:
 
     prof = cProfile.Profile()
     t0 = time.perf_counter()
-    prof.enable()
+    if not (args.second_size or args.warm):
+        prof.enable()
     engine = sdfast.load(args.model, optimize=True)
     t_load = time.perf_counter() - t0
-    engine.txt2img("a photo of a cat", num_inference_steps=2, seed=0)
+    first = engine.txt2img("a photo of a cat", num_inference_steps=2, seed=0)
     torch.cuda.synchronize()
-    prof.disable()
     total = time.perf_counter() - t0
+    lines = [f"model {args.model}, cold Triton cache: {args.cold}",
+             f"load + optimize {t_load:.1f} s; first image (2 steps) {total - t_load:.1f} s; total {total:.1f} s"]
+    if args.second_size:
+        w, h = first[0].size
+        t1 = time.perf_counter()
+        prof.enable()
+        engine.txt2img("a photo of a cat", num_inference_steps=2, seed=0, width=w + 128, height=h)
+        torch.cuda.synchronize()
+        prof.disable()
+        lines.append(f"profiled: first image at the second size {w + 128}x{h}: {time.perf_counter() - t1:.2f} s")
+    if args.warm:
+        kw = dict(num_inference_steps=50, seed=0)
+        engine.txt2img("a photo of a cat", **kw)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        prof.enable()
+        engine.txt2img("a photo of a cat", **kw)
+        torch.cuda.synchronize()
+        prof.disable()
+        lines.append(f"profiled: a warm image (50 steps) at the first size: {time.perf_counter() - t1:.3f} s")
+    prof.disable()
     prof.dump_stats(str(args.out / "warmup.pstats"))
 
     stats = pstats.Stats(prof)
-    lines = [f"model {args.model}, cold Triton cache: {args.cold}",
-             f"load + optimize {t_load:.1f} s; first image (2 steps) {total - t_load:.1f} s; total {total:.1f} s", ""]
+    lines.append("")
     for label, keys in PHASES:
         lines.append(f"{label:45s} {phase_seconds(stats, keys):7.1f} s")
     buf = io.StringIO()

@@ -1,12 +1,12 @@
 """Tune the GroupNorm planner's knobs (``kernels.norm.group_norm._TUNING``) on the GPU.
 
-    python -m benchmarks.tune_group_norm --out DIR [--budget-s 240]
+    python -m benchmarks.tune_group_norm --out DIR [--budget-s 240] [--knobs a,b]
 
 For each SD shape below (fp16, GroupNorm+SiLU, 32 groups, NCHW and NHWC) it times the default plan,
 then walks the knobs one at a time (coordinate descent: each value of a knob with the others at the
-best so far) and keeps what is faster. Timing is the norm benchmark's (the call captured in a CUDA graph,
-``triton.testing.do_bench`` median, L2 flushed before each replay); ``copy_us`` times ``y.copy_(x)``
-of the same tensor in the same harness, the floor any one-launch kernel moving those bytes can reach.
+best so far) and keeps what is faster. Timing is GPU time from the profiler's trace, L2 flushed before
+each call (``kernel_benches.device_time``, the norm benchmark's ``kernel_us``); ``copy`` times
+``y.copy_(x)`` of the same tensor the same way, the floor for moving those bytes once.
 Rows go to ``DIR/tune_group_norm.json`` after every shape. The winning values are read from the rows
 and put into the planner by hand (with a test), never loaded at run time.
 """
@@ -18,7 +18,8 @@ import json
 import time
 from pathlib import Path
 
-SHAPES = [(2, 320, 64, 64), (2, 1280, 32, 32), (2, 640, 128, 128), (1, 512, 256, 256), (1, 128, 512, 512)]
+SHAPES = [(2, 320, 64, 64), (2, 1280, 32, 32), (2, 640, 64, 64), (2, 320, 128, 128), (2, 640, 128, 128),
+          (1, 512, 256, 256), (1, 128, 512, 512)]
 KNOBS = {
     "groups_per_tile": [None, 1, 2, 4, 8, 16],
     "tile_elems": [2048, 4096, 8192, 16384],
@@ -33,9 +34,9 @@ KNOBS = {
 
 
 def _time_us(fn) -> float:
-    from benchmarks.kernel_benches.norm import _time_us as time_in_graph  # the norm benchmark's harness
+    from benchmarks.kernel_benches.device_time import device_time_us  # GPU time, L2 flushed before each call
 
-    return time_in_graph(fn)[0]
+    return device_time_us(fn)
 
 
 def tune_shape(shape, layout: str, deadline: float) -> list[dict]:
@@ -106,7 +107,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--budget-s", type=float, default=240.0)
+    ap.add_argument("--knobs", default=",".join(KNOBS), help="comma list of the knobs to walk (default: all)")
     args = ap.parse_args(argv)
+    for k in [k for k in KNOBS if k not in args.knobs.split(",")]:
+        del KNOBS[k]
     args.out.mkdir(parents=True, exist_ok=True)
     deadline = time.perf_counter() + args.budget_s
     rows: list[dict] = []

@@ -70,6 +70,18 @@ def test_measured_rows_have_every_column(tiny_run):
     assert rows["stock"]["config"]["optimize"] is False
 
 
+def test_e2e_breakdown_adds_up(tiny_run):
+    _, text, out = tiny_run
+    for r in (r for r in _rows(out)["rows"] if r["system"] != "broken"):
+        b = r["e2e_breakdown"]
+        assert math.isclose(b["e2e_ms"], r["e2e_s"] * 1e3)
+        assert b["text_encoder_ms"] > 0 and b["vae_decoder_ms"] > 0 and b["unet_sum_ms"] > 0
+        assert b["denoise_loop_ms"] >= b["unet_sum_ms"] and math.isclose(b["loop_gaps_ms"], b["denoise_loop_ms"] - b["unet_sum_ms"])
+        parts = b["text_encoder_ms"] + b["denoise_loop_ms"] + b["vae_decoder_ms"] + b["rest_ms"]
+        assert math.isclose(parts, b["e2e_ms"]) and b["rest_ms"] >= 0
+    assert "Where one image's time goes" in text
+
+
 def test_sdfast_row_config_comes_from_the_pipeline(tiny_run):
     _, _, out = tiny_run
     r = {r["system"]: r for r in _rows(out)["rows"]}["sdfast"]
@@ -302,3 +314,15 @@ def test_compressed_presets_run_and_report_their_layers(tmp_path, monkeypatch, c
     # int8 weights + per-channel scales against the original weights (fp32 here: ~0.25 + scales; fp16 on a GPU: ~0.5)
     assert 0.25 < rows["sdfast-w8a8"]["info"]["weight_ratio"] < 0.35
     assert "tiny/sdfast-w8a8: " in capsys.readouterr().out and "x the original bytes" in (tmp_path / "txt2img.md").read_text()
+
+
+def test_device_time_splits_calls_at_the_flush_marker():
+    from benchmarks.kernel_benches.device_time import MARKER, split_by_marker
+
+    flush = f"void at::native::vectorized_elementwise_kernel<4, {MARKER}_kernel_cuda>"
+    events = [  # (name, start µs, duration µs), deliberately out of order
+        ("stats", 12.0, 3.0), (flush, 0.0, 60.0), ("warm-up kernel", -5.0, 9.0), ("apply", 16.0, 2.5),
+        (flush, 20.0, 60.0), ("stats", 81.0, 3.5), ("apply", 85.0, 2.5), (flush, 90.0, 60.0),
+    ]
+    assert split_by_marker(events) == [5.5, 6.0]  # the trailing marker without a call adds nothing
+    assert split_by_marker([("k", 0.0, 1.0)]) == []

@@ -20,9 +20,16 @@ Rows, one per (op, shape, layout):
 - ``bytes``: the op's minimal HBM traffic (each input read once, each output written once);
   ``gbps`` = bytes / ``sdfast_us``; ``frac_of_copy_ceiling`` = gbps / 4050 (device copy, measured).
 - ``x_eager``: eager_us / sdfast_us. ``config``: the GroupNorm plan (path, channel tile, splits).
+- ``kernel_us`` / ``eager_kernel_us`` / ``copy_kernel_us``: GPU time of ours, of eager's kernels, and of
+  ``dst.copy_(src)`` moving the same bytes (half read, half written), L2 flushed before each call, from
+  the profiler's CUPTI trace (``device_time.device_time_us``): what the kernels take inside the UNet's
+  CUDA graph, without the ~5 µs a single replay's launch adds to ``sdfast_us``.
+  ``kernel_frac_of_copy_ceiling`` = bytes / kernel_us / 4.05 TB/s; ``copy_frac_of_copy_ceiling`` the
+  same for the copy (what moving these bytes once reaches at this size).
 
-Targets (issue 3): ``frac_of_copy_ceiling`` >= 0.70 on shapes of at least 8 MB; ``group_norm_silu``
-(2, 320, 64, 64) fp16 <= 8 µs in both layouts.
+Targets (issue 3): >= 0.70 of the copy ceiling on shapes of at least 8 MB; ``group_norm_silu``
+(2, 320, 64, 64) fp16 <= 8 µs in both layouts. Both are judged on the device time (``kernel_us``): the
+issue's ceiling and its 2.4 µs "moving the bytes once" are device-time figures.
 
 Triton compiles every kernel variant once (~0.5 s each); ``run`` first compiles them in a pool of
 worker processes that fill Triton's on-disk cache, so the timed process only loads them.
@@ -33,7 +40,8 @@ from __future__ import annotations
 import time
 
 COPY_CEILING_BPS = 4.05e12
-_LEAD = ("op", "shape", "layout", "dtype", "sdfast_us", "eager_us", "compile_us", "gbps",
+_LEAD = ("op", "shape", "layout", "dtype", "kernel_us", "kernel_frac_of_copy_ceiling", "copy_kernel_us",
+         "copy_frac_of_copy_ceiling", "eager_kernel_us", "sdfast_us", "eager_us", "compile_us", "gbps",
          "frac_of_copy_ceiling", "x_eager", "bytes", "model", "config")
 
 
@@ -218,6 +226,22 @@ def _time_us(fn) -> tuple[float, str]:
     return do_bench(target, warmup=3, rep=15, return_mode="median") * 1e3, how
 
 
+def _device_times(ours, eager, nbytes: int) -> dict:
+    """GPU time of our kernels, of eager's, and of a copy moving the same bytes (``device_time``)."""
+    import torch
+
+    from benchmarks.kernel_benches.device_time import device_time_us
+
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    with torch.no_grad():
+        out = {"kernel_us": device_time_us(ours), "eager_kernel_us": device_time_us(eager),
+               "copy_kernel_us": device_time_us(lambda: dst.copy_(src))}
+    out["kernel_frac_of_copy_ceiling"] = nbytes / (out["kernel_us"] * 1e-6) / COPY_CEILING_BPS
+    out["copy_frac_of_copy_ceiling"] = nbytes / (out["copy_kernel_us"] * 1e-6) / COPY_CEILING_BPS
+    return out
+
+
 def run(quick: bool = False, *, compile: bool | None = None, compile_budget_s: float = 40.0,
         precompile_workers: int = 8) -> list[dict]:
     """Benchmark every case (see the module docstring). ``compile`` defaults to ``not quick``;
@@ -260,6 +284,7 @@ def run(quick: bool = False, *, compile: bool | None = None, compile_budget_s: f
             row["gbps"] = nbytes / (row["sdfast_us"] * 1e-6) / 1e9
             row["frac_of_copy_ceiling"] = row["gbps"] * 1e9 / COPY_CEILING_BPS
             row["x_eager"] = row["eager_us"] / row["sdfast_us"]
+            row.update(_device_times(ours, eager, nbytes))
         except Exception as e:  # one failing case must not hide the others
             row["error"] = f"{type(e).__name__}: {e}"[:300]
         rows.append(row)
