@@ -38,6 +38,21 @@ def test_norm_pass_counts_keeps_output_and_undoes(unet_inputs):
     assert torch.equal(_run(unet, unet_inputs), stock)
 
 
+def test_norm_pass_undo_keeps_weights_replaced_while_fused(unet_inputs):
+    """A GroupNorm weight replaced while fused (``norm.weight = Parameter(...)``) is the one the restored
+    module has after ``undo``, for the UNet's output norm and a transformer's norm alike."""
+    unet = sdfast.load("random:tiny", optimize=False).pipe.unet
+    norms.apply(unet)
+    with torch.no_grad():
+        unet.conv_norm_out.weight = torch.nn.Parameter(unet.conv_norm_out.weight * 3)
+        tnorm = unet.down_blocks[0].attentions[0].norm
+        tnorm.bias = torch.nn.Parameter(tnorm.bias + 1)
+    fused = _run(unet, unet_inputs)
+    norms.undo(unet)
+    assert type(unet.conv_norm_out) is torch.nn.GroupNorm and type(unet.down_blocks[0].attentions[0].norm) is torch.nn.GroupNorm
+    torch.testing.assert_close(_run(unet, unet_inputs), fused, atol=2e-4, rtol=1e-4)
+
+
 def test_norm_pass_uses_fused_kernels(unet_inputs, monkeypatch):
     from sdfast.passes import norms as mod
 

@@ -222,13 +222,24 @@ def _swap_plain_group_norms(model: nn.Module, filter_fn: FilterFn | None, skip: 
     return changed
 
 
+def _original(fused: FusedGroupNorm) -> nn.GroupNorm:
+    """The GroupNorm ``fused`` replaced, holding the Parameters ``fused`` holds now (a weight replaced while
+    optimized, e.g. ``norm.weight = nn.Parameter(...)`` or ``load_state_dict(..., assign=True)``, stays)."""
+    source = fused.source[0]
+    source.weight, source.bias = fused.weight, fused.bias
+    return source
+
+
 def undo(model: nn.Module) -> int:
-    """Restore every module ``apply`` changed. Returns how many were restored."""
+    """Restore every module ``apply`` changed, with their current weights. Returns how many were restored."""
     restored = 0
     for _, m in list(model.named_modules()):
         if getattr(m, "_sdfast_norms", False):
             if hasattr(m, "_sdfast_tail"):
-                m.conv_norm_out, m.conv_act = m._sdfast_tail
+                norm_out, act = m._sdfast_tail
+                if isinstance(m.conv_norm_out, FusedGroupNorm):
+                    norm_out = _original(m.conv_norm_out)
+                m.conv_norm_out, m.conv_act = norm_out, act
                 del m._sdfast_tail
             else:
                 del m.forward
@@ -236,6 +247,6 @@ def undo(model: nn.Module) -> int:
             restored += 1
         for cname, child in list(m.named_children()):
             if isinstance(child, FusedGroupNorm):
-                setattr(m, cname, child.source[0])
+                setattr(m, cname, _original(child))
                 restored += 1
     return restored
