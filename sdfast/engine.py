@@ -137,6 +137,9 @@ class Engine:
                 PromptTruncatedWarning,
                 stacklevel=2,
             )
+        graphs = getattr(getattr(pipe, "_sdfast", None), "graphs", None)
+        if graphs is not None:
+            graphs.check()  # before any graphed module runs: the chunked encoder below runs before the pipeline's own check
         if report.chunks > 1:
             log.info("sdfast: long prompt encoded in %d windows of %d tokens", report.chunks, prompt_policy.WINDOW)
             text = prompt_policy.encode_chunked(pipe, prompts, negatives, report.chunks, do_cfg=do_cfg)
@@ -148,7 +151,6 @@ class Engine:
         hook = pipe.vae.decoder.register_forward_hook(
             lambda module, args, output: finite.append(bool(torch.isfinite(output).all()))
         )
-        graphs = getattr(getattr(pipe, "_sdfast", None), "graphs", None)
         mark = graphs.mark() if graphs is not None else None
         t0 = time.perf_counter()
         try:

@@ -546,3 +546,30 @@ def test_lora_fuse_unfuse_scale_disable_each_change_the_cuda_graph_weights_state
     finally:
         pipe.unload_lora_weights()
     assert watch.changed() and watch.state[1] == first[1]  # the original storages again
+
+
+def test_graph_cache_check_runs_before_any_text_encoder_call_of_a_long_prompt(tiny, monkeypatch):
+    """A long prompt is encoded by sdfast (in 75-token windows) before the pipeline's own input check: the
+    CUDA-graph cache must drop stale graphs before that encoder runs, not after (a graph replayed over
+    replaced text-encoder weights would read freed storage)."""
+    _, fast, _ = tiny
+    order = []
+
+    class Graphs:  # stands in for runtime.cuda_graphs.GraphCache (CPU: no graphs are captured)
+        def check(self):
+            order.append("check")
+            return 0
+
+        def mark(self):
+            return 0
+
+        def drop_since(self, mark):
+            return 0
+
+    monkeypatch.setattr(fast.pipe._sdfast, "graphs", Graphs())
+    h = fast.pipe.text_encoder.register_forward_pre_hook(lambda m, a: order.append("text_encoder"))
+    try:
+        fast.txt2img("a photo of a cat " * 30, seed=0, **dict(KW, num_inference_steps=1))
+    finally:
+        h.remove()
+    assert order[0] == "check" and order.count("text_encoder") >= 2, order

@@ -53,3 +53,35 @@ def test_adapter_state_of_tuner_layers_is_watched():
     assert watch.changed()
     m[0].disable_adapters = True  # disable_lora
     assert watch.changed() and not watch.changed()
+
+
+def test_python_side_forward_changes_below_the_root_are_changes():
+    """Hooks, a replaced instance forward, an attention processor or FreeU-style factors change what a captured
+    graph ran; hooks on the root do not (they run around the graph runner, outside the graph)."""
+    m = _model()
+    watch = WeightsWatch(m)
+    h = m.register_forward_hook(lambda mod, a, out: out)  # the root: the benchmark's and the engine's own hooks
+    assert not watch.changed()
+    h.remove()
+    h = m[0].register_forward_hook(lambda mod, a, out: out * 0)
+    assert watch.changed()
+    h.remove()
+    assert watch.changed()
+    h = m[2].register_forward_pre_hook(lambda mod, a: a)
+    assert watch.changed()
+    h.remove()
+    watch.changed()
+    m[1].forward = lambda x: x  # a forward replaced on the instance
+    assert watch.changed()
+    m[2].processor = object()  # diffusers' Attention.set_processor
+    assert watch.changed()
+    m[2].s1 = 0.9  # enable_freeu on an up block
+    assert watch.changed() and not watch.changed()
+    m[2].s1 = 1.1
+    assert watch.changed()
+    g = torch.nn.modules.module.register_module_forward_hook(lambda mod, a, out: out)
+    try:
+        assert watch.changed()
+    finally:
+        g.remove()
+    assert watch.changed() and not watch.changed()
