@@ -29,6 +29,7 @@ def check_request(
     prompts = [prompt] if isinstance(prompt, str) else list(prompt) if isinstance(prompt, (list, tuple)) else None
     if not prompts or not all(isinstance(p, str) for p in prompts):
         raise InvalidRequestError("prompt", f"must be a string or a non-empty list of strings (got {type(prompt).__name__})")
+    _check_text("prompt", prompts)
     height, width, num_inference_steps, num_images_per_prompt = (
         _as_int(v) for v in (height, width, num_inference_steps, num_images_per_prompt))
     for field, v in (("height", height), ("width", width)):
@@ -69,14 +70,26 @@ def _is_seed(s, n: int = 1) -> bool:
     return isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_SEED - (n - 1)
 
 
+def _check_text(field: str, texts: list[str]) -> None:
+    """Every string encodable as UTF-8 (a lone UTF-16 surrogate, e.g. from a JSON ``"\\ud800"``, is not; the
+    tokenizer would fail deep inside with a TypeError)."""
+    for t in texts:
+        try:
+            t.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidRequestError(field, f"is not valid Unicode text ({e.reason} at character {e.start})") from None
+
+
 def check_negative_prompt(negative_prompt, n_prompts: int) -> list[str] | None:
     """Normalise ``negative_prompt`` to None or a list of ``n_prompts`` strings (a string applies to every
     prompt). Raises ``InvalidRequestError`` (field ``negative_prompt``) on another type or length."""
     if negative_prompt is None:
         return None
     if isinstance(negative_prompt, str):
+        _check_text("negative_prompt", [negative_prompt])
         return [negative_prompt] * n_prompts
     if isinstance(negative_prompt, (list, tuple)) and all(isinstance(p, str) for p in negative_prompt):
+        _check_text("negative_prompt", list(negative_prompt))
         if len(negative_prompt) != n_prompts:
             raise InvalidRequestError(
                 "negative_prompt", f"a list of negative prompts needs {n_prompts} strings (one per prompt), got {len(negative_prompt)}"

@@ -43,12 +43,22 @@ def check_side(v: int | None) -> int | None:
     return v
 
 
+def check_text(v: str | None) -> str | None:
+    """Text the tokenizer can take: encodable as UTF-8 (JSON allows a lone surrogate such as ``"\\ud800"``)."""
+    if v is not None:
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"is not valid Unicode text ({e.reason} at character {e.start})") from None
+    return v
+
+
 def check_prompt(v: str) -> str:
     if not v.strip():
         raise ValueError("must be a non-empty string")
     if len(v) > MAX_PROMPT_CHARS:
         raise ValueError(f"must be at most {MAX_PROMPT_CHARS} characters (got {len(v)}): {PROMPT_LIMIT_WHY}")
-    return v
+    return check_text(v)
 
 
 def check_scheduler(v: str | None) -> str | None:
@@ -103,6 +113,7 @@ class Txt2ImgRequest(BaseModel):
     # response_format 'png' with num_images > 1 is refused by the endpoint (422 naming num_images).
 
     _prompt = field_validator("prompt")(staticmethod(check_prompt))
+    _negative = field_validator("negative_prompt")(staticmethod(check_text))
 
     _scheduler = field_validator("scheduler")(staticmethod(check_scheduler))
 
@@ -144,6 +155,7 @@ class ImagesGenerationsRequest(BaseModel):
     seed: int | None = Field(None, strict=True, description="sdfast extension: image i uses seed + i")
 
     _prompt = field_validator("prompt")(staticmethod(check_prompt))
+    _negative = field_validator("negative_prompt")(staticmethod(check_text))
 
     _steps = field_validator("num_inference_steps")(staticmethod(check_steps))
     _guidance = field_validator("guidance_scale")(staticmethod(check_guidance))

@@ -25,6 +25,9 @@ from sdfast.errors import InvalidRequestError
     ({"prompt": ["a"] * 9, "num_images_per_prompt": 8}, "num_images_per_prompt"),
     ({"num_inference_steps": 1001, "scheduler": "ddim"}, "num_inference_steps"),
     ({"num_inference_steps": 51, "scheduler": "lcm"}, "num_inference_steps"),
+    ({"prompt": "\ud800 cat"}, "prompt"),  # a lone surrogate: not Unicode text the tokenizer takes
+    ({"prompt": ["a cat", "\udc00"]}, "prompt"),
+    ({"negative_prompt": "\ud83d"}, "negative_prompt"),
 ])
 def test_bad_arguments_are_invalid_request_errors_naming_the_field(tiny_engine, kwargs, field):
     kw = {"prompt": "a cat", "num_inference_steps": 2, **kwargs}

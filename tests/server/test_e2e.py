@@ -211,3 +211,18 @@ def test_metrics_count_what_happened(live):
     assert delta("sdfast_batches_total", outcome="ok") == 3
     assert metric_value(after, "sdfast_queue_depth") == 0
     assert "sdfast_gpu_memory_allocated_bytes 0.0" in after  # CPU: no CUDA memory
+
+
+@pytest.mark.parametrize("path, field", [(TXT, "prompt"), (TXT, "negative_prompt"), (OAI, "prompt")])
+def test_lone_surrogate_in_text_answers_422(live, path, field):
+    """JSON allows "\\ud800" (a lone UTF-16 surrogate), which no tokenizer takes: 422 naming the field, and
+    the service serves the next request."""
+    text = {"prompt": '"a cat"', "negative_prompt": "null"}
+    text[field] = '"\\ud800 cat"'
+    body = ('{"prompt": %s, "negative_prompt": %s, "num_inference_steps": %d}' % (text["prompt"], text["negative_prompt"], STEPS))
+    with live.client() as c:
+        r = c.post(path, content=body.encode(), headers={"content-type": "application/json"})
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["param"] == field and "unicode" in r.json()["error"]["message"].lower()
+        assert c.post(path, json={"prompt": "a cat", "num_inference_steps": STEPS,
+                                  **({"response_format": "b64_json"} if path == OAI else {})}).status_code == 200
