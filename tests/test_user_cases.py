@@ -573,3 +573,22 @@ def test_graph_cache_check_runs_before_any_text_encoder_call_of_a_long_prompt(ti
     finally:
         h.remove()
     assert order[0] == "check" and order.count("text_encoder") >= 2, order
+
+
+def test_hooks_on_q_k_v_run_with_fused_qkv(fused_qkv):
+    """A hooked projection (user hooks, the calibration of quantize_/sparsify_) runs itself instead of the
+    fused GEMM, so its hooks fire, as they do without fuse_qkv."""
+    unet = fused_qkv.pipe.unet
+    calls = []
+    handles = []
+    for name, m in unet.named_modules():
+        if name.endswith("attn1.to_q"):
+            handles.append(m.register_forward_hook(lambda mod, a, out: calls.append("q")))
+        elif name.endswith("attn2.to_k"):
+            handles.append(m.register_forward_pre_hook(lambda mod, a: calls.append("k")))
+    try:
+        fused_qkv.txt2img("a cat", seed=0, **dict(KW, num_inference_steps=1))
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls.count("q") >= 4 and calls.count("k") >= 4, calls

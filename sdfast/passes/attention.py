@@ -36,6 +36,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from sdfast.passes._modules import runs_as_its_class
+
 log = logging.getLogger("sdfast.attention")
 
 ENV_BACKEND = "SDFAST_ATTENTION_BACKEND"
@@ -486,7 +488,8 @@ def default_dispatcher() -> AttentionDispatcher:
 def _fused_layer(attn: nn.Module, name: str) -> Optional[nn.Module]:
     """``attn.to_qkv`` / ``attn.to_kv`` when one GEMM on it computes exactly what the separate projections
     compute now, else None (the caller then runs ``to_q``/``to_k``/``to_v``). Not so when a projection is
-    wrapped (a PEFT LoRA layer from ``load_lora_weights``: its adapter must run), or, for layers
+    wrapped (a PEFT LoRA layer from ``load_lora_weights``: its adapter must run) or hooked (forward hooks or
+    pre-hooks, e.g. the calibration of ``quantize_``/``sparsify_``; an instance-level forward), or, for layers
     :func:`apply` fused, when a projection's weight or bias no longer lives in the fused tensor (replaced
     by ``module.to(...)``, ``param.data = ...``, a safe LoRA merge): the fused copy would be stale."""
     if not getattr(attn, "fused_projections", False):
@@ -495,8 +498,8 @@ def _fused_layer(attn: nn.Module, name: str) -> Optional[nn.Module]:
     if fused is None:
         return None
     parts = (attn.to_k, attn.to_v) if name == "to_kv" else (attn.to_q, attn.to_k, attn.to_v)
-    if any(type(p) is not nn.Linear for p in parts):
-        return None
+    if not all(runs_as_its_class(p, nn.Linear) for p in parts):
+        return None  # a wrapped, hooked (calibration, user hooks) or re-bound projection must run itself
     state = getattr(attn, _STATE_ATTR, None)
     if state is None or state.get("fused") != name:
         return fused  # fused by diffusers (``fuse_projections``): its own copy, as stock uses it
