@@ -66,9 +66,15 @@ def _run(unet, seed=0):
 def test_config_is_frozen_and_validated():
     with pytest.raises(Exception):
         CFG.method = "sparsegpt"
-    for bad in (dict(method="random"), dict(backend="cublas"), dict(timing="wall"), dict(blocksize=6), dict(percdamp=-1)):
-        with pytest.raises(ValueError):
+    for bad in (dict(method="random"), dict(backend="cublas"), dict(timing="wall"), dict(blocksize=6), dict(percdamp=-1),
+                # wrong types and non-finite numbers (a fresh-user trial saw these fail deep inside, or pass)
+                dict(min_features="256"), dict(min_features=1.5), dict(blocksize=4.0), dict(percdamp=float("nan")),
+                dict(min_speedup=float("nan")), dict(keep_dense_copy="no"), dict(hessian_device="foo")):
+        with pytest.raises(ValueError, match=next(iter(bad))):
             sp.Sparse24Config(**bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            sp.Sparse24Config(hessian_device="cuda")
 
 
 def test_default_filter_targets_transformer_linears_only(base_unet):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import math
 from collections import Counter
 from typing import Callable
 
@@ -104,14 +105,30 @@ class Sparse24Config:
             raise ValueError(f"backend must be one of {BACKEND_CHOICES}, got {self.backend!r}")
         if self.timing not in TIMING_CHOICES:
             raise ValueError(f"timing must be one of {TIMING_CHOICES}, got {self.timing!r}")
-        if self.min_features < 0:
-            raise ValueError(f"min_features must be >= 0, got {self.min_features}")
-        if self.min_speedup <= 0:
-            raise ValueError(f"min_speedup must be > 0, got {self.min_speedup}")
-        if self.blocksize <= 0 or self.blocksize % 4:
-            raise ValueError(f"blocksize must be a positive multiple of 4, got {self.blocksize}")
-        if self.percdamp < 0:
-            raise ValueError(f"percdamp must be >= 0, got {self.percdamp}")
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_real(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        if not is_int(self.min_features) or self.min_features < 0:
+            raise ValueError(f"min_features must be an integer >= 0, got {self.min_features!r}")
+        if not is_real(self.min_speedup) or self.min_speedup <= 0:
+            raise ValueError(f"min_speedup must be a finite number > 0, got {self.min_speedup!r}")
+        if not is_int(self.blocksize) or self.blocksize <= 0 or self.blocksize % 4:
+            raise ValueError(f"blocksize must be a positive integer multiple of 4, got {self.blocksize!r}")
+        if not is_real(self.percdamp) or self.percdamp < 0:
+            raise ValueError(f"percdamp must be a finite number >= 0, got {self.percdamp!r}")
+        if not isinstance(self.keep_dense_copy, bool):
+            raise ValueError(f"keep_dense_copy must be True or False, got {self.keep_dense_copy!r}")
+        if self.hessian_device is not None:
+            try:
+                dev = torch.device(self.hessian_device)
+            except (RuntimeError, TypeError, ValueError) as e:
+                raise ValueError(f"hessian_device must be None or a torch device such as 'cuda' or 'cpu', got "
+                                 f"{self.hessian_device!r} ({e})") from None
+            if dev.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"hessian_device={self.hessian_device!r} but CUDA is not available here")
 
 
 def default_filter(module: nn.Module, name: str) -> bool:
