@@ -87,6 +87,8 @@ def load(model, *, device=None, dtype=None, seed: int = 0, optimize: bool | Opti
 
     if not isinstance(optimize, (bool, OptimizeConfig)):
         raise TypeError(f"optimize must be True, False or an sdfast.OptimizeConfig, got {optimize!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed (of the random weights) must be an integer in [0, 2**63), got {seed!r}")
     pipe = load_pipeline(model, device=device, dtype=dtype, seed=seed)
     if optimize:
         from .optimizer import optimize as _optimize

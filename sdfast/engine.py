@@ -178,9 +178,12 @@ class Engine:
         images = out.images
         self.last_timings = {"total_s": time.perf_counter() - t0}
         if not all(finite) or not np.isfinite(images).all():
+            low = pipe.unet.dtype in (torch.float16, torch.bfloat16)
             raise NonFiniteOutputError(
-                "the pipeline produced NaN/Inf values (fp16 overflow or a broken kernel); no image is returned. "
-                "Try dtype=torch.float32, optimize=False, or report it"
+                "the pipeline produced NaN/Inf values; no image is returned. "
+                + ("Likely an fp16 overflow or a broken kernel: try dtype=torch.float32, optimize=False, or report it"
+                   if low else f"It runs in {pipe.unet.dtype} already: check guidance_scale ({guidance_scale:g}) and "
+                   "the weights, try optimize=False, or report it")
             )
         pil = pipe.image_processor.numpy_to_pil(images)
         for i, (img, s) in enumerate(zip(pil, seeds)):

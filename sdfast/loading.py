@@ -82,9 +82,11 @@ def build_random_pipeline(name: str, *, device=None, dtype=None, seed: int = 0):
 
     arch = architectures.get_architecture(name)
     device, dtype = default_device_dtype(device, dtype)
-    torch.manual_seed(seed)
+    # Seeded in a fork of the RNGs: the caller's global random state is left as it was.
+    cuda_devices = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
     # Built directly in ``dtype`` on ``device``: fast for SDXL's 2.6B parameters, and no later cast.
-    with torch.device(device), _default_dtype(dtype):
+    with torch.random.fork_rng(devices=cuda_devices), torch.device(device), _default_dtype(dtype):
+        torch.manual_seed(seed)
         parts = {
             "unet": diffusers.UNet2DConditionModel(**arch["unet"]),
             "vae": diffusers.AutoencoderKL(**arch["vae"]),

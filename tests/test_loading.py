@@ -89,3 +89,18 @@ def test_config_folders_are_complete(tmp_path, name):
     index = json.loads((root / "model_index.json").read_text())
     assert index["unet"] == ["diffusers", "UNet2DConditionModel"]
     assert (root / "unet" / "config.json").is_file() and (root / "scheduler" / "scheduler_config.json").is_file()
+
+
+def test_random_weights_leave_the_global_rng_alone_and_bad_seeds_are_refused():
+    import sdfast
+
+    torch.manual_seed(123)
+    want = torch.rand(3)
+    torch.manual_seed(123)
+    a = sdfast.load("random:tiny", optimize=False, seed=5)
+    assert torch.equal(torch.rand(3), want)  # the caller's random state is untouched
+    b = sdfast.load("random:tiny", optimize=False, seed=5)
+    assert torch.equal(a.pipe.unet.conv_in.weight, b.pipe.unet.conv_in.weight)  # same seed, same weights
+    for bad in ("x", -1, 1.5, True):
+        with pytest.raises(ValueError, match="seed"):
+            sdfast.load("random:tiny", optimize=False, seed=bad)
