@@ -114,6 +114,47 @@ class APIKeyMiddleware:
         await response(scope, receive, send)
 
 
+# -- request size ----------------------------------------------------------------------------------
+
+MAX_BODY_BYTES = 1 << 20  # a request is a prompt of <= 1000 characters and a few numbers: 1 MiB is generous
+
+
+class BodyLimitMiddleware:
+    """Pure ASGI middleware: 413 for a body over ``max_bytes``, before anything parses it: at once from
+    ``Content-Length``, else while a chunked body streams in (buffered up to the limit, then replayed)."""
+
+    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def _too_large(self, scope, receive, send) -> None:
+        response = error_response(413, f"request body over {self.max_bytes} bytes", "invalid_request_error", "body")
+        await response(scope, receive, send)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+            return await self.app(scope, receive, send)
+        messages, size = [], 0
+        while True:
+            message = await receive()
+            messages.append(message)
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+            if message["type"] != "http.request" or not message.get("more_body"):
+                break
+
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        await self.app(scope, replay, send)
+
+
 # -- images ----------------------------------------------------------------------------------------
 
 
@@ -376,7 +417,8 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
     async def page():
         return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
 
-    # Order: metrics outermost, so answers of the key check are counted too.
+    # Order: metrics outermost, so answers of the key check are counted too; the body limit innermost.
+    app.add_middleware(BodyLimitMiddleware)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(MetricsMiddleware, metrics=service.metrics)

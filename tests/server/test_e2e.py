@@ -226,3 +226,17 @@ def test_lone_surrogate_in_text_answers_422(live, path, field):
         assert r.json()["error"]["param"] == field and "unicode" in r.json()["error"]["message"].lower()
         assert c.post(path, json={"prompt": "a cat", "num_inference_steps": STEPS,
                                   **({"response_format": "b64_json"} if path == OAI else {})}).status_code == 200
+
+
+def test_oversized_body_is_413_before_parsing_and_the_service_goes_on(live):
+    """A body over 1 MiB is refused from its Content-Length, or while a chunked body streams in."""
+    big = b'{"prompt": "' + b"a" * (2 << 20) + b'"}'
+    with live.client() as c:
+        r = c.post(TXT, content=big, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["param"] == "body", r.text
+        chunks = (big[i:i + 65536] for i in range(0, len(big), 65536))  # no Content-Length: chunked
+        r = c.post(TXT, content=chunks, headers={"content-type": "application/json"})
+        assert r.status_code == 413, r.text
+        small = (b for b in [b'{"prompt": "a cat", ', b'"num_inference_steps": %d}' % STEPS])  # chunked, small
+        r = c.post(TXT, content=small, headers={"content-type": "application/json"})
+        assert r.status_code == 200 and r.headers["content-type"] == "image/png", r.text
