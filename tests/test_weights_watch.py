@@ -85,3 +85,21 @@ def test_python_side_forward_changes_below_the_root_are_changes():
     finally:
         g.remove()
     assert watch.changed() and not watch.changed()
+
+
+def test_graph_runner_runs_modules_with_hooks_below_the_root_eagerly():
+    """A replayed graph would skip a hook (a calibration collecting activations, a user's hook): while a module
+    below the root has one, the runner runs eagerly; hooks on the root run around the runner anyway."""
+    from sdfast.runtime.cuda_graphs import GraphedForward
+
+    m = _model()
+    runner = GraphedForward(m, pool=None)
+    assert not runner.hooked()
+    h = m[2][0].register_forward_pre_hook(lambda mod, a: None)
+    assert runner.hooked()  # seen at the next call, without waiting for the pipeline's check
+    h.remove()
+    assert runner.hooked()  # a removal takes no new handle id: eager (always right) until the next full check
+    assert runner.watch.changed() and not runner.watch.hooked  # GraphCache.check at the next pipeline call
+    root = m.register_forward_hook(lambda mod, a, out: out)
+    assert not runner.hooked()
+    root.remove()

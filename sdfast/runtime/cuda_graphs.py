@@ -3,7 +3,9 @@
 ``GraphedForward`` replaces ``module.forward`` on the instance. A call whose signature (the pytree of
 its arguments: tensor shapes, strides, dtypes, devices and every non-tensor value) was seen before
 copies its tensors into that graph's static input buffers, replays the graph, and returns clones of
-the static outputs, so no caller ever holds a view of a graph's buffer. A new signature is warmed up
+the static outputs, so no caller ever holds a view of a graph's buffer. A module with forward hooks below
+its root runs eagerly (hooks need Python at every call: a calibration collecting activations, a user's
+hook). A new signature is warmed up
 eagerly on a side stream (cuDNN/cuBLAS handles, Triton compilation, the attention dispatcher's
 measurements all happen there) and captured. Graphs share the engine's memory pool: their
 intermediates reuse one planned workspace, safe because graphs replay one at a time and outputs are
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils.hooks import RemovableHandle
 
 log = logging.getLogger("sdfast.runtime")
 
@@ -87,6 +90,10 @@ class WeightsWatch:
         self.modules = list(self.module.modules())
         self.tuners = [(n, m) for n, m in self.module.named_modules() if _is_tuner_layer(m)]
         self.state = self._state()
+        per_module, global_hooks, global_pre_hooks = self.state[3]
+        # Hooks below the root need Python at every call (e.g. a calibration collecting activations): a graph
+        # replay would skip them, so the runner runs such a module eagerly (``GraphedForward``).
+        self.hooked = bool(global_hooks or global_pre_hooks) or any(h or p for h, p, *_ in per_module)
 
     def _state(self) -> tuple:
         mods = self.modules
@@ -153,14 +160,25 @@ class GraphedForward:
         self.graphs: OrderedDict[tuple, _Graph | None] = OrderedDict()  # None: this signature runs eagerly
         self.stats = GraphStats()
         self.watch = WeightsWatch(module)
+        self.hook_epoch = RemovableHandle.next_id
         self.clock = clock or (lambda: 0)  # GraphCache's capture counter
         self.stream = stream  # side stream for warm-up and capture (None: a new one per capture)
         self.born: dict[tuple, int] = {}  # signature -> clock value at its capture
 
+    def hooked(self) -> bool:
+        """Whether a module below the root has forward hooks now. Every hook registration anywhere takes a new
+        ``RemovableHandle`` id, so the modules are rescanned (and stale graphs dropped) only after one."""
+        epoch = RemovableHandle.next_id
+        if epoch != self.hook_epoch:
+            self.hook_epoch = epoch
+            if self.watch.changed():
+                self.invalidate()
+        return self.watch.hooked
+
     def __call__(self, *args, **kwargs):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in leaves)
-        if not on_cuda or torch.cuda.is_current_stream_capturing() or torch.is_grad_enabled():
+        if not on_cuda or torch.cuda.is_current_stream_capturing() or torch.is_grad_enabled() or self.hooked():
             self.stats.eager_calls += 1
             return self.eager(*args, **kwargs)
         key = (spec, tuple(_leaf_key(x) for x in leaves), _autocast_key())
@@ -255,6 +273,7 @@ class GraphCache:
         since capture. Returns how many."""
         stale = 0
         for runner in self.runners.values():
+            runner.hook_epoch = RemovableHandle.next_id  # this full check covers the hooks registered so far
             if runner.watch.changed():
                 log.info("sdfast: weights or adapters of %s changed; dropping its CUDA graphs", runner.name)
                 runner.invalidate()
