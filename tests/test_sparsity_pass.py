@@ -189,3 +189,13 @@ def test_sparsegpt_needs_calibration_and_handles_unused_layers(base_unet, caplog
     assert torch.equal(model[1].weight, prune_24_magnitude(model[1].weight)[0])
     assert any("no calibration input" in r.getMessage() for r in caplog.records)
     assert sp.sparsity_stats(model)["methods"]["magnitude_fallback"] == 1
+
+
+def test_calibration_gets_the_module_only_when_it_needs_an_argument():
+    seen = []
+    mod = nn.Linear(4, 4)
+    sp._call_calibration(lambda m: seen.append(m), mod)
+    sp._call_calibration(lambda *a: seen.append(a[0]), mod)
+    sp._call_calibration(lambda n=2: seen.append(n), mod)  # an optional parameter keeps its default
+    sp._call_calibration(lambda: seen.append("none"), mod)
+    assert seen == [mod, mod, 2, "none"]

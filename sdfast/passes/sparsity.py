@@ -145,15 +145,18 @@ def default_filter(module: nn.Module, name: str) -> bool:
 
 
 def _call_calibration(calibration: Callable, module: nn.Module) -> None:
+    """``calibration(module)`` when it has a required positional parameter (or ``*args``), else
+    ``calibration()``: an optional parameter (``lambda n=2: ...``) keeps its default."""
     try:
-        params = [
+        wants = [
             p
             for p in inspect.signature(calibration).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+            if p.kind is p.VAR_POSITIONAL
+            or (p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty)
         ]
     except (TypeError, ValueError):  # builtins without a signature: pass the module
-        params = [None]
-    if params:
+        wants = [None]
+    if wants:
         calibration(module)
     else:
         calibration()
@@ -166,7 +169,7 @@ def collect_hessians(
     *,
     device: str | torch.device | None = None,
 ) -> dict[str, tuple[torch.Tensor, int]]:
-    """Run ``calibration`` (called as ``calibration(module)``, or ``calibration()`` if it takes no
+    """Run ``calibration`` (called as ``calibration(module)``, or ``calibration()`` if it needs no
     argument) under ``torch.no_grad`` with forward pre-hooks on ``targets`` (name -> nn.Linear).
 
     Returns name -> ``(H, n)``: ``H = 2 X^T X / n`` (K, K) float32 over the ``n`` input rows the
