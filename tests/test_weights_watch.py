@@ -103,3 +103,26 @@ def test_graph_runner_runs_modules_with_hooks_below_the_root_eagerly():
     root = m.register_forward_hook(lambda mod, a, out: out)
     assert not runner.hooked()
     root.remove()
+
+
+def test_transformers_output_capturing_hooks_do_not_make_the_text_encoder_eager():
+    """transformers installs hooks on the CLIP encoder layers at the first call (to collect hidden_states into
+    the output, which a graph's static output holds): they are not a reason to run eagerly."""
+    import sdfast
+
+    engine = sdfast.load("random:tiny-xl", optimize=False)
+    engine.txt2img("a cat", num_inference_steps=1, width=64, height=64, seed=0)
+    te = engine.pipe.text_encoder_2
+    assert any(m._forward_hooks for m in te.modules())  # the library's hooks are there
+    assert not WeightsWatch(te).hooked
+
+    def install_output_capuring_hook():  # the name transformers uses
+        def output_capturing_hook(mod, a, out):
+            return out
+        return output_capturing_hook
+
+    m = _model()
+    m[0].register_forward_hook(install_output_capuring_hook())
+    assert not WeightsWatch(m).hooked
+    m[0].register_forward_hook(lambda mod, a, out: out)
+    assert WeightsWatch(m).hooked

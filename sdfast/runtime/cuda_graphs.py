@@ -64,6 +64,13 @@ def _python_state(mods: list) -> tuple:
     return per_module, tuple(nn_module._global_forward_hooks), tuple(nn_module._global_forward_pre_hooks)
 
 
+def _needs_python_each_call(hook) -> bool:
+    """False for hooks that a captured graph reproduces: transformers' output-capturing hooks (installed on the
+    encoder layers at the first call to collect ``hidden_states`` into the output, which the graph's static
+    output already holds)."""
+    return "output_capturing_hook" not in getattr(hook, "__qualname__", "")
+
+
 class WeightsWatch:
     """What a captured graph bakes in about a module's weights, checked before every pipeline call.
 
@@ -90,10 +97,14 @@ class WeightsWatch:
         self.modules = list(self.module.modules())
         self.tuners = [(n, m) for n, m in self.module.named_modules() if _is_tuner_layer(m)]
         self.state = self._state()
-        per_module, global_hooks, global_pre_hooks = self.state[3]
         # Hooks below the root need Python at every call (e.g. a calibration collecting activations): a graph
         # replay would skip them, so the runner runs such a module eagerly (``GraphedForward``).
-        self.hooked = bool(global_hooks or global_pre_hooks) or any(h or p for h, p, *_ in per_module)
+        from torch.nn.modules import module as nn_module
+
+        hooks = [*nn_module._global_forward_hooks.values(), *nn_module._global_forward_pre_hooks.values()]
+        for m in self.modules[1:]:
+            hooks += [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
+        self.hooked = any(_needs_python_each_call(h) for h in hooks)
 
     def _state(self) -> tuple:
         mods = self.modules
