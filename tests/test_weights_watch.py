@@ -116,13 +116,15 @@ def test_transformers_output_capturing_hooks_do_not_make_the_text_encoder_eager(
     assert any(m._forward_hooks for m in te.modules())  # the library's hooks are there
     assert not WeightsWatch(te).hooked
 
-    def install_output_capuring_hook():  # the name transformers uses
-        def output_capturing_hook(mod, a, out):
-            return out
-        return output_capturing_hook
+    def output_capturing_hook(mod, a, out):  # a hook of ours by that name: only transformers' is exempt
+        return out
 
     m = _model()
-    m[0].register_forward_hook(install_output_capuring_hook())
+    m[0].register_forward_hook(output_capturing_hook)
+    assert WeightsWatch(m).hooked
+    output_capturing_hook.__module__ = "transformers.utils.output_capturing"
+    m = _model()
+    m[0].register_forward_hook(output_capturing_hook)
     assert not WeightsWatch(m).hooked
     m[0].register_forward_hook(lambda mod, a, out: out)
     assert WeightsWatch(m).hooked

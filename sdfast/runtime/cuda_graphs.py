@@ -68,7 +68,8 @@ def _needs_python_each_call(hook) -> bool:
     """False for hooks that a captured graph reproduces: transformers' output-capturing hooks (installed on the
     encoder layers at the first call to collect ``hidden_states`` into the output, which the graph's static
     output already holds)."""
-    return "output_capturing_hook" not in getattr(hook, "__qualname__", "")
+    name, module = getattr(hook, "__name__", ""), getattr(hook, "__module__", "") or ""
+    return not (name == "output_capturing_hook" and module.split(".")[0] == "transformers")
 
 
 class WeightsWatch:
