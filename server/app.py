@@ -206,6 +206,7 @@ class Service:
                        guidance_scale: float, scheduler: str | None) -> tuple[Job, JobResult] | None:
         """Queue one request and wait for it. Returns None if the client disconnected (its job is
         cancelled); raises ``ServiceError`` (429 full, 504 deadline, 503/500/422 from the worker)."""
+        self._check_steps(num_inference_steps, scheduler)
         if seed is None:
             seed = secrets.randbelow(MAX_SEED + 1)
         job = Job(
@@ -236,6 +237,19 @@ class Service:
         except asyncio.CancelledError:  # the server cancelled the handler (shutdown, disconnect)
             self.worker.cancel(job)
             raise
+
+    def _check_steps(self, steps: int, scheduler: str | None) -> None:
+        """The scheduler's own step limit (LCM: 50) as a 422 before the request is queued (``sdfast.schedulers``)."""
+        get = getattr(self.engine, "_scheduler", None)
+        if get is None:
+            return
+        from sdfast.errors import InvalidRequestError
+        from sdfast.schedulers import check_steps
+
+        try:
+            check_steps(steps, get(scheduler), scheduler)
+        except InvalidRequestError as e:
+            raise InvalidRequest(str(e), field=e.field) from None
 
     def health(self) -> Health:
         from sdfast.schedulers import SCHEDULERS

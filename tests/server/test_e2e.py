@@ -140,6 +140,7 @@ BAD = [
     (TXT, {"prompt": "   "}, "prompt", "non-empty"),
     (TXT, {"prompt": "a" * 1001}, "prompt", "77 tokens"),
     (TXT, {"scheduler": "nope"}, "scheduler", "euler_a"),
+    (TXT, {"scheduler": "lcm", "num_inference_steps": 60}, "num_inference_steps", "at most 50"),  # before queueing
     (TXT, {"seed": -1}, "seed", "[0, 4294967295]"),
     (TXT, {"model": "/etc/passwd"}, "model", "unknown field"),
     (TXT, {"model_path": "/models/x.safetensors"}, "model_path", "unknown field"),
