@@ -368,6 +368,13 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 400 and request.method == "POST":
+            # A body FastAPI could not parse at all (e.g. JSON nested past Python's recursion limit): the same
+            # 422 naming ``body`` as other invalid JSON.
+            message = f"body: could not be parsed as JSON ({exc.detail})"
+            body = _error_body(422, message, "invalid_request_error", "body")
+            body["detail"] = [{"field": "body", "message": message}]
+            return JSONResponse(body, status_code=422)
         return error_response(exc.status_code, str(exc.detail), "http_error", headers=getattr(exc, "headers", None))
 
     @app.post("/v1/txt2img", responses={200: {"content": {"image/png": {}}, "model": Txt2ImgResponse}})

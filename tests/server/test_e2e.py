@@ -241,3 +241,11 @@ def test_oversized_body_is_413_before_parsing_and_the_service_goes_on(live):
         small = (b for b in [b'{"prompt": "a cat", ', b'"num_inference_steps": %d}' % STEPS])  # chunked, small
         r = c.post(TXT, content=small, headers={"content-type": "application/json"})
         assert r.status_code == 200 and r.headers["content-type"] == "image/png", r.text
+
+
+def test_json_nested_past_the_recursion_limit_is_a_422_naming_body(live):
+    with live.client() as c:
+        r = c.post(TXT, content=b"[" * 100000, headers={"content-type": "application/json"})
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["param"] == "body" and r.json()["detail"][0]["field"] == "body"
+        assert c.post(TXT, json={"prompt": "a cat", "num_inference_steps": STEPS}).status_code == 200
