@@ -74,12 +74,15 @@ def _out_paths(out: str, n: int) -> list[Path]:
         path = path.with_suffix(".png")
     if path.suffix.lower() not in Image.registered_extensions():
         raise ValueError(f"--out: unknown image file extension {path.suffix!r} (use .png)")
+    blocker = next((p for p in (path.parent, *path.parent.parents) if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise ValueError(f"--out: {blocker} is a file, not a folder")
     try:  # a real write: permission bits do not tell (root, read-only mounts, /proc)
         path.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path.parent):
             pass
     except OSError as e:
-        raise ValueError(f"--out: cannot write to {path.parent} ({e.strerror or e})") from None
+        raise ValueError(f"--out: cannot create a file in {path.parent} ({e.strerror or e})") from None
     if n == 1:
         return [path]
     return [path.with_name(f"{path.stem}_{i}{path.suffix}") for i in range(n)]
