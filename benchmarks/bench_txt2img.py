@@ -421,12 +421,13 @@ def e2e_breakdown(unet_timer: UnetTimer, phase_timers: dict, e2e_s: list[float],
     if not pairs or not repeats or len(pairs) % repeats:
         return {}
     per = len(pairs) // repeats
+    times = unet_timer.times_ms()
     spans, sums = [], []
     for i in range(repeats):
         chunk = pairs[i * per:(i + 1) * per]
         span = chunk[0][0].elapsed_time(chunk[-1][1]) if unet_timer.cuda else (chunk[-1][1] - chunk[0][0]) * 1e3
         spans.append(span)
-        sums.append(sum(unet_timer.times_ms()[i * per:(i + 1) * per]))
+        sums.append(sum(times[i * per:(i + 1) * per]))
     out = {"e2e_ms": statistics.median(e2e_s) * 1e3, "denoise_loop_ms": statistics.median(spans),
            "unet_sum_ms": statistics.median(sums)}
     out["loop_gaps_ms"] = out["denoise_loop_ms"] - out["unet_sum_ms"]

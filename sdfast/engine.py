@@ -138,10 +138,10 @@ class Engine:
                 stacklevel=2,
             )
         graphs = getattr(getattr(pipe, "_sdfast", None), "graphs", None)
-        if graphs is not None:
-            graphs.check()  # before any graphed module runs: the chunked encoder below runs before the pipeline's own check
         if report.chunks > 1:
             log.info("sdfast: long prompt encoded in %d windows of %d tokens", report.chunks, prompt_policy.WINDOW)
+            if graphs is not None:  # the pipeline's own check (check_inputs) comes after this encoder runs
+                graphs.check()
             text = prompt_policy.encode_chunked(pipe, prompts, negatives, report.chunks, do_cfg=do_cfg)
         else:
             text = {"prompt": prompts, "negative_prompt": negatives}

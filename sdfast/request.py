@@ -70,14 +70,21 @@ def _is_seed(s, n: int = 1) -> bool:
     return isinstance(s, int) and not isinstance(s, bool) and 0 <= s <= MAX_SEED - (n - 1)
 
 
+def text_problem(text: str) -> str | None:
+    """Why ``text`` cannot go to the tokenizer, or None: it must be encodable as UTF-8 (a lone UTF-16
+    surrogate, e.g. from a JSON ``"\\ud800"``, is not; the tokenizer would fail deep inside with a TypeError)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"is not valid Unicode text ({e.reason} at character {e.start})"
+    return None
+
+
 def _check_text(field: str, texts: list[str]) -> None:
-    """Every string encodable as UTF-8 (a lone UTF-16 surrogate, e.g. from a JSON ``"\\ud800"``, is not; the
-    tokenizer would fail deep inside with a TypeError)."""
     for t in texts:
-        try:
-            t.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise InvalidRequestError(field, f"is not valid Unicode text ({e.reason} at character {e.start})") from None
+        problem = text_problem(t)
+        if problem:
+            raise InvalidRequestError(field, problem)
 
 
 def check_negative_prompt(negative_prompt, n_prompts: int) -> list[str] | None:

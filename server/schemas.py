@@ -44,12 +44,12 @@ def check_side(v: int | None) -> int | None:
 
 
 def check_text(v: str | None) -> str | None:
-    """Text the tokenizer can take: encodable as UTF-8 (JSON allows a lone surrogate such as ``"\\ud800"``)."""
-    if v is not None:
-        try:
-            v.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"is not valid Unicode text ({e.reason} at character {e.start})") from None
+    """Text the tokenizer can take (``sdfast.request.text_problem``)."""
+    from sdfast.request import text_problem
+
+    problem = None if v is None else text_problem(v)
+    if problem:
+        raise ValueError(problem)
     return v
 
 

@@ -26,7 +26,7 @@ try:
 except ImportError:  # pragma: no cover - triton is installed in CI and on the GPU machine
     triton = None
 
-from kernels.dispatch import can_use_triton
+from kernels.dispatch import use_triton
 
 
 def sparsegpt_block_ref(W1: torch.Tensor, U1: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
@@ -133,8 +133,9 @@ def sparsegpt_block(W1: torch.Tensor, U1: torch.Tensor, losses: torch.Tensor) ->
     if nb % 4 or tuple(U1.shape) != (nb, nb) or tuple(losses.shape) != (n,):
         raise ValueError(f"sparsegpt_block: W1 (N, nb) with nb % 4 == 0, U1 (nb, nb), losses (N,); got "
                          f"{tuple(W1.shape)}, {tuple(U1.shape)}, {tuple(losses.shape)}")
-    ok = triton is not None and can_use_triton(W1, U1, losses)[0]
-    if not ok or any(t.dtype != torch.float32 for t in (W1, U1, losses)) or not losses.is_contiguous():
+    if any(t.dtype != torch.float32 for t in (W1, U1, losses)) or not losses.is_contiguous():
+        return sparsegpt_block_ref(W1, U1, losses)  # float64 compute (by design: the kernel is fp32)
+    if triton is None or not use_triton("sparsegpt_block", W1, U1, losses):  # logged there
         return sparsegpt_block_ref(W1, U1, losses)
     w = W1 if W1.stride(1) == 1 else W1.contiguous()
     u = U1 if U1.stride(1) == 1 else U1.contiguous()

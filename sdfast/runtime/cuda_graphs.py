@@ -26,6 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.modules import module as nn_module
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
@@ -53,8 +54,6 @@ def _python_state(mods: list) -> tuple:
     graph: the graph runner is its forward): forward hooks and pre-hooks, a forward replaced on the instance,
     an attention processor (diffusers' ``set_attn_processor``), FreeU's factors (``enable_freeu``); and the
     global module hooks. Objects compare by identity, numbers by value."""
-    from torch.nn.modules import module as nn_module
-
     per_module = tuple(
         (tuple(m._forward_hooks), tuple(m._forward_pre_hooks), d.get("forward"), d.get("processor"),
          d.get("s1"), d.get("s2"), d.get("b1"), d.get("b2"))
@@ -100,8 +99,6 @@ class WeightsWatch:
         self.state = self._state()
         # Hooks below the root need Python at every call (e.g. a calibration collecting activations): a graph
         # replay would skip them, so the runner runs such a module eagerly (``GraphedForward``).
-        from torch.nn.modules import module as nn_module
-
         hooks = [*nn_module._global_forward_hooks.values(), *nn_module._global_forward_pre_hooks.values()]
         for m in self.modules[1:]:
             hooks += [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
@@ -251,10 +248,9 @@ class GraphedForward:
         return len(new)
 
     def invalidate(self) -> None:
-        """Drop every captured graph (after weights were replaced)."""
+        """Drop every captured graph (after ``watch.changed()`` saw replaced weights, hooks, adapters...)."""
         self.graphs.clear()
         self.born.clear()
-        self.watch.snapshot()
 
 
 class GraphCache:
