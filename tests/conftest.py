@@ -10,6 +10,17 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Triton picks interpreter or compiler when a kernel is decorated, i.e. at import: import every kernel
+    # module now, so a test that sets TRITON_INTERPRET=0 for a while (the benchmark's, to run the references)
+    # cannot leave compiled-mode kernels behind for the tests after it ("0 active drivers" on the CPU).
+    import kernels.attention  # noqa: F401,E402
+    import kernels.elementwise  # noqa: F401,E402
+    import kernels.gemm.int8_outlier  # noqa: F401,E402
+    import kernels.gemm.matmul  # noqa: F401,E402
+    import kernels.gemm.sparse24  # noqa: F401,E402
+    import kernels.gemm.w4a16  # noqa: F401,E402
+    import kernels.gemm.w8a8  # noqa: F401,E402
+    import kernels.norm  # noqa: F401,E402
 
 
 def pytest_collection_modifyitems(config, items):
