@@ -23,6 +23,10 @@ class OptimizeConfig:
     cuda_graphs: the UNet step, the text encoder(s) and the VAE decoder replay CUDA graphs, one per input
         signature, over one shared memory pool. Speed: no launch overhead; costs one capture (about a
         second) per new shape, and graph memory. CUDA only.
+    cross_kv_once: with cuda_graphs, the cross-attention K/V projections of the text embedding run once per
+        pipeline call (in their own graph) instead of at every step: the embedding does not change during the
+        denoising loop. Speed: 140 fewer GEMMs per SDXL step (about 0.9 ms of 31), 32 per SD1.5 step; memory:
+        the K/V of every layer (SDXL about 55 MB). Numerics: identical (the same GEMMs, run earlier).
     max_graphs: graphs kept per module; the least recently used shape is dropped beyond this.
     vae_fp32_when_asked: when the VAE config says ``force_upcast`` and the pipeline is fp16, keep the VAE
         in fp32 permanently (what stock diffusers does per call, without casting weights back and forth).
@@ -33,6 +37,7 @@ class OptimizeConfig:
     fuse_norms: bool = True
     channels_last: bool = True
     cuda_graphs: bool = True
+    cross_kv_once: bool = True
     max_graphs: int = 8
     vae_fp32_when_asked: bool = True
 

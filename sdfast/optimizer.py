@@ -43,10 +43,11 @@ def _vae_decode_in_own_dtype(vae):
 
 
 def _install_graphs(pipe, state: OptimizeState) -> None:
+    from .runtime.cross_kv import CrossKV
     from .runtime.cuda_graphs import GraphCache
 
     cache = GraphCache(max_graphs=state.config.max_graphs)
-    cache.install("unet", pipe.unet)
+    cache.install("unet", pipe.unet, conditioning=CrossKV(pipe.unet) if state.config.cross_kv_once else None)
     for name in ("text_encoder", "text_encoder_2"):
         if getattr(pipe, name, None) is not None:
             cache.install(name, getattr(pipe, name))

@@ -9,7 +9,9 @@ hook). A new signature is warmed up
 eagerly on a side stream (cuDNN/cuBLAS handles, Triton compilation, the attention dispatcher's
 measurements all happen there) and captured. Graphs share the engine's memory pool: their
 intermediates reuse one planned workspace, safe because graphs replay one at a time and outputs are
-copied out at once. At most ``max_graphs`` are kept (least recently used dropped).
+copied out at once. At most ``max_graphs`` are kept (least recently used dropped). With a ``conditioning``
+(``runtime.cross_kv.CrossKV``: the UNet's cross-attention K/V), each signature has a second, small graph that
+projects the text context, replayed only when the context changes.
 
 Parameters are read by the graph from their storage, so in-place weight updates (``param.copy_``, a
 fused LoRA) are seen by the next replay; replacing a parameter's storage (``module.to(dtype)``, new
@@ -21,6 +23,7 @@ Method: ``torch.cuda.CUDAGraph`` as in PyTorch's "CUDA Graphs" notes; graph pool
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -29,6 +32,8 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
+
+from sdfast.runtime.cross_kv import CrossKV, SeenContext
 
 log = logging.getLogger("sdfast.runtime")
 
@@ -143,6 +148,12 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     static_inputs: list  # tensors, in leaf order (None for non-tensor leaves)
     static_output: object
+    # With a ``conditioning`` (cross-attention K/V, ``runtime.cross_kv``): the graph that projects the context
+    # leaf, replayed only when that leaf changes; the leaf's index, the parameters it reads, what it last saw.
+    pre_graph: torch.cuda.CUDAGraph | None = None
+    pre_index: int = -1
+    pre_params: list = field(default_factory=list)
+    pre_seen: SeenContext = field(default_factory=SeenContext)
 
 
 @dataclass
@@ -151,6 +162,7 @@ class GraphStats:
     replays: int = 0
     evictions: int = 0
     eager_calls: int = 0
+    conditioning_runs: int = 0  # replays of the cross-attention K/V projection graph
     failures: list = field(default_factory=list)
 
 
@@ -158,8 +170,9 @@ class GraphedForward:
     """A callable that replaces ``module.forward`` (see the module docstring)."""
 
     def __init__(self, module: torch.nn.Module, *, pool, max_graphs: int = 8, warmup_iters: int = 2, name: str = "",
-                 clock=None, stream=None):
+                 clock=None, stream=None, conditioning: CrossKV | None = None):
         self.module = module
+        self.conditioning = conditioning  # computed in its own graph, once per context (see runtime.cross_kv)
         self.eager = module.forward  # the forward as it was (possibly already patched by other passes)
         self.rebound = "forward" in module.__dict__  # was forward already an instance attribute?
         self.pool = pool
@@ -198,16 +211,43 @@ class GraphedForward:
         if entry is None:
             self.stats.eager_calls += 1
             return self.eager(*args, **kwargs)
-        for static, x in zip(entry.static_inputs, leaves):
-            if static is not None:
+        if entry.pre_graph is not None:
+            self._refresh_conditioning(entry, leaves[entry.pre_index])
+        for i, (static, x) in enumerate(zip(entry.static_inputs, leaves)):
+            if static is not None and i != entry.pre_index:
                 static.copy_(x)
         entry.graph.replay()
         self.stats.replays += 1
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.static_output)
 
+    def _refresh_conditioning(self, entry: _Graph, x: torch.Tensor) -> None:
+        """Replay the projection graph unless it last ran on this very tensor, unchanged, with unchanged weights."""
+        state = CrossKV.state(x, entry.pre_params)
+        if entry.pre_seen.same(x, state):
+            return
+        entry.static_inputs[entry.pre_index].copy_(x)
+        entry.pre_graph.replay()
+        entry.pre_seen.set(x, state)
+        self.stats.conditioning_runs += 1
+
+    def forget_conditioning(self) -> None:
+        """Make the next replay of every graph re-project its context (start of a pipeline call)."""
+        for entry in self.graphs.values():
+            if entry is not None:
+                entry.pre_seen.forget()
+
+    def _conditioning_index(self, leaves, s_args, s_kwargs) -> int:
+        """Index of the conditioning context among the leaves, or -1 (no conditioning, no such argument, or no
+        layer to project for)."""
+        if self.conditioning is None or not self.conditioning.layers():
+            return -1
+        ctx = self.conditioning.context(s_args, s_kwargs)
+        return next((i for i, x in enumerate(leaves) if ctx is not None and x is ctx), -1)
+
     def _capture(self, key, leaves, spec) -> None:
         static_inputs = [x.clone() if isinstance(x, torch.Tensor) else None for x in leaves]
         s_args, s_kwargs = pytree.tree_unflatten([s if s is not None else x for s, x in zip(static_inputs, leaves)], spec)
+        pre_index = self._conditioning_index(static_inputs, s_args, s_kwargs)
         side = self.stream if self.stream is not None else torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         try:
@@ -215,8 +255,16 @@ class GraphedForward:
                 for _ in range(self.warmup_iters):
                     self.eager(*s_args, **s_kwargs)
             torch.cuda.current_stream().wait_stream(side)
+            pre_graph, pre_params, reading = None, [], contextlib.nullcontext()
+            if pre_index >= 0:
+                context = static_inputs[pre_index]
+                pre_graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(pre_graph, pool=self.pool):
+                    slots = self.conditioning.fill(context)
+                pre_params = self.conditioning.params()
+                reading = self.conditioning.reading(slots, context)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with reading, torch.cuda.graph(graph, pool=self.pool):
                 out = self.eager(*s_args, **s_kwargs)
         except torch.cuda.OutOfMemoryError:
             # Transient: nothing is cached, so the next call at this signature tries again.
@@ -230,7 +278,8 @@ class GraphedForward:
             self.graphs[key] = None
             self.born[key] = self.clock()
             return
-        self.graphs[key] = _Graph(graph, static_inputs, out)
+        self.graphs[key] = _Graph(graph, static_inputs, out, pre_graph, pre_index if pre_graph is not None else -1,
+                                  pre_params)
         self.born[key] = self.clock()
         self.stats.captures += 1
         log.info("sdfast: captured a CUDA graph of %s (%d cached)", self.name, len(self.graphs))
@@ -269,9 +318,9 @@ class GraphCache:
         self._clock += 1
         return self._clock
 
-    def install(self, name: str, module: torch.nn.Module) -> GraphedForward:
+    def install(self, name: str, module: torch.nn.Module, conditioning: CrossKV | None = None) -> GraphedForward:
         runner = GraphedForward(module, pool=self.pool, max_graphs=self.max_graphs, name=name, clock=self._tick,
-                                stream=self.stream)
+                                stream=self.stream, conditioning=conditioning)
         module.forward = runner
         self.runners[name] = runner
         return runner
@@ -281,6 +330,7 @@ class GraphCache:
         since capture. Returns how many."""
         stale = 0
         for runner in self.runners.values():
+            runner.forget_conditioning()  # weights may have changed in ways no version counter shows (``.data``)
             runner.hook_epoch = RemovableHandle.next_id  # this full check covers the hooks registered so far
             if runner.watch.changed():
                 log.info("sdfast: weights or adapters of %s changed; dropping its CUDA graphs", runner.name)
@@ -302,6 +352,8 @@ class GraphCache:
 
     def uninstall(self) -> int:
         for runner in self.runners.values():
+            if runner.conditioning is not None:
+                runner.conditioning.uninstall()
             if runner.module.__dict__.get("forward") is runner:
                 if runner.rebound:
                     runner.module.forward = runner.eager

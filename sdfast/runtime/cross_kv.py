@@ -1,0 +1,119 @@
+"""Cross-attention K/V computed once per text conditioning, outside the UNet step's CUDA graph.
+
+Every cross-attention layer of an SD/SDXL UNet projects the same text embedding
+(``encoder_hidden_states``, fixed for a whole denoising loop) to K and V at every step. On SDXL that is
+140 GEMMs per step with M = 2 x 77 rows and weights up to 2048 x 1280, about 0.9 ms of a 31 ms step on the
+H200 (run 5 profile: cuBLAS' 64x32 kernel, 6.8 µs each, bound by reading the weights with few CTAs).
+
+``CrossKV`` lets the graph runner (``GraphedForward``, its ``conditioning`` argument) capture two graphs
+per input signature instead of one:
+
+* the projection graph: ``fill(context)`` runs ``project_kv`` of every cross-attention layer on the static
+  context buffer and keeps the (key, value) outputs in graph-pool slots;
+* the step graph, captured inside ``reading(slots, context)``: each layer's processor
+  (``SdfastAttnProcessor``) takes its K/V from the slots (``lookup``) when it is handed that same context
+  tensor, so the step graph holds no K/V projection.
+
+The runner replays the projection graph only when the caller's context is another tensor, was changed in
+place, or the projection weights were (``state``), and at the start of every pipeline call
+(``GraphCache.check``). Eager calls (hooks, capture failures) never read the slots: ``lookup`` returns None
+outside ``reading``, and the processor projects as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+
+from sdfast.passes.attention import CROSS_KV_ATTR, SdfastAttnProcessor, project_kv
+
+
+def _version(t: torch.Tensor):
+    """The tensor's in-place version counter; None for inference tensors, which have none (always "changed")."""
+    return None if t.is_inference() else t._version
+
+
+class CrossKV:
+    """The cross-attention layers of one UNet and, while a step graph is captured, their K/V slots."""
+
+    def __init__(self, module: torch.nn.Module, arg_name: str = "encoder_hidden_states", arg_index: int = 2):
+        self.module = module
+        self.arg_name = arg_name
+        self.arg_index = arg_index  # position in forward(sample, timestep, encoder_hidden_states, ...)
+        self._slots: dict | None = None
+        self._source: torch.Tensor | None = None
+
+    def layers(self) -> list:
+        """Cross-attention modules whose processor is sdfast's (the only one that consults the slots)."""
+        return [m for m in self.module.modules()
+                if getattr(m, "is_cross_attention", False) and isinstance(getattr(m, "processor", None), SdfastAttnProcessor)]
+
+    def context(self, args: tuple, kwargs: dict):
+        """The call's context tensor (``encoder_hidden_states``), or None."""
+        x = kwargs.get(self.arg_name, args[self.arg_index] if len(args) > self.arg_index else None)
+        return x if isinstance(x, torch.Tensor) else None
+
+    def fill(self, context: torch.Tensor) -> dict:
+        """K/V of every layer for ``context``: {id(layer): (key, value)}. Sets each layer's cache attribute."""
+        slots = {}
+        for m in self.layers():
+            setattr(m, CROSS_KV_ATTR, self)
+            slots[id(m)] = project_kv(m, context, cross=True)
+        return slots
+
+    def params(self) -> list:
+        """The tensors that ``fill`` reads besides the context (projection weights, ``norm_cross``)."""
+        out = []
+        for m in self.layers():
+            for name in ("to_k", "to_v", "to_kv", "norm_cross"):
+                sub = getattr(m, name, None)
+                if isinstance(sub, torch.nn.Module):
+                    out.extend(sub.parameters())
+        return out
+
+    @staticmethod
+    def state(context: torch.Tensor, params: list) -> tuple | None:
+        """What the slots depend on, to compare between calls; None when it cannot be known (inference tensors)."""
+        versions = [_version(context), *(_version(p) for p in params)]
+        if any(v is None for v in versions):
+            return None
+        return context.data_ptr(), tuple(context.shape), tuple(versions)
+
+    @contextlib.contextmanager
+    def reading(self, slots: dict, context: torch.Tensor):
+        """While capturing a step graph: processors handed ``context`` take K/V from ``slots``."""
+        self._slots, self._source = slots, context
+        try:
+            yield
+        finally:
+            self._slots, self._source = None, None
+
+    def lookup(self, attn: torch.nn.Module, context: torch.Tensor):
+        """(key, value) of ``attn`` for ``context`` from the slots being captured, else None."""
+        if self._slots is None or context is not self._source:
+            return None
+        return self._slots.get(id(attn))
+
+    def uninstall(self) -> None:
+        for m in self.module.modules():
+            if CROSS_KV_ATTR in m.__dict__:
+                delattr(m, CROSS_KV_ATTR)
+
+
+class SeenContext:
+    """Which context the projection graph last ran on: a weak reference and ``CrossKV.state``."""
+
+    def __init__(self):
+        self.ref = None
+        self.state = None
+
+    def same(self, x: torch.Tensor, state) -> bool:
+        return state is not None and self.ref is not None and self.ref() is x and self.state == state
+
+    def set(self, x: torch.Tensor, state) -> None:
+        self.ref, self.state = weakref.ref(x), state
+
+    def forget(self) -> None:
+        self.ref = self.state = None
