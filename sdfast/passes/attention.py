@@ -519,6 +519,29 @@ def _fused_layer(attn: nn.Module, name: str) -> Optional[nn.Module]:
     return fused
 
 
+# Attribute of a cross-attention ``Attention`` that holds a K/V cache (``sdfast.runtime.cross_kv.CrossKV``):
+# ``cache.lookup(attn, encoder_hidden_states)`` gives its (key, value) or None.
+CROSS_KV_ATTR = "_sdfast_cross_kv"
+
+
+def project_kv(attn: nn.Module, context: torch.Tensor, *, cross: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of ``attn`` for ``context`` (B, Lk, C_ctx), as diffusers' ``AttnProcessor2_0`` computes them:
+    ``norm_cross`` first (cross-attention only), then ``to_k``/``to_v`` (one ``to_kv`` GEMM when fused).
+    Returns (B, Lk, H, D) views each (strided into the fused output when fused)."""
+    if cross and attn.norm_cross:
+        context = attn.norm_encoder_hidden_states(context)
+    heads = attn.heads
+    to_kv = _fused_layer(attn, "to_kv")
+    if to_kv is not None:
+        kv = to_kv(context)  # (B, Lk, 2 * H * D)
+        head_dim = kv.shape[-1] // (2 * heads)
+        return kv.view(kv.shape[0], kv.shape[1], 2, heads, head_dim).unbind(2)
+    key = attn.to_k(context)
+    value = attn.to_v(context)
+    head_dim = key.shape[-1] // heads
+    return key.view(key.shape[0], -1, heads, head_dim), value.view(value.shape[0], -1, heads, head_dim)
+
+
 class SdfastAttnProcessor:
     """Attention processor for diffusers' ``Attention``: same result as ``AttnProcessor2_0``.
 
@@ -573,21 +596,15 @@ class SdfastAttnProcessor:
             query, key, value = qkv.view(qkv.shape[0], qkv.shape[1], 3, heads, head_dim).unbind(2)
         else:
             query = attn.to_q(hidden_states)
-            if encoder_hidden_states is None:
-                encoder_hidden_states = hidden_states
-            elif attn.norm_cross:
-                encoder_hidden_states = attn.norm_encoder_hidden_states(encoder_hidden_states)
-            to_kv = _fused_layer(attn, "to_kv")
-            if to_kv is not None:
-                kv = to_kv(encoder_hidden_states)  # (B, Lk, 2 * H * D)
-                head_dim = kv.shape[-1] // (2 * heads)
-                key, value = kv.view(kv.shape[0], kv.shape[1], 2, heads, head_dim).unbind(2)
+            cached = None
+            if encoder_hidden_states is not None and (kv_cache := getattr(attn, CROSS_KV_ATTR, None)) is not None:
+                cached = kv_cache.lookup(attn, encoder_hidden_states)  # K/V computed outside the step's graph
+            if cached is not None:
+                key, value = cached
             else:
-                key = attn.to_k(encoder_hidden_states)
-                value = attn.to_v(encoder_hidden_states)
-                head_dim = key.shape[-1] // heads
-                key = key.view(batch_size, -1, heads, head_dim)
-                value = value.view(batch_size, -1, heads, head_dim)
+                key, value = project_kv(attn, hidden_states if encoder_hidden_states is None else encoder_hidden_states,
+                                        cross=encoder_hidden_states is not None)
+            head_dim = key.shape[-1]
             query = query.view(batch_size, -1, heads, head_dim)
 
         # (B, L, H, D) -> (B, H, L, D) views: no copies
@@ -607,7 +624,8 @@ class SdfastAttnProcessor:
             out = out.transpose(-1, -2).reshape(batch_size, channel, height, width)
         if attn.residual_connection:
             out = out + residual
-        out = out / attn.rescale_output_factor
+        if attn.rescale_output_factor != 1.0:  # x / 1.0 is x: skip the pass over the output (140 per SDXL step)
+            out = out / attn.rescale_output_factor
         return out
 
 
