@@ -92,6 +92,49 @@ def test_replaced_weights_invalidate_graphs(sd15):
     assert psnr(before, changed) < 40
 
 
+def test_cross_kv_projected_once_per_call_and_follows_in_place_changes(sd15):
+    _, fast = sd15
+    runner = fast.pipe._sdfast.graphs.runners["unet"]
+    fast.txt2img(PROMPT, seed=4, num_inference_steps=3)  # this signature is captured
+    runs, replays = runner.stats.conditioning_runs, runner.stats.replays
+    fast.txt2img(PROMPT, seed=4, num_inference_steps=6)
+    unet_calls = len(fast.pipe.scheduler.timesteps)  # PNDM (SD1.5's scheduler) calls the UNet steps + 1 times
+    assert runner.stats.conditioning_runs - runs == 1 and runner.stats.replays - replays == unet_calls
+
+    # direct calls with one context tensor: an in-place change of it, or of a K/V weight, is seen
+    unet = fast.pipe.unet
+    g = torch.Generator("cuda").manual_seed(0)
+    sample = torch.randn(2, 4, 64, 64, device="cuda", dtype=torch.float16, generator=g)
+    ctx = torch.randn(2, 77, 768, device="cuda", dtype=torch.float16, generator=g)
+    t = torch.tensor(500, device="cuda")
+
+    def graphed_and_eager():
+        with torch.no_grad():
+            return (unet(sample, t, encoder_hidden_states=ctx).sample.float(),
+                    runner.eager(sample, t, encoder_hidden_states=ctx).sample.float())
+
+    def check(prev):
+        out, ref = graphed_and_eager()
+        match = (out - ref).abs().max().item()
+        if prev is not None:
+            assert match < 0.1 * (out - prev).abs().max().item(), "a stale K/V was replayed"
+        assert match < 2e-2 * ref.abs().max().item()
+        return out
+
+    out0 = check(None)
+    ctx.mul_(1.5)
+    out1 = check(out0)
+    w = next(m for m in unet.modules() if getattr(m, "is_cross_attention", False)).to_k.weight
+    saved = w.detach().clone()
+    with torch.no_grad():
+        w.mul_(-1.0)
+    try:
+        check(out1)
+    finally:
+        with torch.no_grad():
+            w.copy_(saved)
+
+
 def test_sdxl_parity():
     stock = sdfast.load("random:sdxl", optimize=False)
     kw = dict(seed=0, num_inference_steps=30)
