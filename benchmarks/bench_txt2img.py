@@ -217,7 +217,20 @@ def _sdfast_info(pipe) -> dict:
     info = {"counts": dict(state.counts), "vae_upcast": state.vae_upcast}
     if state.graphs is not None:
         info["graphs"] = state.graphs.stats()
+    info["attention"] = _attention_choices()
     return info
+
+
+def _attention_choices() -> list[dict]:
+    """What the attention dispatcher picked per shape, and the µs it measured for each backend."""
+    from sdfast.passes.attention import default_dispatcher
+
+    d = default_dispatcher()
+    timings = d.timings()
+    return [{"lq": k.lq, "lk": k.lk, "heads": k.heads, "head_dim": k.head_dim, "mask": k.has_mask,
+             "dtype": str(k.dtype).replace("torch.", ""), "picked": name,
+             "us": {b: round(t, 1) for b, t in sorted(timings.get(k, {}).items(), key=lambda x: x[1])}}
+            for k, name in d.choices().items()]
 
 
 def build_sdfast(spec: ModelSpec, ctx: Context, **config_kwargs) -> Built:
@@ -304,6 +317,10 @@ SYSTEMS: dict[str, System] = {
     "stock": System("stock", build_stock, "stock diffusers, eager, SDPA"),
     "compile": System("compile", build_compile, "stock + torch.compile(unet, mode='reduce-overhead', fullgraph=True)"),
     "sdfast": System("sdfast", build_sdfast, "sdfast.load(optimize=True): default OptimizeConfig"),
+    # A/B of single OptimizeConfig flags against the default, in the same run
+    "sdfast-fuse_qkv": System("sdfast-fuse_qkv", partial(build_sdfast, fuse_qkv=True), "sdfast, OptimizeConfig(fuse_qkv=True)"),
+    "sdfast-kv_every_step": System("sdfast-kv_every_step", partial(build_sdfast, cross_kv_once=False),
+                                   "sdfast, OptimizeConfig(cross_kv_once=False)"),
     **{f"sdfast-{name}": System(f"sdfast-{name}", partial(build_sdfast_compressed, preset=name),
                                 f"sdfast + {COMPRESSION[name][0]}({COMPRESSION[name][1]}"
                                 f"({', '.join(f'{k}={v!r}' for k, v in COMPRESSION[name][2].items())}))")

@@ -139,7 +139,7 @@ def breakdown(events, *, steps: int, sdfast_names: frozenset[str] | None = None)
         pn[1] += 1
     order = list(CATEGORIES) + sorted(c for c in cats if c not in CATEGORIES)
     categories = {c: {"us": cats[c][0] / steps, "kernels": cats[c][1] / steps} for c in order}
-    top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:15]
+    top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:40]
     return {
         "categories": categories,
         "total_us": sum(v["us"] for v in categories.values()),
