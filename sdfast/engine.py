@@ -13,6 +13,7 @@ import torch
 from . import prompts as prompt_policy
 from .errors import NonFiniteOutputError
 from .request import check_long_prompt, check_negative_prompt, check_request
+from .runtime import host_timesteps
 from .schedulers import check_steps, make_scheduler
 
 log = logging.getLogger("sdfast")
@@ -146,6 +147,10 @@ class Engine:
         else:
             text = {"prompt": prompts, "negative_prompt": negatives}
         pipe.scheduler = sched
+        if graphs is not None:  # the graph runner uploads a host timestep by value: no per-step sync (PNDM)
+            host_timesteps.keep_on_host(sched)
+        else:  # an eager UNet would copy it to the GPU with a sync at every step
+            host_timesteps.release(sched)
         pipe.set_progress_bar_config(disable=not progress)
         finite = []
         hook = pipe.vae.decoder.register_forward_hook(

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import OptimizeConfig
+from .runtime import host_timesteps
 
 log = logging.getLogger("sdfast")
 
@@ -60,6 +61,7 @@ def _install_graphs(pipe, state: OptimizeState) -> None:
 
     pipe.check_inputs = types.MethodType(check_inputs, pipe)
     state.graphs = cache
+    host_timesteps.keep_on_host(pipe.scheduler)  # no GPU->host sync per step in the scheduler (PNDM)
 
 
 def optimize(pipe, config: OptimizeConfig | None = None):
@@ -114,6 +116,7 @@ def unoptimize(pipe):
     if state.graphs is not None:
         state.graphs.uninstall()
         del pipe.check_inputs
+        host_timesteps.release(pipe.scheduler)
     for m in _denoisers(pipe):
         layout.undo(m)
         norms.undo(m)

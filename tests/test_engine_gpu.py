@@ -96,10 +96,12 @@ def test_cross_kv_projected_once_per_call_and_follows_in_place_changes(sd15):
     _, fast = sd15
     runner = fast.pipe._sdfast.graphs.runners["unet"]
     fast.txt2img(PROMPT, seed=4, num_inference_steps=3)  # this signature is captured
-    runs, replays = runner.stats.conditioning_runs, runner.stats.replays
+    runs, replays, eager = runner.stats.conditioning_runs, runner.stats.replays, runner.stats.eager_calls
     fast.txt2img(PROMPT, seed=4, num_inference_steps=6)
     unet_calls = len(fast.pipe.scheduler.timesteps)  # PNDM (SD1.5's scheduler) calls the UNet steps + 1 times
     assert runner.stats.conditioning_runs - runs == 1 and runner.stats.replays - replays == unet_calls
+    # the timesteps stayed on the host (no per-step sync in PNDM) and the host timestep was replayed, not eager
+    assert fast.pipe.scheduler.timesteps.device.type == "cpu" and runner.stats.eager_calls == eager
 
     # direct calls with one context tensor: an in-place change of it, or of a K/V weight, is seen
     unet = fast.pipe.unet

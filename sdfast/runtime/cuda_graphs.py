@@ -143,6 +143,20 @@ def _leaf_key(x):
     return ("V", type(x), x)
 
 
+def _is_host_scalar(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.numel() == 1
+
+
+def _static_input(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The graph's buffer for one tensor argument: a clone, except that a one-element CPU tensor (a timestep the
+    scheduler keeps on the host, ``runtime.host_timesteps``) gets a buffer on the graph's device: the module sees
+    the value on the GPU, as if the caller had passed it there. A module that needs the host value (``.item()``,
+    Python control flow) cannot be captured with it, and runs eagerly (the logged fallback)."""
+    if _is_host_scalar(x):
+        return torch.full(x.shape, x.item(), dtype=x.dtype, device=device)
+    return x.clone()
+
+
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -214,8 +228,12 @@ class GraphedForward:
         if entry.pre_graph is not None:
             self._refresh_conditioning(entry, leaves[entry.pre_index])
         for i, (static, x) in enumerate(zip(entry.static_inputs, leaves)):
-            if static is not None and i != entry.pre_index:
+            if static is None or i == entry.pre_index:
+                continue
+            if static.device == x.device:
                 static.copy_(x)
+            else:  # a host scalar (the timestep): its value goes in the fill kernel's arguments, no copy, no sync
+                static.fill_(x.item())
         entry.graph.replay()
         self.stats.replays += 1
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.static_output)
@@ -245,7 +263,8 @@ class GraphedForward:
         return next((i for i, x in enumerate(leaves) if ctx is not None and x is ctx), -1)
 
     def _capture(self, key, leaves, spec) -> None:
-        static_inputs = [x.clone() if isinstance(x, torch.Tensor) else None for x in leaves]
+        device = next(x.device for x in leaves if isinstance(x, torch.Tensor) and x.is_cuda)
+        static_inputs = [_static_input(x, device) if isinstance(x, torch.Tensor) else None for x in leaves]
         s_args, s_kwargs = pytree.tree_unflatten([s if s is not None else x for s, x in zip(static_inputs, leaves)], spec)
         pre_index = self._conditioning_index(static_inputs, s_args, s_kwargs)
         side = self.stream if self.stream is not None else torch.cuda.Stream()

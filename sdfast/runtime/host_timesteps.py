@@ -1,0 +1,48 @@
+"""Keep a scheduler's timesteps on the host, so the denoising loop never waits for the GPU.
+
+diffusers pipelines call ``scheduler.set_timesteps(n, device=cuda)``, so each step's timestep ``t`` is a GPU
+tensor. Schedulers that index host tables with it stall the host until the GPU is done: SD1.5's default
+``PNDMScheduler._get_prev_sample`` reads ``alphas_cumprod[timestep]`` (a CPU tensor indexed by a GPU scalar)
+and tests ``prev_timestep >= 0``; every step the host then waits for the UNet, and the GPU idles while the
+host finishes the scheduler and launches the next step (H200, run 5: 26-32 ms of a 386 ms SD1.5 image, about
+0.5 ms per step; SDXL's Euler scheduler, without such a read, loses 1 ms in 30 steps).
+
+``keep_on_host(scheduler)`` wraps ``set_timesteps`` on that scheduler instance (not its class) to move
+``scheduler.timesteps`` back to the CPU after the scheduler has set everything else up. The pipeline then
+passes a CPU ``t`` to the UNet, whose CUDA-graph runner uploads it by value (``runtime.cuda_graphs``: a fill
+kernel, no copy and no sync), and the scheduler's arithmetic on ``t`` runs on the host. The values, hence
+the images, are the same. ``release(scheduler)`` undoes it.
+"""
+
+from __future__ import annotations
+
+import types
+
+_MARK = "_sdfast_host_timesteps"
+
+
+def keep_on_host(scheduler) -> bool:
+    """Wrap ``scheduler.set_timesteps`` so that ``scheduler.timesteps`` stays on the CPU. Idempotent.
+    Returns False (and changes nothing) for an object without ``set_timesteps``."""
+    if scheduler is None or not callable(getattr(scheduler, "set_timesteps", None)):
+        return False
+    if scheduler.__dict__.get(_MARK):
+        return True
+    original = scheduler.set_timesteps
+
+    def set_timesteps(self, *args, **kwargs):
+        out = original(*args, **kwargs)
+        ts = getattr(self, "timesteps", None)
+        if ts is not None and hasattr(ts, "cpu"):
+            self.timesteps = ts.cpu()
+        return out
+
+    scheduler.set_timesteps = types.MethodType(set_timesteps, scheduler)
+    scheduler.__dict__[_MARK] = True
+    return True
+
+
+def release(scheduler) -> None:
+    """Undo ``keep_on_host`` on this scheduler instance (the class's ``set_timesteps`` comes back)."""
+    if scheduler is not None and scheduler.__dict__.pop(_MARK, False):
+        scheduler.__dict__.pop("set_timesteps", None)
