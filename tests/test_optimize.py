@@ -243,3 +243,26 @@ def test_fused_norms_take_strided_views():
         stock = r(x, temb)
         norms.apply(r)
         torch.testing.assert_close(r(x, temb), stock, atol=2e-5, rtol=1e-5)
+
+
+def test_transformer_block_adds_ff_bias_and_residual_in_the_output_gemm(monkeypatch, unet_inputs):
+    """norm3 stores h + ff's output bias (``sum_bias``), the output GEMM adds its product in place; a hooked
+    output Linear (a calibration, a user's hook) runs itself, with the separate add."""
+    from sdfast.passes import norms as mod
+
+    seen = []
+    real = mod.layer_norm
+    monkeypatch.setattr(mod, "layer_norm", lambda *a, **k: seen.append(k.get("sum_bias") is not None) or real(*a, **k))
+    unet = sdfast.load("random:tiny", optimize=False).pipe.unet
+    stock = _run(unet, unet_inputs)
+    norms.apply(unet)
+    torch.testing.assert_close(_run(unet, unet_inputs), stock, atol=2e-4, rtol=1e-4)
+    assert seen.count(True) == 4  # one per BasicTransformerBlock
+    seen.clear()
+    outs = []
+    handles = [b.ff.net[-1].register_forward_hook(lambda m, a, o: outs.append(o.shape))
+               for b in unet.modules() if type(b).__name__ == "BasicTransformerBlock"]
+    torch.testing.assert_close(_run(unet, unet_inputs), stock, atol=2e-4, rtol=1e-4)
+    assert not any(seen) and len(outs) == 4
+    for h in handles:
+        h.remove()

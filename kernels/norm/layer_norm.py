@@ -42,12 +42,14 @@ def layer_norm_ref(
     *,
     residual: torch.Tensor | None = None,
     return_sum: bool = False,
+    sum_bias: torch.Tensor | None = None,
     upcast: bool = True,
 ):
     """Plain-PyTorch ``layer_norm(x + residual)`` over the last dim D.
 
-    x, residual: (..., D); weight, bias: (D,) or None. With ``upcast`` the math runs in fp32 and the
-    outputs are cast to x.dtype; without, in x.dtype. Returns ``y`` or ``(y, s)`` with ``return_sum``.
+    x, residual: (..., D); weight, bias, sum_bias: (D,) or None. With ``upcast`` the math runs in fp32 and
+    the outputs are cast to x.dtype; without, in x.dtype. Returns ``y`` or ``(y, s)`` with ``return_sum``;
+    with ``sum_bias``, ``s`` is the sum rounded to x.dtype plus ``sum_bias`` (the norm does not see it).
     """
     dt = x.dtype
     cdt = torch.promote_types(dt, torch.float32) if upcast else dt
@@ -59,6 +61,8 @@ def layer_norm_ref(
         s, (D,), None if weight is None else weight.to(cdt), None if bias is None else bias.to(cdt), eps
     ).to(dt)
     if return_sum:
+        if sum_bias is not None:
+            return y, (s.to(dt).to(cdt) + sum_bias.to(cdt)).to(dt)
         return y, s.to(dt)
     return y
 
@@ -74,6 +78,7 @@ def _ln_fwd_kernel(
     b_ptr,  # (D,) bias; unused without HAS_B
     y_ptr,  # (M, D) output, contiguous
     s_ptr,  # (M, D) sum output, contiguous; unused without WRITE_SUM
+    sb_ptr,  # (D,) bias added to the stored sum only; unused without HAS_SUM_BIAS
     M,
     D,
     eps,
@@ -86,6 +91,7 @@ def _ln_fwd_kernel(
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     WRITE_SUM: tl.constexpr,
+    HAS_SUM_BIAS: tl.constexpr,
 ):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     rmask = (rows < M)[:, None]
@@ -99,7 +105,10 @@ def _ln_fwd_kernel(
         s = s.to(xv.dtype).to(tl.float32)
     out_offs = rows[:, None] * D + cols[None, :]
     if WRITE_SUM:
-        tl.store(s_ptr + out_offs, s.to(s_ptr.dtype.element_ty), mask=mask)
+        s_out = s
+        if HAS_SUM_BIAS:  # rounded like the eager sum, then the bias added and rounded again
+            s_out = s + tl.load(sb_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(s_ptr + out_offs, s_out.to(s_ptr.dtype.element_ty), mask=mask)
     total = tl.sum(s, axis=1)
     if BLOCK_D1 > 0:
         cols1 = BLOCK_D + tl.arange(0, BLOCK_D1)
@@ -112,7 +121,10 @@ def _ln_fwd_kernel(
             s1 = s1.to(xv1.dtype).to(tl.float32)
         out_offs1 = rows[:, None] * D + cols1[None, :]
         if WRITE_SUM:
-            tl.store(s_ptr + out_offs1, s1.to(s_ptr.dtype.element_ty), mask=mask1)
+            s1_out = s1
+            if HAS_SUM_BIAS:
+                s1_out = s1 + tl.load(sb_ptr + cols1, mask=cmask1, other=0.0).to(tl.float32)[None, :]
+            tl.store(s_ptr + out_offs1, s1_out.to(s_ptr.dtype.element_ty), mask=mask1)
         total += tl.sum(s1, axis=1)
     mean = total / D
     d = tl.where(mask, s - mean[:, None], 0.0)
@@ -160,6 +172,7 @@ def _ln_fwd_looped_kernel(
     b_ptr,  # (D,) bias; unused without HAS_B
     y_ptr,  # (M, D) output, contiguous
     s_ptr,  # (M, D) sum output, contiguous; unused without WRITE_SUM
+    sb_ptr,  # (D,) bias added to the stored sum only; unused without HAS_SUM_BIAS
     D,
     eps,
     sxm,
@@ -170,6 +183,7 @@ def _ln_fwd_looped_kernel(
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     WRITE_SUM: tl.constexpr,
+    HAS_SUM_BIAS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * sxm
@@ -184,7 +198,10 @@ def _ln_fwd_looped_kernel(
         mask = cols < D
         s = _ln_row_sum(x_row, r_row, cols, mask, HAS_RES)
         if WRITE_SUM:
-            tl.store(s_ptr + row * D + cols, s.to(s_ptr.dtype.element_ty), mask=mask)
+            s_out = s
+            if HAS_SUM_BIAS:
+                s_out = s + tl.load(sb_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(s_ptr + row * D + cols, s_out.to(s_ptr.dtype.element_ty), mask=mask)
         d = tl.where(mask, s - shift, 0.0)
         acc1 += d
         acc2 += d * d
@@ -258,13 +275,15 @@ def _rows_view(t: torch.Tensor, name: str) -> torch.Tensor:
         ) from e
 
 
-def _check_inputs(x, weight, bias, residual) -> None:
+def _check_inputs(x, weight, bias, residual, sum_bias=None, return_sum=False) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError(f"layer_norm: x must be (..., D), got {getattr(x, 'shape', type(x).__name__)}")
     if x.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"layer_norm: x dtype {x.dtype} not supported; use one of {_SUPPORTED_DTYPES}")
     D = x.shape[-1]
-    for name, t in (("weight", weight), ("bias", bias)):
+    if sum_bias is not None and not return_sum:
+        raise ValueError("layer_norm: sum_bias is added to the returned sum; it needs return_sum=True")
+    for name, t in (("weight", weight), ("bias", bias), ("sum_bias", sum_bias)):
         if t is None:
             continue
         if tuple(t.shape) != (D,):
@@ -273,15 +292,15 @@ def _check_inputs(x, weight, bias, residual) -> None:
             raise TypeError(f"layer_norm: {name} must be floating point, got {t.dtype}")
     if residual is not None:
         check_like("layer_norm", "residual", residual, x)
-    devs = {t.device for t in (x, weight, bias, residual) if t is not None}
+    devs = {t.device for t in (x, weight, bias, residual, sum_bias) if t is not None}
     if len(devs) > 1:
         raise ValueError(f"layer_norm: all tensors must be on one device, got {sorted(map(str, devs))}")
 
 
-def _layer_norm_impl(x, weight, bias, eps, residual, return_sum):
-    _check_inputs(x, weight, bias, residual)
-    if not use_triton("layer_norm", x, weight, bias, residual):
-        out = layer_norm_ref(x, weight, bias, eps, residual=residual, return_sum=return_sum)
+def _layer_norm_impl(x, weight, bias, eps, residual, return_sum, sum_bias=None):
+    _check_inputs(x, weight, bias, residual, sum_bias, return_sum)
+    if not use_triton("layer_norm", x, weight, bias, residual, sum_bias):
+        out = layer_norm_ref(x, weight, bias, eps, residual=residual, return_sum=return_sum, sum_bias=sum_bias)
         if not return_sum:
             return out, x.new_empty(0)
         y, s = out
@@ -296,16 +315,18 @@ def _layer_norm_impl(x, weight, bias, eps, residual, return_sum):
         return y, s
     w = weight.contiguous() if weight is not None else x2
     b = bias.contiguous() if bias is not None else x2
-    flags = dict(HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None, WRITE_SUM=return_sum)
+    sb = sum_bias.contiguous() if sum_bias is not None else x2
+    flags = dict(HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None, WRITE_SUM=return_sum,
+                 HAS_SUM_BIAS=sum_bias is not None)
     cfg = layer_norm_config(M, D)
     if cfg["looped"]:
         _ln_fwd_looped_kernel[(M,)](
-            x2, r2, w, b, y, s if return_sum else y, D, float(eps), x2.stride(0), r2.stride(0),
+            x2, r2, w, b, y, s if return_sum else y, sb, D, float(eps), x2.stride(0), r2.stride(0),
             N_CHUNKS=cfg["N_CHUNKS"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"], **flags,
         )
     else:
         _ln_fwd_kernel[(triton.cdiv(M, cfg["ROWS"]),)](
-            x2, r2, w, b, y, s if return_sum else y, M, D, float(eps), x2.stride(0), r2.stride(0),
+            x2, r2, w, b, y, s if return_sum else y, sb, M, D, float(eps), x2.stride(0), r2.stride(0),
             ROWS=cfg["ROWS"], BLOCK_D=cfg["BLOCK_D"], BLOCK_D1=cfg["BLOCK_D1"], num_warps=cfg["num_warps"], **flags,
         )
     return y, s
@@ -322,13 +343,14 @@ def _layer_norm_op(
     eps: float,
     residual: Optional[torch.Tensor],
     return_sum: bool,
+    sum_bias: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _layer_norm_impl(x, weight, bias, eps, residual, return_sum)
+    return _layer_norm_impl(x, weight, bias, eps, residual, return_sum, sum_bias)
 
 
 @_layer_norm_op.register_fake
-def _layer_norm_fake(x, weight, bias, eps, residual, return_sum):
-    _check_inputs(x, weight, bias, residual)
+def _layer_norm_fake(x, weight, bias, eps, residual, return_sum, sum_bias=None):
+    _check_inputs(x, weight, bias, residual, sum_bias, return_sum)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if return_sum else x.new_empty(0)
     return y, s
@@ -342,20 +364,23 @@ def layer_norm(
     *,
     residual: torch.Tensor | None = None,
     return_sum: bool = False,
+    sum_bias: torch.Tensor | None = None,
 ):
     """Fused LayerNorm over the last dim: ``y = LayerNorm(x + residual) * weight + bias``.
 
     x: (..., D) fp16/bf16/fp32 with a contiguous last dim (rows may be strided); any D. weight, bias:
     (D,) or None. residual: like x, same dtype. fp32 statistics; the sum is rounded to x.dtype first.
     Returns ``y`` (contiguous, x's shape and dtype), or ``(y, s)`` with ``return_sum`` (``s = x +
-    residual``, the residual stream; ``s`` is ``x`` itself when there is no residual).
+    residual``, the residual stream; ``s`` is ``x`` itself when there is no residual). ``sum_bias`` (D,)
+    (needs ``return_sum``) is added to ``s`` only: the next layer's bias, so that a GEMM can add its
+    product to ``s`` in place (``s.addmm_``) with no separate bias or residual pass.
     Raises ValueError (shapes, strides, devices) or TypeError (dtypes). Falls back to the PyTorch
     reference where Triton cannot run. Registered as ``torch.ops.sdfast.layer_norm``.
     """
-    if return_sum and residual is None:
+    if return_sum and residual is None and sum_bias is None:
         y, _ = torch.ops.sdfast.layer_norm(x, weight, bias, float(eps), None, False)
         return y, x
-    y, s = torch.ops.sdfast.layer_norm(x, weight, bias, float(eps), residual, bool(return_sum))
+    y, s = torch.ops.sdfast.layer_norm(x, weight, bias, float(eps), residual, bool(return_sum), sum_bias)
     return (y, s) if return_sum else y
 
 

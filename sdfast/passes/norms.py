@@ -160,8 +160,32 @@ def fused_transformer_block_forward(
     a = self.attn1(x, encoder_hidden_states=None, attention_mask=attention_mask, **kwargs)
     x, h = layer_norm(a, n2.weight, n2.bias, n2.eps, residual=hidden_states, return_sum=True)
     a = self.attn2(x, encoder_hidden_states=encoder_hidden_states, attention_mask=encoder_attention_mask, **kwargs)
-    x, h = layer_norm(a, n3.weight, n3.bias, n3.eps, residual=h, return_sum=True)
-    return self.ff(x) + h
+    out_proj = _ff_out_projection(self.ff)
+    if out_proj is None or torch.is_autocast_enabled(a.device.type) or a.dtype != out_proj.weight.dtype:
+        x, h = layer_norm(a, n3.weight, n3.bias, n3.eps, residual=h, return_sum=True)
+        return self.ff(x) + h
+    # The residual add and ff's output bias in the output GEMM: norm3's kernel stores h + bias, and the GEMM
+    # adds its product to it in place (cuBLAS beta = 1): no separate bias or residual pass over the tokens.
+    x, h = layer_norm(a, n3.weight, n3.bias, n3.eps, residual=h, return_sum=True, sum_bias=out_proj.bias)
+    for m in self.ff.net[:-1]:
+        x = m(x)
+    h.view(-1, h.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]), out_proj.weight.t())
+    return h
+
+
+def _ff_out_projection(ff: nn.Module) -> nn.Linear | None:
+    """The last layer of diffusers' ``FeedForward`` (GEGLU/GELU, dropout, then a Linear) when the block may run
+    its bias and residual inside that GEMM: a plain ``nn.Linear`` with a bias, in a ``FeedForward`` that runs its
+    own ``forward`` over ``net`` (no hooks, no replaced forward), its last module being that Linear."""
+    from diffusers.models.attention import FeedForward
+
+    net = getattr(ff, "net", None)
+    if not runs_as_its_class(ff, FeedForward) or net is None or len(net) < 2:
+        return None
+    last = net[-1]
+    if not runs_as_its_class(last, nn.Linear) or last.bias is None or torch.is_grad_enabled():
+        return None
+    return last
 
 
 def fused_geglu_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:

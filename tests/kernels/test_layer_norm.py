@@ -137,3 +137,22 @@ def test_split_and_padded_rows_agree_with_the_reference(monkeypatch, split, D):
     w, b = (torch.rand(D) + 0.5).half(), torch.randn(D).half()
     y, s = _check(x, w, b, r, True, 2e-3)
     assert torch.isfinite(y).all() and torch.isfinite(s).all()
+
+
+@pytest.mark.parametrize("dtype,atol", DTYPES)
+@pytest.mark.parametrize("D", [640, 9000])
+def test_sum_bias_goes_into_the_returned_sum_only(D, dtype, atol):
+    x = torch.randn(3, D).to(dtype)
+    r = torch.randn(3, D).to(dtype)
+    w, b, sb = (torch.rand(D) + 0.5).to(dtype), torch.randn(D).to(dtype), torch.randn(D).to(dtype)
+    y, s = layer_norm(x, w, b, residual=r, return_sum=True, sum_bias=sb)
+    y0, s0 = layer_norm(x, w, b, residual=r, return_sum=True)
+    assert torch.equal(y, y0)  # the norm does not see the bias
+    ref32 = (s0.float() + sb.float())
+    assert_close_rule(s, ref32, (s0 + sb), atol=atol, name="sum")
+    _, s_nores = layer_norm(x, w, b, return_sum=True, sum_bias=sb)  # without a residual: x + sum_bias
+    assert_close_rule(s_nores, x.float() + sb.float(), x + sb, atol=atol, name="sum")
+    with pytest.raises(ValueError, match="return_sum"):
+        layer_norm(x, w, b, residual=r, sum_bias=sb)
+    with pytest.raises(ValueError, match="sum_bias must have shape"):
+        layer_norm(x, w, b, residual=r, return_sum=True, sum_bias=sb[:-1])
