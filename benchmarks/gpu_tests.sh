@@ -3,11 +3,12 @@
 # breaks the whole CUDA context of its process) stays in its own file. The big kernel files are spread
 # over pytest-xdist workers where xdist is installed. Per file: tests-<file>.log and junit-<file>.xml in
 # the output folder; a pass/fail table per file last.
-# Usage: bash benchmarks/gpu_tests.sh OUT_DIR [pytest args...]   (GPU_TEST_JOBS files at once, default 7)
+# Usage: bash benchmarks/gpu_tests.sh OUT_DIR [pytest args...]   (GPU_TEST_JOBS files at once, default 7;
+# GPU_TEST_FILES: a regex of the test files to run, default all)
 set -uo pipefail
 out=${1:-out/gpu}; shift || true
 mkdir -p "$out"
-files=$(grep -rl --include='test_*.py' '^pytestmark = pytest.mark.gpu' tests | sort)
+files=$(grep -rl --include='test_*.py' '^pytestmark = pytest.mark.gpu' tests | sort | grep -E "${GPU_TEST_FILES:-.}")
 xdist=""
 python3 -c "import xdist" 2>/dev/null && xdist="-n 3"
 run_file() {
