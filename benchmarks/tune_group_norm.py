@@ -18,9 +18,15 @@ import json
 import time
 from pathlib import Path
 
+# The last two take the one-pass kernel by default (what the knob nhwc_onepass is about).
 SHAPES = [(2, 320, 64, 64), (2, 1280, 32, 32), (2, 640, 64, 64), (2, 320, 128, 128), (2, 640, 128, 128),
-          (1, 512, 256, 256), (1, 128, 512, 512)]
+          (1, 512, 256, 256), (1, 128, 512, 512), (2, 1280, 16, 16), (2, 1280, 8, 8)]
 KNOBS = {
+    # first, so each is timed against the plain defaults: the NHWC channel-tile path against the
+    # group-aligned kernels, its tile width, and one-pass against two-pass for the small NHWC shapes
+    "nhwc_channel_tiles": [True, False],
+    "nhwc_block_c": [64, 128],
+    "nhwc_onepass": [True, False],
     "groups_per_tile": [None, 1, 2, 4, 8, 16],
     "tile_elems": [2048, 4096, 8192, 16384],
     "target_programs": [264, 528, 1056, 2112],

@@ -11,17 +11,29 @@ list follows the fastest SD engines (TensorRT's GroupNorm plugins, stable-fast, 
 ``fused_group_norm``); the channels_last method follows Apex/stable-fast NHWC GroupNorm: keep the
 memory order and reduce over channel groups inside each row, never copy to NCHW.
 
-Kernels (all read the input in its own layout through (batch, channel, hw) strides; a "channel tile"
-is ``GPT`` whole groups, so no program shares a group's channels with another in the same row range):
+Kernels (all read the input in its own layout through (batch, channel, hw) strides; in the
+"onepass" and "twopass" paths a "channel tile" is ``GPT`` whole groups, so no program shares a
+group's channels with another in the same row range):
 
-* ``_gn_onepass_kernel``: small groups (the whole tile of ``GPT`` groups x H*W fits in registers):
-  one read, one write, one launch.
-* otherwise two passes: ``_gn_stats_kernel`` splits H*W over ``S`` programs per channel tile and
-  writes per-(batch, group, split) partial mean and M2 (Welford/Chan combination, per-channel
-  shifted sums inside a program, so no catastrophic cancellation); ``_gn_apply_kernel`` combines the
-  ``S`` partials of its groups (a few hundred bytes) and normalizes a tile. When ``S`` is large, a
-  tiny ``_gn_finalize_kernel`` combines the partials once instead. Tensors much larger than L2 are
-  processed in channel-tile chunks so the apply pass re-reads its input from L2, not HBM.
+* ``_gn_onepass_kernel`` ("onepass"): small groups (the whole tile of ``GPT`` groups x H*W fits in
+  registers): one read, one write, one launch.
+* otherwise two passes ("twopass"): ``_gn_stats_kernel`` splits H*W over ``S`` programs per channel
+  tile and writes per-(batch, group, split) partial mean and M2 (Welford/Chan combination,
+  per-channel shifted sums inside a program, so no catastrophic cancellation); ``_gn_apply_kernel``
+  combines the ``S`` partials of its groups (a few hundred bytes) and normalizes a tile. When ``S`` is
+  large, a tiny ``_gn_finalize_kernel`` combines the partials once instead. Tensors much larger than
+  L2 are processed in channel-tile chunks so the apply pass re-reads its input from L2, not HBM.
+* channels_last inputs on the two-pass route ("nhwc_tiles", knob ``nhwc_channel_tiles``): whole-group
+  tiles waste lanes there (Cg = 10 fp16: 4 groups = 40 channels = 80-byte row segments in 64-lane
+  blocks), so the channel tiles ignore the groups: ``BLOCK_C`` (64 or 128) channels from a multiple of
+  ``BLOCK_C``, i.e. aligned 128/256-byte row segments in fp16 when C is a multiple of 64.
+  ``_gn_nhwc_stats_kernel`` writes per-(batch, split, channel) partial mean and M2 (shifted by the
+  channel's first value in the split); ``_gn_nhwc_finalize_kernel``, one program per (batch, group),
+  combines the group's ``S x Cg`` partials (Chan) into per-channel vectors ``mean_c`` and
+  ``scale_c = rstd_g * weight[c]``; ``_gn_nhwc_apply_kernel`` normalizes a tile with them, with no
+  group logic. Same fusions and the same ``S`` choice as "twopass"; no L2 chunking (a chunk would
+  have to hold whole groups; chunking is off by default). Small channels_last shapes keep "onepass"
+  (knob ``nhwc_onepass``).
 
 Method: Wu & He 2018 (GroupNorm); Chan, Golub & LeVeque 1979 (pairwise variance combination).
 """
@@ -62,6 +74,12 @@ _TUNING = {
     "stats_warps_large": 2,  # from 16 MB of input: 2 warps per statistics program (run 4: -5..-15 %)
     "large_bytes": 16 << 20,
     "apply_warps": 4,
+    # channels_last two-pass route: per-channel statistics in BLOCK_C-channel tiles that ignore the
+    # groups ("nhwc_tiles"); False: the group-aligned "twopass" kernels, exactly as before.
+    "nhwc_channel_tiles": True,
+    "nhwc_block_c": 64,  # channels per "nhwc_tiles" tile (power of two; capped at C rounded up to one)
+    "nhwc_onepass": True,  # channels_last shapes small enough for "onepass" use it (False: two-pass route)
+    "nhwc_finalize_elems": 4096,  # partials per loop iteration of the "nhwc_tiles" finalize kernel
 }
 
 
@@ -468,6 +486,230 @@ def _gn_apply_kernel(
             tl.store(y_b + y_c + hw2 * syhw, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+# NHWC channel-tile path ("nhwc_tiles"): channel tiles of BLOCK_C channels starting at multiples of
+# BLOCK_C, whatever the groups (each tile row is one aligned BLOCK_C-channel segment). Statistics are
+# per channel and per H*W split; the finalize kernel turns them into per-channel (mean, scale) vectors,
+# so the apply kernel has no group logic. Tiles are (BLOCK_HW, BLOCK_C), channels along axis 1.
+
+
+@triton.jit
+def _gn_nhwc_stats_kernel(
+    x_ptr,  # (B, C, H, W) channels_last input, strides (sxb, sxc, sxhw)
+    r_ptr,  # (B, C, H, W) residual (either layout), strides (srb, src, srhw); unused without HAS_RES
+    cb_ptr,  # (B or 1, C) channel bias, strides (scbb, scbc); unused without HAS_CB
+    pre_ptr,  # (B, C, H, W) pre-norm sum output, x's strides; unused without WRITE_PRE
+    mean_ptr,  # (B, S, C) fp32 per-channel partial means (contiguous)
+    m2_ptr,  # (B, S, C) fp32 per-channel partial M2 (contiguous)
+    C,
+    HW,
+    S,  # H*W splits
+    HWS,  # H*W positions per split (ITERS * BLOCK_HW); the last split may be shorter
+    sxb,
+    sxc,
+    sxhw,
+    srb,
+    src,
+    srhw,
+    scbb,
+    scbc,
+    ITERS: tl.constexpr,  # BLOCK_HW blocks per split
+    BLOCK_C: tl.constexpr,  # channels per tile (power of two)
+    BLOCK_HW: tl.constexpr,
+    HAS_CB: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    WRITE_PRE: tl.constexpr,
+):
+    ct = tl.program_id(0)
+    s = tl.program_id(1)
+    b = tl.program_id(2)
+    b64 = b.to(tl.int64)  # batch offsets in int64 on scalars; in-batch offsets stay int32
+    x_b = x_ptr + b64 * sxb
+    r_b = r_ptr + b64 * srb
+    pre_b = pre_ptr + b64 * sxb
+    c = ct * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < C
+    c2 = c[None, :]
+    cmask2 = cmask[None, :]
+    x_c = c2 * sxc
+    r_c = c2 * src
+    hw_lo = s * HWS
+    hw_hi = tl.minimum(hw_lo + HWS, HW)
+    n_hw = (hw_hi - hw_lo).to(tl.float32)
+    if HAS_CB:
+        cb = tl.load(cb_ptr + b * scbb + c * scbc, mask=cmask, other=0.0).to(tl.float32)
+    # Per-channel shift: the channel's first value in this split (sums of pre - shift do not cancel).
+    x0 = tl.load(x_b + c * sxc + hw_lo * sxhw, mask=cmask, other=0.0)
+    shift = x0.to(tl.float32)
+    if HAS_CB:
+        shift += cb
+    if HAS_RES:
+        shift += tl.load(r_b + c * src + hw_lo * srhw, mask=cmask, other=0.0).to(tl.float32)
+    if HAS_CB or HAS_RES:
+        shift = shift.to(x0.dtype).to(tl.float32)
+    shift2 = shift[None, :]
+    if HAS_CB:
+        cb2 = cb[None, :]
+    hw_r = tl.arange(0, BLOCK_HW)
+    acc1 = tl.zeros((BLOCK_HW, BLOCK_C), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_HW, BLOCK_C), dtype=tl.float32)
+    for it in range(ITERS):
+        hw2 = (hw_lo + it * BLOCK_HW + hw_r)[:, None]
+        mask = (hw2 < hw_hi) & cmask2
+        xv = tl.load(x_b + x_c + hw2 * sxhw, mask=mask, other=0.0)
+        pre = xv.to(tl.float32)
+        if HAS_CB:
+            pre += cb2
+        if HAS_RES:
+            pre += tl.load(r_b + r_c + hw2 * srhw, mask=mask, other=0.0).to(tl.float32)
+        if HAS_CB or HAS_RES:
+            pre = pre.to(xv.dtype).to(tl.float32)  # eager rounds the sum to x.dtype
+        if WRITE_PRE:
+            tl.store(pre_b + x_c + hw2 * sxhw, pre.to(pre_ptr.dtype.element_ty), mask=mask)
+        d = tl.where(mask, pre - shift2, 0.0)
+        acc1 += d
+        acc2 += d * d
+    s1 = tl.sum(acc1, axis=0)
+    s2 = tl.sum(acc2, axis=0)
+    p = (b64 * S + s) * C + c
+    tl.store(mean_ptr + p, shift + s1 / n_hw, mask=cmask)
+    tl.store(m2_ptr + p, tl.maximum(s2 - s1 * s1 / n_hw, 0.0), mask=cmask)
+
+
+@triton.jit
+def _gn_nhwc_finalize_kernel(
+    mean_ptr,  # (B, S, C) fp32 per-channel partial means
+    m2_ptr,  # (B, S, C) fp32 per-channel partial M2
+    w_ptr,  # (C,) weight; unused without HAS_W
+    mean_c_ptr,  # (B, C) fp32 output: the mean of channel c's group
+    scale_c_ptr,  # (B, C) fp32 output: rstd of channel c's group * weight[c]
+    C,
+    Cg,  # channels per group
+    HW,
+    S,
+    HWS,
+    eps,
+    N_S: tl.constexpr,  # BLOCK_S blocks of splits: cdiv(S, BLOCK_S)
+    N_CG: tl.constexpr,  # BLOCK_CG blocks of the group's channels: cdiv(Cg, BLOCK_CG)
+    BLOCK_S: tl.constexpr,
+    BLOCK_CG: tl.constexpr,
+    HAS_W: tl.constexpr,
+):
+    g = tl.program_id(0)
+    b = tl.program_id(1)
+    b64 = b.to(tl.int64)
+    p_b = b64 * S * C + g * Cg  # partial (b, s=0, first channel of the group)
+    si = tl.arange(0, BLOCK_S)
+    ci = tl.arange(0, BLOCK_CG)
+    n_g = Cg * HW * 1.0
+    # Chan's combination of S x Cg partials; split s has n_s positions of every channel. The mean is
+    # summed as deviations from one partial mean (m_ref) so a large common offset does not round away.
+    m_ref = tl.load(mean_ptr + p_b)
+    acc = tl.zeros((BLOCK_S, BLOCK_CG), dtype=tl.float32)
+    for i in range(N_S):
+        sidx = i * BLOCK_S + si
+        n_s = tl.where(sidx < S, tl.minimum(HWS, HW - sidx * HWS), 0).to(tl.float32)
+        for j in range(N_CG):
+            cidx = j * BLOCK_CG + ci
+            m = (sidx < S)[:, None] & (cidx < Cg)[None, :]
+            pm = tl.load(mean_ptr + p_b + sidx[:, None] * C + cidx[None, :], mask=m, other=0.0)
+            acc += tl.where(m, n_s[:, None] * (pm - m_ref), 0.0)
+    mean_g = m_ref + tl.sum(tl.sum(acc, axis=1), axis=0) / n_g
+    acc = tl.zeros((BLOCK_S, BLOCK_CG), dtype=tl.float32)
+    for i in range(N_S):
+        sidx = i * BLOCK_S + si
+        n_s = tl.where(sidx < S, tl.minimum(HWS, HW - sidx * HWS), 0).to(tl.float32)
+        for j in range(N_CG):
+            cidx = j * BLOCK_CG + ci
+            m = (sidx < S)[:, None] & (cidx < Cg)[None, :]
+            offs = p_b + sidx[:, None] * C + cidx[None, :]
+            pm = tl.load(mean_ptr + offs, mask=m, other=0.0)
+            pm2 = tl.load(m2_ptr + offs, mask=m, other=0.0)
+            dev = pm - mean_g
+            acc += tl.where(m, pm2 + n_s[:, None] * dev * dev, 0.0)
+    m2_g = tl.sum(tl.sum(acc, axis=1), axis=0)
+    rstd_g = 1.0 / tl.sqrt(tl.maximum(m2_g / n_g, 0.0) + eps)
+    for j in range(N_CG):
+        cidx = j * BLOCK_CG + ci
+        cm = cidx < Cg
+        c = g * Cg + cidx
+        scale = tl.zeros((BLOCK_CG,), dtype=tl.float32) + rstd_g
+        if HAS_W:
+            scale = scale * tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
+        tl.store(mean_c_ptr + b64 * C + c, tl.zeros((BLOCK_CG,), dtype=tl.float32) + mean_g, mask=cm)
+        tl.store(scale_c_ptr + b64 * C + c, scale, mask=cm)
+
+
+@triton.jit
+def _gn_nhwc_apply_kernel(
+    x_ptr,  # (B, C, H, W) channels_last input (or the stored pre-norm sum), strides (sxb, sxc, sxhw)
+    r_ptr,  # (B, C, H, W) residual (either layout), strides (srb, src, srhw); unused without HAS_RES
+    cb_ptr,  # (B or 1, C) channel bias, strides (scbb, scbc); unused without HAS_CB
+    b_ptr,  # (C,) bias; unused without HAS_B
+    y_ptr,  # (B, C, H, W) output, strides (syb, syc, syhw)
+    mean_c_ptr,  # (B, C) fp32 per-channel group means (from _gn_nhwc_finalize_kernel)
+    scale_c_ptr,  # (B, C) fp32 per-channel rstd * weight
+    C,
+    HW,
+    sxb,
+    sxc,
+    sxhw,
+    srb,
+    src,
+    srhw,
+    scbb,
+    scbc,
+    syb,
+    syc,
+    syhw,
+    ITERS: tl.constexpr,  # BLOCK_HW blocks per program
+    BLOCK_C: tl.constexpr,
+    BLOCK_HW: tl.constexpr,
+    HAS_CB: tl.constexpr,
+    HAS_RES: tl.constexpr,
+    HAS_B: tl.constexpr,
+    SILU: tl.constexpr,
+):
+    ct = tl.program_id(0)
+    t = tl.program_id(1)
+    b = tl.program_id(2)
+    b64 = b.to(tl.int64)
+    x_b = x_ptr + b64 * sxb
+    r_b = r_ptr + b64 * srb
+    y_b = y_ptr + b64 * syb
+    c = ct * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < C
+    c2 = c[None, :]
+    cmask2 = cmask[None, :]
+    # y = (pre - mean) * a + bias; not pre * a + (bias - mean * a), which cancels when |mean| >> std.
+    mean2 = tl.load(mean_c_ptr + b64 * C + c, mask=cmask, other=0.0)[None, :]
+    a2 = tl.load(scale_c_ptr + b64 * C + c, mask=cmask, other=0.0)[None, :]
+    if HAS_B:
+        bias2 = tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if HAS_CB:
+        cb2 = tl.load(cb_ptr + b * scbb + c * scbc, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    x_c = c2 * sxc
+    r_c = c2 * src
+    y_c = c2 * syc
+    hw_r = t * (ITERS * BLOCK_HW) + tl.arange(0, BLOCK_HW)
+    for it in range(ITERS):
+        hw2 = (hw_r + it * BLOCK_HW)[:, None]
+        mask = (hw2 < HW) & cmask2
+        xv = tl.load(x_b + x_c + hw2 * sxhw, mask=mask, other=0.0)
+        pre = xv.to(tl.float32)
+        if HAS_CB:
+            pre += cb2
+        if HAS_RES:
+            pre += tl.load(r_b + r_c + hw2 * srhw, mask=mask, other=0.0).to(tl.float32)
+        if HAS_CB or HAS_RES:
+            pre = pre.to(xv.dtype).to(tl.float32)
+        y = (pre - mean2) * a2
+        if HAS_B:
+            y += bias2
+        if SILU:
+            y = y * tl.sigmoid(y)
+        tl.store(y_b + y_c + hw2 * syhw, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 # --------------------------------------------------------------------------------------------
 # configs
 # --------------------------------------------------------------------------------------------
@@ -483,10 +725,10 @@ def _num_warps(elems: int) -> int:
 class GroupNormPlan:
     """How one GroupNorm call is tiled (see the module docstring); from :func:`group_norm_plan`."""
 
-    path: str  # "onepass" or "twopass"
+    path: str  # "onepass", "twopass" or "nhwc_tiles"
     channels_last: bool
     BLOCK_C: int  # channels per tile row/column block (power of two)
-    GPT: int  # whole groups per channel tile
+    GPT: int  # whole groups per channel tile (0 for "nhwc_tiles": its tiles ignore the groups)
     N_CB: int  # BLOCK_C sub-blocks per channel tile (> 1 only when GPT == 1 and Cg > BLOCK_C)
     n_ct: int  # channel tiles
     BLOCK_HW: int  # H*W positions per loop iteration
@@ -539,8 +781,11 @@ def group_norm_plan(
         gpt, bc = forced, _p2(forced * Cg)
     n_ct = G // gpt
     hw_p2 = _p2(HW)
-    if n_cb == 1 and bc * hw_p2 <= T["onepass_max_elems"]:
+    onepass_ok = T["nhwc_onepass"] or not channels_last
+    if onepass_ok and n_cb == 1 and bc * hw_p2 <= T["onepass_max_elems"]:
         return GroupNormPlan("onepass", channels_last, bc, gpt, 1, n_ct, hw_p2, num_warps=_num_warps(bc * hw_p2))
+    if channels_last and T["nhwc_channel_tiles"]:
+        return _nhwc_tiles_plan(B, C, HW, bytes_per_channel)
     block_hw = max(1, min(hw_p2, T["tile_elems"] // bc))
     # L2 chunking: channel tiles per launch so that a chunk's input stays in L2 for the apply pass.
     tile_bytes = gpt * Cg * bytes_per_channel
@@ -564,6 +809,30 @@ def group_norm_plan(
     return GroupNormPlan(
         "twopass", channels_last, bc, gpt, n_cb, n_ct, block_hw, S=s, HWS=hws, finalize=finalize,
         HWP=iters * block_hw, chunk_ct=chunk, apply_warps=T["apply_warps"],
+        num_warps=T["stats_warps_large"] if C * bytes_per_channel >= T["large_bytes"] else T["stats_warps"],
+    )
+
+
+def _nhwc_tiles_plan(B: int, C: int, HW: int, bytes_per_channel: int) -> GroupNormPlan:
+    """The "nhwc_tiles" plan: BLOCK_C-channel tiles at multiples of BLOCK_C (aligned 128/256-byte row
+    segments in fp16 when C is a multiple of 64), H*W split as in the "twopass" plan so that there are
+    about ``target_programs`` statistics programs, always the finalize kernel, no L2 chunking (the
+    chunks would have to hold whole groups; chunking is off by default anyway)."""
+    T = _TUNING
+    bc = min(_p2(T["nhwc_block_c"]), max(_p2(C), 16))
+    n_ct = -(-C // bc)
+    block_hw = max(1, min(_p2(HW), T["tile_elems"] // bc))
+    nb = -(-HW // block_hw)
+    s = max(1, min(nb, T["max_splits"], -(-T["target_programs"] // (B * n_ct))))
+    if T["force_splits"]:
+        s = max(1, min(nb, T["force_splits"]))
+    hws = -(-nb // s) * block_hw
+    s = -(-HW // hws)
+    tiles = B * n_ct * nb
+    iters = max(1, min(8, tiles // T["apply_programs"]))
+    return GroupNormPlan(
+        "nhwc_tiles", True, bc, 0, 1, n_ct, block_hw, S=s, HWS=hws, finalize=True,
+        HWP=iters * block_hw, chunk_ct=n_ct, apply_warps=T["apply_warps"],
         num_warps=T["stats_warps_large"] if C * bytes_per_channel >= T["large_bytes"] else T["stats_warps"],
     )
 
@@ -672,12 +941,40 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
         )
         return y, pre
 
+    # After the statistics pass with WRITE_PRE, the apply pass reads the stored sum instead.
+    src_x, a_cb, a_res = (pre, False, False) if write_pre else (x, channel_bias is not None, residual is not None)
+    if plan.path == "nhwc_tiles":
+        S, HWS, bc = plan.S, plan.HWS, plan.BLOCK_C
+        part = torch.empty((2, B, S, C), dtype=torch.float32, device=x.device)  # per-channel partial mean, M2
+        chan = torch.empty((2, B, C), dtype=torch.float32, device=x.device)  # per-channel group mean, rstd * weight
+        _gn_nhwc_stats_kernel[(plan.n_ct, S, B)](
+            x, r, cb, pre if write_pre else x, part[0], part[1],
+            C, HW, S, HWS, *xs, *rs, scbb, scbc,
+            ITERS=HWS // plan.BLOCK_HW, BLOCK_C=bc, BLOCK_HW=plan.BLOCK_HW,
+            HAS_CB=channel_bias is not None, HAS_RES=residual is not None, WRITE_PRE=write_pre,
+            num_warps=plan.num_warps,
+        )
+        block_cg = min(_p2(Cg), 256)
+        block_s = max(1, min(_p2(S), _TUNING["nhwc_finalize_elems"] // block_cg))
+        _gn_nhwc_finalize_kernel[(G, B)](
+            part[0], part[1], w, chan[0], chan[1],
+            C, Cg, HW, S, HWS, float(eps),
+            N_S=-(-S // block_s), N_CG=-(-Cg // block_cg), BLOCK_S=block_s, BLOCK_CG=block_cg,
+            HAS_W=weight is not None, num_warps=4 if block_s * block_cg >= 512 else 1,
+        )
+        _gn_nhwc_apply_kernel[(plan.n_ct, -(-HW // plan.HWP), B)](
+            src_x, r, cb, bs, y, chan[0], chan[1],
+            C, HW, *xs, *rs, scbb, scbc, y.stride(0), y.stride(1), _hw_stride(y),
+            ITERS=plan.HWP // plan.BLOCK_HW, BLOCK_C=bc, BLOCK_HW=plan.BLOCK_HW,
+            HAS_CB=a_cb, HAS_RES=a_res, HAS_B=bias is not None, SILU=silu,
+            num_warps=plan.apply_warps,
+        )
+        return y, pre
+
     S, HWS = plan.S, plan.HWS
     gpt_p2 = _p2(plan.GPT)
     pmean = torch.empty((2, B, G, S), dtype=torch.float32, device=x.device)
     fmean = torch.empty((2, B, G), dtype=torch.float32, device=x.device) if plan.finalize else None
-    # After the statistics pass with WRITE_PRE, the apply pass reads the stored sum instead.
-    src_x, a_cb, a_res = (pre, False, False) if write_pre else (x, channel_bias is not None, residual is not None)
     for ct0 in range(0, plan.n_ct, plan.chunk_ct):
         n = min(plan.chunk_ct, plan.n_ct - ct0)
         _gn_stats_kernel[(n, S, B)](

@@ -1,7 +1,9 @@
 """GroupNorm (+ channel bias, residual, SiLU, return_sum) and InstanceNorm against the PyTorch
 reference, in Triton's interpreter on small shapes with SD's channel counts (32 groups of 10/20/30/40
 channels), both memory layouts, every kernel path (one-pass, two-pass, H*W splits, finalize kernel,
-L2 chunking, channel sub-blocks), plus input checks, the fallback path and the custom-op fake."""
+L2 chunking, channel sub-blocks), plus input checks, the fallback path and the custom-op fake.
+The channels_last cases of the group-aligned two-pass paths run with ``nhwc_channel_tiles`` off; the
+default channels_last two-pass path ("nhwc_tiles") has its own file, test_group_norm_nhwc.py."""
 
 from __future__ import annotations
 
@@ -19,15 +21,17 @@ gn_mod = importlib.import_module("kernels.norm.group_norm")
 
 DTYPES = [(torch.float32, 1e-5), (torch.float16, 2e-3)]
 
-# Tuning overrides that steer small shapes onto each path of group_norm_plan.
+# Tuning overrides that steer small shapes onto each path of group_norm_plan. The two-pass ones keep
+# channels_last inputs on the group-aligned kernels (nhwc_channel_tiles off).
 PATHS = {
     "onepass": {},
-    "twopass": {"onepass_max_elems": 0},
+    "twopass": {"onepass_max_elems": 0, "nhwc_channel_tiles": False},
     # several H*W splits per group, several BLOCK_HW iterations per program, multi-block apply programs
-    "split": {"onepass_max_elems": 0, "tile_elems": 256, "force_splits": 3, "apply_programs": 1},
+    "split": {"onepass_max_elems": 0, "tile_elems": 256, "force_splits": 3, "apply_programs": 1,
+              "nhwc_channel_tiles": False},
     # + the separate finalize kernel and one launch per channel tile (L2 chunking)
     "finalize": {"onepass_max_elems": 0, "tile_elems": 256, "force_splits": 3, "max_inline_partials": 0,
-                 "l2_chunk_bytes": 1},
+                 "l2_chunk_bytes": 1, "nhwc_channel_tiles": False},
 }
 
 
@@ -143,21 +147,25 @@ def test_split_and_finalize_paths(channels_last, path):
     _check(x, 4, w, b, cb, r, "silu", True, 1e-5)
 
 
-@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
-def test_65x65_two_pass(channels_last, monkeypatch):
-    """H*W = 4225 (odd, no block divides it) on the default two-pass plan with a few splits."""
+@pytest.mark.parametrize("channels_last,tiles,expected", [(False, True, "twopass"), (True, False, "twopass"),
+                                                         (True, True, "nhwc_tiles")],
+                         ids=["nchw", "nhwc-groups", "nhwc-tiles"])
+def test_65x65_two_pass(channels_last, tiles, expected, monkeypatch):
+    """H*W = 4225 (odd, no block divides it) on the default two-pass plans with a few splits."""
     monkeypatch.setitem(gn_mod._TUNING, "target_programs", 8)
     monkeypatch.setitem(gn_mod._TUNING, "apply_programs", 1)
+    monkeypatch.setitem(gn_mod._TUNING, "nhwc_channel_tiles", tiles)
     x, w, b, cb, r = _inputs(1, 40, 65, 65, torch.float16, channels_last, res=True)
     plan = gn_mod.group_norm_plan(1, 40, 65 * 65, 4, channels_last, 2, True)
-    assert plan.path == "twopass" and plan.S > 1
+    assert plan.path == expected and plan.S > 1
     _check(x, 4, w, b, None, r, "silu", False, 2e-3)
 
 
 @pytest.mark.parametrize("path", ["onepass", "split"], indirect=True)
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
-def test_group_wider_than_channel_block(channels_last, path):
+def test_group_wider_than_channel_block(channels_last, path, monkeypatch):
     """A group of 300 channels (> 256): one group per tile, looped in channel sub-blocks (N_CB = 2)."""
+    monkeypatch.setitem(gn_mod._TUNING, "nhwc_channel_tiles", False)  # nhwc_tiles: test_group_norm_nhwc.py
     x, w, b, cb, r = _inputs(2, 600, 3, 3, torch.float32, channels_last, cb="BC")
     plan = gn_mod.group_norm_plan(2, 600, 9, 2, channels_last, 4, False)
     assert plan.N_CB == 2 and plan.path == "twopass"  # never one-pass: the tile does not hold a group
@@ -281,9 +289,11 @@ def test_token_layout_with_a_size_one_spatial_dim(token_shape, path):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_plan_defaults_measured_on_the_h200():
+@pytest.mark.parametrize("tiles,expected", [(False, "twopass"), (True, "nhwc_tiles")])
+def test_plan_defaults_measured_on_the_h200(tiles, expected, monkeypatch):
     # benchmarks/tune_group_norm.py (run 4): no L2 chunking, 2-warp statistics programs from 16 MB
+    monkeypatch.setitem(gn_mod._TUNING, "nhwc_channel_tiles", tiles)
     big = gn_mod.group_norm_plan(2, 640, 128 * 128, 32, True, 2, False)  # SDXL 128² ResNet norm, 42 MB
-    assert big.path == "twopass" and big.chunk_ct == big.n_ct and big.num_warps == 2
+    assert big.path == expected and big.chunk_ct == big.n_ct and big.num_warps == 2
     small = gn_mod.group_norm_plan(2, 320, 64 * 64, 32, True, 2, False)  # SD1.5 64², 5 MB
-    assert small.num_warps == 4
+    assert small.path == expected and small.num_warps == 4

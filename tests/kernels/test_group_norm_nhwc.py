@@ -1,0 +1,311 @@
+"""The channels_last two-pass path of the GroupNorm ("nhwc_tiles": per-channel statistics in
+BLOCK_C-channel tiles that ignore the groups, a finalize kernel that makes per-channel mean and scale
+vectors, a group-free apply kernel) against the PyTorch reference, in Triton's interpreter on small
+shapes: SD's channel counts with 32 groups, channel counts that are not multiples of the tile, groups
+that straddle tiles or are wider than the finalize block, batch 1 and 3, every fusion, several H*W
+splits with a partial last one, a large-mean input; plus the planner knobs (``nhwc_channel_tiles``
+off gives back the group-aligned plans exactly) and which kernels a call launches.
+
+Every floating tensor that ``torch.empty``/``torch.empty_strided`` hands out during a checked call is
+NaN first (outputs and the fp32 partials): an element no kernel writes stays NaN and fails the
+finiteness check of ``assert_close_rule``."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from kernels.norm import group_norm, group_norm_ref
+from kernels.testing import assert_close_rule, poison
+
+gn_mod = importlib.import_module("kernels.norm.group_norm")
+
+# Tuning overrides; "nhwc_onepass" off keeps the small test shapes off the one-pass kernel.
+CONFIGS = {
+    "tiles": {"nhwc_onepass": False},
+    # BLOCK_HW = 4 at BLOCK_C = 64, 3 H*W splits (the last one partial on most shapes here), apply
+    # programs of several BLOCK_HW blocks (a finalize over several loop iterations: test_splits)
+    "split": {"nhwc_onepass": False, "tile_elems": 256, "force_splits": 3, "apply_programs": 1},
+}
+
+
+@pytest.fixture
+def config(request, monkeypatch):
+    monkeypatch.setitem(gn_mod._TUNING, "nhwc_channel_tiles", True)
+    for k, v in CONFIGS[request.param].items():
+        monkeypatch.setitem(gn_mod._TUNING, k, v)
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def poisoned_allocations(monkeypatch):
+    """NaN-filled floating tensors from torch.empty / torch.empty_strided for the whole test."""
+    empty, empty_strided = torch.empty, torch.empty_strided
+
+    def _poisoned(t):
+        return poison(t) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: _poisoned(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_strided", lambda *a, **k: _poisoned(empty_strided(*a, **k)))
+    assert torch.isnan(torch.empty(3)).all() and torch.isnan(torch.empty_strided((2,), (1,))).all()
+
+
+def _inputs(B, C, H, W, dtype, *, cb=None, res=False, res_channels_last=True, affine=True, scale=2.0):
+    x = (torch.randn(B, C, H, W) * scale + 0.5).to(dtype).contiguous(memory_format=torch.channels_last)
+    w = (torch.rand(C) + 0.5).to(dtype) if affine else None
+    b = torch.randn(C).to(dtype) if affine else None
+    channel_bias = None
+    if cb == "C":
+        channel_bias = torch.randn(C).to(dtype)
+    elif cb == "BC":
+        channel_bias = torch.randn(B, C).to(dtype)
+    r = None
+    if res:
+        r = torch.randn(B, C, H, W).to(dtype)
+        if res_channels_last:
+            r = r.contiguous(memory_format=torch.channels_last)
+    return x, w, b, channel_bias, r
+
+
+def _f32(t):
+    return None if t is None else t.float()
+
+
+def _plan(x, G, has_res):
+    B, C, H, W = x.shape
+    return gn_mod.group_norm_plan(B, C, H * W, G, gn_mod._is_channels_last(x), x.element_size(), has_res)
+
+
+def _check(x, G, w, b, cb, r, activation, return_sum, atol, eps=1e-5):
+    """Run the op (on the "nhwc_tiles" plan) and compare y (and pre) with the fp32 reference under the
+    tolerance rule; returns the op's outputs."""
+    assert _plan(x, G, r is not None).path == "nhwc_tiles"
+    out = group_norm(x, G, w, b, eps, channel_bias=cb, residual=r, activation=activation, return_sum=return_sum)
+    ref32 = group_norm_ref(x.float(), G, _f32(w), _f32(b), eps, channel_bias=_f32(cb), residual=_f32(r),
+                           activation=activation, return_sum=return_sum)
+    lowp = group_norm_ref(x, G, w, b, eps, channel_bias=cb, residual=r, activation=activation,
+                          return_sum=return_sum, upcast=False)
+    if not return_sum:
+        out, ref32, lowp = (out,), (ref32,), (lowp,)
+    for name, o, r32, lp in zip(("y", "pre"), out, ref32, lowp):
+        assert o.dtype == x.dtype
+        assert o.is_contiguous(memory_format=torch.channels_last), f"{name} not channels_last: {o.stride()}"
+        assert_close_rule(o, r32, lp, atol=atol, name=name)
+    return out
+
+
+def _split_sizes(plan, HW):
+    return [min(plan.HWS, HW - s * plan.HWS) for s in range(plan.S)]
+
+
+# SD's channel counts with 32 groups (10/20/30/40 channels per group: none divides BLOCK_C = 64, so
+# groups straddle tiles), tiny H*W, batch 1 and 3.
+SD_SHAPES = [(1, 320, 9, 7), (3, 640, 5, 5), (1, 960, 4, 3), (1, 1280, 3, 3)]
+
+
+@pytest.mark.parametrize("config", ["split"], indirect=True)
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.float16, 2e-3)], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("shape", SD_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_sd_channels_all_fusions(shape, dtype, atol, config):
+    """channel_bias (B, C) + residual + SiLU + return_sum (the ResNet block) on SD's channel counts."""
+    x, w, b, cb, r = _inputs(*shape, dtype, cb="BC", res=True)
+    plan = _plan(x, 32, True)
+    assert plan.BLOCK_C == 64 and plan.n_ct == shape[1] // 64 and plan.S == 3
+    assert plan.HWP > plan.BLOCK_HW  # apply programs loop over several H*W blocks
+    _check(x, 32, w, b, cb, r, "silu", True, atol)
+
+
+@pytest.mark.parametrize("config", ["split"], indirect=True)
+@pytest.mark.parametrize("block_c", [64, 128])
+@pytest.mark.parametrize(
+    "B,C,G",
+    [(3, 96, 32), (2, 40, 8), (1, 30, 3), (2, 600, 2), (1, 24, 24), (1, 320, 32)],
+    ids=["96c-32g", "40c-8g", "30c-3g", "600c-2g", "24c-24g", "320c-32g"],
+)
+def test_channel_counts_off_the_tile(B, C, G, block_c, config, monkeypatch):
+    """C not a multiple of BLOCK_C (masked last tile), Cg not dividing BLOCK_C (groups straddle tiles),
+    Cg = 300 (> 256: the finalize walks the group in two channel blocks), Cg = 1, and C = 320 in
+    128-channel tiles (the last tile half empty)."""
+    monkeypatch.setitem(gn_mod._TUNING, "nhwc_block_c", block_c)
+    x, w, b, cb, r = _inputs(B, C, 9, 7, torch.float32, cb="C", res=True)
+    plan = _plan(x, G, True)
+    assert plan.BLOCK_C == min(block_c, gn_mod._p2(C)) and plan.n_ct == -(-C // plan.BLOCK_C)
+    _check(x, G, w, b, cb, r, "silu", True, 1e-5)
+
+
+FUSIONS = {
+    "none": dict(cb=None, res=False),
+    "bias_c": dict(cb="C", res=False),
+    "bias_bc": dict(cb="BC", res=False),
+    "residual": dict(cb=None, res=True),
+    "bias_residual": dict(cb="BC", res=True),
+}
+
+
+@pytest.mark.parametrize("config", ["split"], indirect=True)
+@pytest.mark.parametrize("return_sum", [False, True], ids=["y", "sum"])
+@pytest.mark.parametrize("activation", [None, "silu"])
+@pytest.mark.parametrize("fusion", list(FUSIONS))
+def test_fusion_variants(fusion, activation, return_sum, config):
+    # 80 channels in 8 groups of 10 (group 6 spans both 64-channel tiles), batch 3, 9x7.
+    x, w, b, cb, r = _inputs(3, 80, 9, 7, torch.float16, **FUSIONS[fusion])
+    out = _check(x, 8, w, b, cb, r, activation, return_sum, 2e-3)
+    if return_sum and cb is None and r is None:
+        assert out[1] is x  # nothing added: the sum is x itself, no copy
+
+
+@pytest.mark.parametrize("config", ["tiles", "split"], indirect=True)
+@pytest.mark.parametrize("fusion", ["none", "bias_c", "bias_residual"])
+def test_no_affine(fusion, config):
+    # (bf16 is in the GPU tests: the interpreter rounds fp32 -> bf16 toward zero, not to nearest)
+    x, w, b, cb, r = _inputs(2, 80, 5, 6, torch.float16, affine=False, **FUSIONS[fusion])
+    _check(x, 8, None, None, cb, r, "silu", fusion == "bias_residual", 2e-3)
+
+
+@pytest.mark.parametrize("config", ["tiles"], indirect=True)
+@pytest.mark.parametrize(
+    "splits,sizes,finalize_elems",
+    [(1, [63], 4096), (2, [32, 31], 4096), (3, [24, 24, 15], 4096), (5, [16, 16, 16, 15], 4096),
+     (16, [4] * 15 + [3], 4096), (3, [24, 24, 15], 32), (16, [4] * 15 + [3], 64)],
+    ids=["S1", "S2", "S3", "S4", "S16", "S3-fin-loop", "S16-fin-loop"],
+)
+def test_splits(splits, sizes, finalize_elems, config, monkeypatch):
+    """H*W = 63 in 1..16 splits (the last one shorter), combined in one finalize block or over several
+    loop iterations (BLOCK_S = 2 or 4 splits of the 16-channel block at a time)."""
+    monkeypatch.setitem(gn_mod._TUNING, "tile_elems", 256)
+    monkeypatch.setitem(gn_mod._TUNING, "force_splits", splits)
+    monkeypatch.setitem(gn_mod._TUNING, "nhwc_finalize_elems", finalize_elems)
+    x, w, b, cb, r = _inputs(2, 80, 9, 7, torch.float32, cb="BC")
+    plan = _plan(x, 8, False)
+    assert _split_sizes(plan, 63) == sizes
+    _check(x, 8, w, b, cb, None, "silu", True, 1e-5)
+
+
+@pytest.mark.parametrize("config", ["tiles", "split"], indirect=True)
+def test_large_mean_small_std(config):
+    """fp32 statistics must not cancel: mean 100, std 0.01 (a sum/sum-of-squares kernel gets NaN or
+    errors of order 1 here). Compared with an fp64 reference, within 2x eager fp32 (NCHW Welford)."""
+    x = (100 + 0.01 * torch.randn(2, 80, 9, 7)).contiguous(memory_format=torch.channels_last)
+    w, b = torch.ones(80), torch.zeros(80)
+    assert _plan(x, 8, False).path == "nhwc_tiles"
+    y = group_norm(x, 8, w, b)
+    ref64 = group_norm_ref(x.double(), 8, w.double(), b.double())
+    eager32 = torch.nn.functional.group_norm(x.contiguous(), 8, w, b)
+    assert_close_rule(y, ref64, eager32, atol=1e-4)
+
+
+@pytest.mark.parametrize("config", ["split"], indirect=True)
+def test_residual_in_nchw(config):
+    x, w, b, cb, r = _inputs(2, 80, 5, 6, torch.float16, cb="C", res=True, res_channels_last=False)
+    assert r.is_contiguous() and not r.is_contiguous(memory_format=torch.channels_last)
+    _check(x, 8, w, b, cb, r, "silu", True, 2e-3)
+
+
+@pytest.mark.parametrize("config", ["tiles"], indirect=True)
+@pytest.mark.parametrize("token_shape", ["B,C,L,1", "B,C,1,L"])
+def test_token_layout_with_a_size_one_spatial_dim(token_shape, config):
+    """A (B, L, C) token tensor seen as (B, C, L, 1) or (B, C, 1, L): channels_last whatever the size-1
+    dim's stride; the kernels must step over positions with the stride of the dim that is not 1."""
+    B, L, C, G = 2, 21, 320, 32
+    x = torch.randn(B, L, C).transpose(1, 2).unsqueeze(-1 if token_shape == "B,C,L,1" else 2)
+    w, b = torch.rand(C) + 0.5, torch.randn(C)
+    assert _plan(x, G, False).path == "nhwc_tiles"
+    out = group_norm(x, G, w, b, 1e-6, activation="silu")
+    torch.testing.assert_close(out, group_norm_ref(x.contiguous(), G, w, b, 1e-6, activation="silu"),
+                               atol=1e-5, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# planner knobs and launches
+# ---------------------------------------------------------------------------------------------
+P = gn_mod.GroupNormPlan
+# The plans of the group-aligned kernels before "nhwc_tiles" existed (commit 901267c, same _TUNING).
+OLD_PLANS = {
+    (2, 320, 4096, 32, True, 2, False): P("twopass", True, 64, 4, 1, 8, 64, S=32, HWS=128, finalize=False, HWP=64,
+                                          chunk_ct=8, num_warps=4, apply_warps=4),
+    (2, 640, 16384, 32, True, 2, False): P("twopass", True, 64, 2, 1, 16, 64, S=16, HWS=1024, finalize=False,
+                                           HWP=128, chunk_ct=16, num_warps=2, apply_warps=4),
+    (2, 1280, 1024, 32, True, 2, True): P("twopass", True, 64, 1, 1, 32, 64, S=8, HWS=128, finalize=False, HWP=64,
+                                          chunk_ct=32, num_warps=4, apply_warps=4),
+    (1, 128, 262144, 32, True, 2, False): P("twopass", True, 64, 16, 1, 2, 64, S=256, HWS=1024, finalize=True,
+                                            HWP=128, chunk_ct=2, num_warps=2, apply_warps=4),
+    (2, 2560, 256, 32, True, 2, False): P("twopass", True, 128, 1, 1, 32, 32, S=8, HWS=32, finalize=False, HWP=32,
+                                          chunk_ct=32, num_warps=4, apply_warps=4),
+    (2, 1280, 256, 32, True, 2, False): P("onepass", True, 64, 1, 1, 32, 256, num_warps=16),
+    (2, 320, 4096, 32, False, 2, False): P("twopass", False, 64, 4, 1, 8, 64, S=32, HWS=128, finalize=False, HWP=64,
+                                           chunk_ct=8, num_warps=4, apply_warps=4),
+}
+
+
+@pytest.mark.parametrize("args", list(OLD_PLANS), ids=lambda a: f"{a[0]}x{a[1]}x{a[2]}-{'nhwc' if a[4] else 'nchw'}")
+def test_knob_off_gives_the_old_plans(args, monkeypatch):
+    monkeypatch.setitem(gn_mod._TUNING, "nhwc_channel_tiles", False)
+    assert gn_mod.group_norm_plan(*args) == OLD_PLANS[args]
+    monkeypatch.setitem(gn_mod._TUNING, "nhwc_channel_tiles", True)
+    new = gn_mod.group_norm_plan(*args)
+    if OLD_PLANS[args].path == "twopass" and args[4]:
+        assert new.path == "nhwc_tiles"
+    else:  # NCHW and the one-pass shapes are not the knob's business
+        assert new == OLD_PLANS[args]
+
+
+def test_default_nhwc_tiles_plan():
+    """SD1.5's 64² ResNet norm in NHWC: 5 full 64-channel tiles, about target_programs (528) statistics
+    programs, one BLOCK_HW block per apply program."""
+    T = gn_mod._TUNING
+    assert T["nhwc_channel_tiles"] is True and T["nhwc_block_c"] == 64 and T["nhwc_onepass"] is True
+    plan = gn_mod.group_norm_plan(2, 320, 64 * 64, 32, True, 2, False)
+    assert plan == P("nhwc_tiles", True, 64, 0, 1, 5, 64, S=32, HWS=128, finalize=True, HWP=64, chunk_ct=5,
+                     num_warps=4, apply_warps=4)
+
+
+@pytest.mark.parametrize("onepass", [True, False])
+def test_nhwc_onepass_knob(onepass, monkeypatch):
+    monkeypatch.setitem(gn_mod._TUNING, "nhwc_onepass", onepass)
+    nhwc = gn_mod.group_norm_plan(2, 1280, 16 * 16, 32, True, 2, False)
+    assert nhwc.path == ("onepass" if onepass else "nhwc_tiles")
+    assert gn_mod.group_norm_plan(2, 1280, 16 * 16, 32, False, 2, False).path == "onepass"  # NCHW: unchanged
+
+
+class _Spy:
+    """Stands in for a @triton.jit kernel in the module: records (name, grid) per launch."""
+
+    def __init__(self, name, kernel, log):
+        self.name, self.kernel, self.log = name, kernel, log
+
+    def __getitem__(self, grid):
+        self.log.append((self.name, tuple(grid)))
+        return self.kernel[grid]
+
+
+_KERNELS = ["_gn_onepass_kernel", "_gn_stats_kernel", "_gn_finalize_kernel", "_gn_apply_kernel",
+            "_gn_nhwc_stats_kernel", "_gn_nhwc_finalize_kernel", "_gn_nhwc_apply_kernel"]
+
+
+@pytest.mark.parametrize("tiles", [True, False])
+def test_launches(tiles, monkeypatch):
+    """With the knob on, an NHWC two-pass call runs exactly the three nhwc_tiles kernels with the plan's
+    grids; off, the group-aligned statistics and apply kernels (with the result right either way)."""
+    log = []
+    for name in _KERNELS:
+        monkeypatch.setattr(gn_mod, name, _Spy(name, getattr(gn_mod, name), log))
+    monkeypatch.setitem(gn_mod._TUNING, "nhwc_channel_tiles", tiles)
+    monkeypatch.setitem(gn_mod._TUNING, "onepass_max_elems", 0)
+    monkeypatch.setitem(gn_mod._TUNING, "tile_elems", 256)
+    monkeypatch.setitem(gn_mod._TUNING, "force_splits", 2)
+    B, C, G, HW = 3, 96, 32, 9 * 7
+    x, w, b, cb, r = _inputs(B, C, 9, 7, torch.float32, cb="BC", res=True)
+    plan = _plan(x, G, True)
+    y, pre = group_norm(x, G, w, b, channel_bias=cb, residual=r, activation="silu", return_sum=True)
+    ref_y, ref_pre = group_norm_ref(x, G, w, b, channel_bias=cb, residual=r, activation="silu", return_sum=True)
+    torch.testing.assert_close(y, ref_y, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pre, ref_pre, atol=0, rtol=0)
+    if tiles:
+        assert plan.path == "nhwc_tiles" and plan.S == 2
+        assert log == [("_gn_nhwc_stats_kernel", (2, 2, B)), ("_gn_nhwc_finalize_kernel", (G, B)),
+                       ("_gn_nhwc_apply_kernel", (2, -(-HW // plan.HWP), B))]
+    else:
+        assert plan.path == "twopass"
+        assert [name for name, _ in log] == ["_gn_stats_kernel", "_gn_apply_kernel"]
