@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 SHAPES = [(8192, 320), (2048, 640), (512, 1280), (8192, 640), (2048, 1280)]
-KNOBS = {"split_d": [True, False], "tile_elems": [2048, 4096, 8192, 16384], "warps_per_4k": [2, 4, 8]}
+KNOBS = {"split_d": [True, False], "tile_elems": [2048, 4096, 8192, 16384], "warps_per_4k": [4, 8]}
 
 
 def tune_shape(M: int, D: int, residual: bool) -> list[dict]:
