@@ -2,6 +2,7 @@
 models, projection fusion and undo, filter_fn, and the dispatcher's measured choice / exclusion."""
 
 import logging
+import time
 
 import pytest
 import torch
@@ -416,3 +417,28 @@ def test_undo_keeps_fused_projections_for_a_user_processor_that_needs_them():
     x = torch.randn(1, 16, attn.to_qkv.in_features)
     with torch.no_grad():
         torch.testing.assert_close(attn(x), AttnProcessor2_0()(attn, x), atol=1e-5, rtol=1e-5)
+
+
+def test_dispatcher_skips_a_much_slower_backend_after_a_probe_on_a_query_slice(caplog):
+    """With a long best time, a candidate first runs on 1/16 of the queries; if that extrapolates past
+    slow_factor x the best, it is excluded (logged) without a full-size run or a timing loop."""
+    full_calls = []
+
+    def slow(q, k, v, attn_mask, scale, upcast):
+        if q.shape[2] == 1024:
+            full_calls.append(1)
+        time.sleep(q.shape[2] * 2e-5)  # 20 ms at 1024 queries
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    d = ap.AttentionDispatcher(candidates=("sdpa", "slow"), extra_backends={"slow": slow}, measure_cpu=True)
+    d.probe_us = 0.0  # the CPU's SDPA is fast: probe whatever the best time
+    q, k, v = _qkv(B=1, H=1, Lq=1024, Lk=16)
+    with caplog.at_level(logging.INFO, logger="sdfast.attention"):
+        d(q, k, v)
+    key = d.key_for(q, k, None, False)
+    assert d.choices()[key] == "sdpa" and "too slow" in d.excluded()[key]["slow"]
+    assert not full_calls and "'slow' excluded" in caplog.text
+    d2 = ap.AttentionDispatcher(candidates=("sdpa", "slow"), extra_backends={"slow": slow}, measure_cpu=True)
+    d2.slow_factor = 1e9  # never too slow: measured in full
+    d2(q, k, v)
+    assert full_calls and "slow" in d2.timings()[key]
