@@ -199,8 +199,8 @@ def _p2(n: int) -> int:
 
 
 # Tuning knobs (read at call time; benchmarks/tune_layer_norm.py times them on the GPU). Run 6 (H200, 10 SD
-# shapes): these defaults are within 5 % of the best of 16 configs in total; holding a row as two power-of-two
-# chunks (640 = 512 + 128, no idle lanes) measured 11 % slower than one padded chunk, and was dropped.
+# shapes): these defaults have the lowest total of 16 configs; holding a row as two power-of-two chunks
+# (640 = 512 + 128, no idle lanes) measured 11 % slower than one padded chunk, and was dropped.
 _TUNING = {
     "tile_elems": 4096,  # padded elements per program: ROWS = tile_elems // BLOCK_D
     "warps_per_4k": 4,  # warps per 4096 elements of tile (at least 4, at most 16)
