@@ -88,3 +88,17 @@ def test_context_is_found_by_name_or_position(tiny_engine, positional):
     args, kwargs = ((1, 2, ctx), {}) if positional else ((1, 2), {"encoder_hidden_states": ctx})
     assert cache.context(args, kwargs) is ctx
     assert cache.context((1, 2), {}) is None
+    # with cross_attention_kwargs (a LoRA scale the UNet's forward applies around the layers): no projection graph
+    assert cache.context(args, {**kwargs, "cross_attention_kwargs": {"scale": 0.5}}) is None
+    assert cache.context(args, {**kwargs, "cross_attention_kwargs": None}) is ctx
+
+
+def test_no_layers_when_the_unet_transforms_the_context_first(tiny_engine):
+    unet = tiny_engine.pipe.unet
+    cache = CrossKV(unet)
+    assert cache.layers()
+    unet.encoder_hid_proj = torch.nn.Identity()  # what IP-Adapter / text_proj UNets carry
+    try:
+        assert cache.layers() == []
+    finally:
+        unet.encoder_hid_proj = None

@@ -137,6 +137,26 @@ def test_cross_kv_projected_once_per_call_and_follows_in_place_changes(sd15):
             w.copy_(saved)
 
 
+def test_cross_kv_survives_other_graphs_replayed_between_steps(sd15):
+    """A preview decode in ``callback_on_step_end`` replays the VAE decoder's graph between UNet steps; the K/V
+    projected at the first step must not be overwritten by it (they live in their own memory pool)."""
+    _, fast = sd15
+    pipe = fast.pipe
+
+    def run(callback=None):
+        kw = dict(callback_on_step_end=callback, callback_on_step_end_tensor_inputs=["latents"]) if callback else {}
+        return pipe(PROMPT, num_inference_steps=5, output_type="np",
+                    generator=torch.Generator("cpu").manual_seed(6), **kw).images[0]
+
+    def preview(p, i, t, tensors):
+        p.vae.decode(tensors["latents"] / p.vae.config.scaling_factor)
+        return tensors
+
+    plain = run()
+    previewed = run(preview)
+    assert psnr(plain * 255, previewed * 255) > 45
+
+
 def test_sdxl_parity():
     stock = sdfast.load("random:sdxl", optimize=False)
     kw = dict(seed=0, num_inference_steps=30)

@@ -51,3 +51,28 @@ def test_engine_keeps_the_timesteps_on_device_without_graphs(tiny_engine):
     host_timesteps.keep_on_host(tiny_engine.pipe.scheduler)
     tiny_engine.txt2img("a cat", num_inference_steps=2, seed=0, height=64, width=64)
     assert "set_timesteps" not in tiny_engine.pipe.scheduler.__dict__
+
+
+def test_the_wrapper_keeps_the_signature_that_diffusers_inspects_for_custom_schedules():
+    from diffusers.pipelines.stable_diffusion.pipeline_stable_diffusion import retrieve_timesteps
+
+    s = EulerDiscreteScheduler()
+    host_timesteps.keep_on_host(s)
+    ts, n = retrieve_timesteps(s, timesteps=[999, 700, 400, 100], device="cpu")
+    assert n == 4 and ts.tolist() == [999, 700, 400, 100]
+    ts, n = retrieve_timesteps(s, sigmas=[14.6, 5.0, 1.0, 0.1], device="cpu")  # raised before: signature hidden
+    assert n == len(s.timesteps) > 0 and ts.device.type == "cpu"
+
+
+def test_a_deep_copy_sets_its_own_timesteps_and_other_wrappers_are_left_alone():
+    import copy
+
+    s = PNDMScheduler()
+    host_timesteps.keep_on_host(s)
+    s.set_timesteps(30)
+    c = copy.deepcopy(s)
+    c.set_timesteps(5)
+    assert len(c.timesteps) < len(s.timesteps)  # the copy changed, not the original
+    other = PNDMScheduler()
+    other.set_timesteps = lambda *a, **k: None  # a user's own instance wrapper
+    assert not host_timesteps.keep_on_host(other)

@@ -9,7 +9,8 @@ H200 (run 5 profile: cuBLAS' 64x32 kernel, 6.8 µs each, bound by reading the we
 per input signature instead of one:
 
 * the projection graph: ``fill(context)`` runs ``project_kv`` of every cross-attention layer on the static
-  context buffer and keeps the (key, value) outputs in graph-pool slots;
+  context buffer; its (key, value) outputs are the slots, kept alive in that graph's own memory pool (in the
+  shared pool, another graph's replay could overwrite them);
 * the step graph, captured inside ``reading(slots, context)``: each layer's processor
   (``SdfastAttnProcessor``) takes its K/V from the slots (``lookup``) when it is handed that same context
   tensor, so the step graph holds no K/V projection.
@@ -46,12 +47,20 @@ class CrossKV:
         self._source: torch.Tensor | None = None
 
     def layers(self) -> list:
-        """Cross-attention modules whose processor is sdfast's (the only one that consults the slots)."""
+        """Cross-attention modules whose processor is sdfast's (the only one that consults the slots); none when
+        the UNet transforms the context before its blocks (``encoder_hid_proj``: the layers see another tensor)."""
+        if getattr(self.module, "encoder_hid_proj", None) is not None:
+            return []
         return [m for m in self.module.modules()
                 if getattr(m, "is_cross_attention", False) and isinstance(getattr(m, "processor", None), SdfastAttnProcessor)]
 
     def context(self, args: tuple, kwargs: dict):
-        """The call's context tensor (``encoder_hidden_states``), or None."""
+        """The call's context tensor (``encoder_hidden_states``), or None. None too for a call with
+        ``cross_attention_kwargs``: the UNet's forward applies some of them around the layers (diffusers scales
+        PEFT LoRA layers by ``{"scale": s}`` for the duration of the call), which a projection run outside
+        that forward would not see; such calls project K/V inside the step graph, as stock does."""
+        if kwargs.get("cross_attention_kwargs"):
+            return None
         x = kwargs.get(self.arg_name, args[self.arg_index] if len(args) > self.arg_index else None)
         return x if isinstance(x, torch.Tensor) else None
 

@@ -168,6 +168,7 @@ class _Graph:
     pre_index: int = -1
     pre_params: list = field(default_factory=list)
     pre_seen: SeenContext = field(default_factory=SeenContext)
+    pre_slots: dict | None = None  # the K/V the step graph reads: kept alive, in the projection graph's own pool
 
 
 @dataclass
@@ -278,7 +279,9 @@ class GraphedForward:
             if pre_index >= 0:
                 context = static_inputs[pre_index]
                 pre_graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(pre_graph, pool=self.pool):
+                # Its own memory pool, not the shared one: the K/V must survive the replays of every other graph
+                # (the shared pool hands memory freed after one capture to the next, and replays write it).
+                with torch.cuda.graph(pre_graph):
                     slots = self.conditioning.fill(context)
                 pre_params = self.conditioning.params()
                 reading = self.conditioning.reading(slots, context)
@@ -298,7 +301,7 @@ class GraphedForward:
             self.born[key] = self.clock()
             return
         self.graphs[key] = _Graph(graph, static_inputs, out, pre_graph, pre_index if pre_graph is not None else -1,
-                                  pre_params)
+                                  pre_params, pre_slots=slots if pre_graph is not None else None)
         self.born[key] = self.clock()
         self.stats.captures += 1
         log.info("sdfast: captured a CUDA graph of %s (%d cached)", self.name, len(self.graphs))

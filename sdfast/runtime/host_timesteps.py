@@ -16,6 +16,7 @@ the images, are the same. ``release(scheduler)`` undoes it.
 
 from __future__ import annotations
 
+import functools
 import types
 
 _MARK = "_sdfast_host_timesteps"
@@ -23,15 +24,22 @@ _MARK = "_sdfast_host_timesteps"
 
 def keep_on_host(scheduler) -> bool:
     """Wrap ``scheduler.set_timesteps`` so that ``scheduler.timesteps`` stays on the CPU. Idempotent.
-    Returns False (and changes nothing) for an object without ``set_timesteps``."""
+    Returns False (and changes nothing) for an object without ``set_timesteps``, or whose ``set_timesteps`` is
+    already replaced on the instance by someone else.
+
+    The wrapper keeps the class method's signature (diffusers' ``retrieve_timesteps`` inspects it for
+    ``timesteps=`` / ``sigmas=`` support) and calls the class method on whatever instance it is bound to, so a
+    ``copy.deepcopy`` of the scheduler sets its own timesteps."""
     if scheduler is None or not callable(getattr(scheduler, "set_timesteps", None)):
         return False
     if scheduler.__dict__.get(_MARK):
         return True
-    original = scheduler.set_timesteps
+    if "set_timesteps" in scheduler.__dict__:  # someone else's wrapper on this instance: left as it is
+        return False
 
+    @functools.wraps(type(scheduler).set_timesteps)
     def set_timesteps(self, *args, **kwargs):
-        out = original(*args, **kwargs)
+        out = type(self).set_timesteps(self, *args, **kwargs)
         ts = getattr(self, "timesteps", None)
         if ts is not None and hasattr(ts, "cpu"):
             self.timesteps = ts.cpu()
@@ -45,4 +53,4 @@ def keep_on_host(scheduler) -> bool:
 def release(scheduler) -> None:
     """Undo ``keep_on_host`` on this scheduler instance (the class's ``set_timesteps`` comes back)."""
     if scheduler is not None and scheduler.__dict__.pop(_MARK, False):
-        scheduler.__dict__.pop("set_timesteps", None)
+        scheduler.__dict__.pop("set_timesteps", None)  # the wrapper keep_on_host installed (it refuses to stack)
