@@ -160,8 +160,8 @@ def fused_transformer_block_forward(
     a = self.attn1(x, encoder_hidden_states=None, attention_mask=attention_mask, **kwargs)
     x, h = layer_norm(a, n2.weight, n2.bias, n2.eps, residual=hidden_states, return_sum=True)
     a = self.attn2(x, encoder_hidden_states=encoder_hidden_states, attention_mask=encoder_attention_mask, **kwargs)
-    out_proj = _ff_out_projection(self.ff)
-    if out_proj is None or torch.is_autocast_enabled(a.device.type) or a.dtype != out_proj.weight.dtype:
+    out_proj = _ff_out_projection(self.ff, a)
+    if out_proj is None:
         x, h = layer_norm(a, n3.weight, n3.bias, n3.eps, residual=h, return_sum=True)
         return self.ff(x) + h
     # The residual add and ff's output bias in the output GEMM: norm3's kernel stores h + bias, and the GEMM
@@ -173,17 +173,20 @@ def fused_transformer_block_forward(
     return h
 
 
-def _ff_out_projection(ff: nn.Module) -> nn.Linear | None:
+def _ff_out_projection(ff: nn.Module, a: torch.Tensor) -> nn.Linear | None:
     """The last layer of diffusers' ``FeedForward`` (GEGLU/GELU, dropout, then a Linear) when the block may run
-    its bias and residual inside that GEMM: a plain ``nn.Linear`` with a bias, in a ``FeedForward`` that runs its
-    own ``forward`` over ``net`` (no hooks, no replaced forward), its last module being that Linear."""
+    its bias and residual inside that GEMM (an in-place ``addmm_`` on the block's residual stream, ``a``'s
+    dtype): a plain ``nn.Linear`` with a bias in ``a``'s dtype, in a ``FeedForward`` that runs its own
+    ``forward`` over ``net`` (no hooks, no replaced forward), with no autograd and no autocast."""
     from diffusers.models.attention import FeedForward
 
     net = getattr(ff, "net", None)
     if not runs_as_its_class(ff, FeedForward) or net is None or len(net) < 2:
         return None
     last = net[-1]
-    if not runs_as_its_class(last, nn.Linear) or last.bias is None or torch.is_grad_enabled():
+    if not runs_as_its_class(last, nn.Linear) or last.bias is None or last.weight.dtype != a.dtype:
+        return None
+    if torch.is_grad_enabled() or torch.is_autocast_enabled(a.device.type):
         return None
     return last
 

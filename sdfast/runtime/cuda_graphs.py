@@ -158,17 +158,23 @@ def _static_input(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @dataclass
+class _Projection:
+    """With a ``conditioning`` (cross-attention K/V, ``runtime.cross_kv``): the graph that projects the context
+    leaf, replayed only when that leaf changes."""
+
+    graph: torch.cuda.CUDAGraph
+    index: int  # the context's position among the call's leaves
+    params: list  # the tensors the projection reads besides the context (their versions are watched)
+    slots: dict  # the K/V the step graph reads: kept alive, in the projection graph's own memory pool
+    seen: SeenContext = field(default_factory=SeenContext)
+
+
+@dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
     static_inputs: list  # tensors, in leaf order (None for non-tensor leaves)
     static_output: object
-    # With a ``conditioning`` (cross-attention K/V, ``runtime.cross_kv``): the graph that projects the context
-    # leaf, replayed only when that leaf changes; the leaf's index, the parameters it reads, what it last saw.
-    pre_graph: torch.cuda.CUDAGraph | None = None
-    pre_index: int = -1
-    pre_params: list = field(default_factory=list)
-    pre_seen: SeenContext = field(default_factory=SeenContext)
-    pre_slots: dict | None = None  # the K/V the step graph reads: kept alive, in the projection graph's own pool
+    pre: _Projection | None = None
 
 
 @dataclass
@@ -226,10 +232,12 @@ class GraphedForward:
         if entry is None:
             self.stats.eager_calls += 1
             return self.eager(*args, **kwargs)
-        if entry.pre_graph is not None:
-            self._refresh_conditioning(entry, leaves[entry.pre_index])
+        skip = -1
+        if entry.pre is not None:
+            skip = entry.pre.index
+            self._refresh_conditioning(entry.pre, entry.static_inputs[skip], leaves[skip])
         for i, (static, x) in enumerate(zip(entry.static_inputs, leaves)):
-            if static is None or i == entry.pre_index:
+            if static is None or i == skip:
                 continue
             if static.device == x.device:
                 static.copy_(x)
@@ -239,21 +247,30 @@ class GraphedForward:
         self.stats.replays += 1
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.static_output)
 
-    def _refresh_conditioning(self, entry: _Graph, x: torch.Tensor) -> None:
+    def _refresh_conditioning(self, pre: _Projection, static: torch.Tensor, x: torch.Tensor) -> None:
         """Replay the projection graph unless it last ran on this very tensor, unchanged, with unchanged weights."""
-        state = CrossKV.state(x, entry.pre_params)
-        if entry.pre_seen.same(x, state):
+        state = CrossKV.state(x, pre.params)
+        if pre.seen.same(x, state):
             return
-        entry.static_inputs[entry.pre_index].copy_(x)
-        entry.pre_graph.replay()
-        entry.pre_seen.set(x, state)
+        static.copy_(x)
+        pre.graph.replay()
+        pre.seen.set(x, state)
         self.stats.conditioning_runs += 1
 
     def forget_conditioning(self) -> None:
         """Make the next replay of every graph re-project its context (start of a pipeline call)."""
         for entry in self.graphs.values():
-            if entry is not None:
-                entry.pre_seen.forget()
+            if entry is not None and entry.pre is not None:
+                entry.pre.seen.forget()
+
+    def _capture_projection(self, static_inputs: list, index: int) -> _Projection:
+        """The projection graph of the context at ``static_inputs[index]``. Its own memory pool, not the shared
+        one: the K/V must survive the replays of every other graph (the shared pool hands memory freed after one
+        capture to the next, and replays write it)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            slots = self.conditioning.fill(static_inputs[index])
+        return _Projection(graph, index, self.conditioning.params(), slots)
 
     def _conditioning_index(self, leaves, s_args, s_kwargs) -> int:
         """Index of the conditioning context among the leaves, or -1 (no conditioning, no such argument, or no
@@ -275,16 +292,10 @@ class GraphedForward:
                 for _ in range(self.warmup_iters):
                     self.eager(*s_args, **s_kwargs)
             torch.cuda.current_stream().wait_stream(side)
-            pre_graph, pre_params, reading = None, [], contextlib.nullcontext()
+            pre, reading = None, contextlib.nullcontext()
             if pre_index >= 0:
-                context = static_inputs[pre_index]
-                pre_graph = torch.cuda.CUDAGraph()
-                # Its own memory pool, not the shared one: the K/V must survive the replays of every other graph
-                # (the shared pool hands memory freed after one capture to the next, and replays write it).
-                with torch.cuda.graph(pre_graph):
-                    slots = self.conditioning.fill(context)
-                pre_params = self.conditioning.params()
-                reading = self.conditioning.reading(slots, context)
+                pre = self._capture_projection(static_inputs, pre_index)
+                reading = self.conditioning.reading(pre.slots, static_inputs[pre_index])
             graph = torch.cuda.CUDAGraph()
             with reading, torch.cuda.graph(graph, pool=self.pool):
                 out = self.eager(*s_args, **s_kwargs)
@@ -300,8 +311,7 @@ class GraphedForward:
             self.graphs[key] = None
             self.born[key] = self.clock()
             return
-        self.graphs[key] = _Graph(graph, static_inputs, out, pre_graph, pre_index if pre_graph is not None else -1,
-                                  pre_params, pre_slots=slots if pre_graph is not None else None)
+        self.graphs[key] = _Graph(graph, static_inputs, out, pre)
         self.born[key] = self.clock()
         self.stats.captures += 1
         log.info("sdfast: captured a CUDA graph of %s (%d cached)", self.name, len(self.graphs))

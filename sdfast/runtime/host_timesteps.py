@@ -19,7 +19,12 @@ from __future__ import annotations
 import functools
 import types
 
-_MARK = "_sdfast_host_timesteps"
+_MARK = "_sdfast_host_timesteps"  # set on the wrapper function: the instance's set_timesteps is ours
+
+
+def _wrapped_by_us(scheduler) -> bool:
+    fn = scheduler.__dict__.get("set_timesteps")
+    return getattr(getattr(fn, "__func__", None), _MARK, False)
 
 
 def keep_on_host(scheduler) -> bool:
@@ -32,7 +37,7 @@ def keep_on_host(scheduler) -> bool:
     ``copy.deepcopy`` of the scheduler sets its own timesteps."""
     if scheduler is None or not callable(getattr(scheduler, "set_timesteps", None)):
         return False
-    if scheduler.__dict__.get(_MARK):
+    if _wrapped_by_us(scheduler):
         return True
     if "set_timesteps" in scheduler.__dict__:  # someone else's wrapper on this instance: left as it is
         return False
@@ -45,12 +50,12 @@ def keep_on_host(scheduler) -> bool:
             self.timesteps = ts.cpu()
         return out
 
+    setattr(set_timesteps, _MARK, True)
     scheduler.set_timesteps = types.MethodType(set_timesteps, scheduler)
-    scheduler.__dict__[_MARK] = True
     return True
 
 
 def release(scheduler) -> None:
     """Undo ``keep_on_host`` on this scheduler instance (the class's ``set_timesteps`` comes back)."""
-    if scheduler is not None and scheduler.__dict__.pop(_MARK, False):
-        scheduler.__dict__.pop("set_timesteps", None)  # the wrapper keep_on_host installed (it refuses to stack)
+    if scheduler is not None and _wrapped_by_us(scheduler):
+        del scheduler.__dict__["set_timesteps"]

@@ -17,6 +17,7 @@ import importlib
 import pytest
 import torch
 
+import tests.kernels.test_group_norm as base
 from kernels.norm import group_norm, group_norm_ref
 from kernels.testing import assert_close_rule, poison
 
@@ -52,25 +53,9 @@ def poisoned_allocations(monkeypatch):
     assert torch.isnan(torch.empty(3)).all() and torch.isnan(torch.empty_strided((2,), (1,))).all()
 
 
-def _inputs(B, C, H, W, dtype, *, cb=None, res=False, res_channels_last=True, affine=True, scale=2.0):
-    x = (torch.randn(B, C, H, W) * scale + 0.5).to(dtype).contiguous(memory_format=torch.channels_last)
-    w = (torch.rand(C) + 0.5).to(dtype) if affine else None
-    b = torch.randn(C).to(dtype) if affine else None
-    channel_bias = None
-    if cb == "C":
-        channel_bias = torch.randn(C).to(dtype)
-    elif cb == "BC":
-        channel_bias = torch.randn(B, C).to(dtype)
-    r = None
-    if res:
-        r = torch.randn(B, C, H, W).to(dtype)
-        if res_channels_last:
-            r = r.contiguous(memory_format=torch.channels_last)
-    return x, w, b, channel_bias, r
-
-
-def _f32(t):
-    return None if t is None else t.float()
+def _inputs(B, C, H, W, dtype, **kwargs):
+    """``test_group_norm``'s inputs, channels_last (the residual too unless ``res_channels_last=False``)."""
+    return base._inputs(B, C, H, W, dtype, True, **kwargs)
 
 
 def _plan(x, G, has_res):
@@ -79,21 +64,10 @@ def _plan(x, G, has_res):
 
 
 def _check(x, G, w, b, cb, r, activation, return_sum, atol, eps=1e-5):
-    """Run the op (on the "nhwc_tiles" plan) and compare y (and pre) with the fp32 reference under the
-    tolerance rule; returns the op's outputs."""
+    """``test_group_norm``'s check (y and pre against the fp32 reference under the tolerance rule, in x's
+    layout), on a call that plans the "nhwc_tiles" path; returns the op's outputs."""
     assert _plan(x, G, r is not None).path == "nhwc_tiles"
-    out = group_norm(x, G, w, b, eps, channel_bias=cb, residual=r, activation=activation, return_sum=return_sum)
-    ref32 = group_norm_ref(x.float(), G, _f32(w), _f32(b), eps, channel_bias=_f32(cb), residual=_f32(r),
-                           activation=activation, return_sum=return_sum)
-    lowp = group_norm_ref(x, G, w, b, eps, channel_bias=cb, residual=r, activation=activation,
-                          return_sum=return_sum, upcast=False)
-    if not return_sum:
-        out, ref32, lowp = (out,), (ref32,), (lowp,)
-    for name, o, r32, lp in zip(("y", "pre"), out, ref32, lowp):
-        assert o.dtype == x.dtype
-        assert o.is_contiguous(memory_format=torch.channels_last), f"{name} not channels_last: {o.stride()}"
-        assert_close_rule(o, r32, lp, atol=atol, name=name)
-    return out
+    return base._check(x, G, w, b, cb, r, activation, return_sum, atol, eps)
 
 
 def _split_sizes(plan, HW):
@@ -135,13 +109,7 @@ def test_channel_counts_off_the_tile(B, C, G, block_c, config, monkeypatch):
     _check(x, G, w, b, cb, r, "silu", True, 1e-5)
 
 
-FUSIONS = {
-    "none": dict(cb=None, res=False),
-    "bias_c": dict(cb="C", res=False),
-    "bias_bc": dict(cb="BC", res=False),
-    "residual": dict(cb=None, res=True),
-    "bias_residual": dict(cb="BC", res=True),
-}
+FUSIONS = base.FUSIONS
 
 
 @pytest.mark.parametrize("config", ["split"], indirect=True)
