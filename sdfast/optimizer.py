@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import OptimizeConfig
-from .runtime import host_timesteps
+from .runtime import execution_device, host_timesteps
 
 log = logging.getLogger("sdfast")
 
@@ -47,7 +47,7 @@ def _install_graphs(pipe, state: OptimizeState) -> None:
     from .runtime.cross_kv import CrossKV
     from .runtime.cuda_graphs import GraphCache
 
-    cache = GraphCache(max_graphs=state.config.max_graphs)
+    cache = GraphCache(max_graphs=state.config.max_graphs, parallel_compile=state.config.parallel_compile)
     cache.install("unet", pipe.unet, conditioning=CrossKV(pipe.unet) if state.config.cross_kv_once else None)
     for name in ("text_encoder", "text_encoder_2"):
         if getattr(pipe, name, None) is not None:
@@ -99,6 +99,7 @@ def optimize(pipe, config: OptimizeConfig | None = None):
     if config.cuda_graphs and pipe.unet.device.type == "cuda":
         _install_graphs(pipe, state)
         state.counts["cuda_graphs"] = len(state.graphs.runners)
+    execution_device.install(pipe)  # no walk over every submodule at each call (host time, GPU idle)
     pipe._sdfast = state
     log.info("sdfast: optimized %s: %s", type(pipe).__name__, state.counts)
     return pipe
@@ -124,5 +125,6 @@ def unoptimize(pipe):
     if state.vae_upcast:
         del pipe.vae.decode
         pipe.vae.to(torch.float16)
+    execution_device.uninstall(pipe)
     pipe._sdfast = None
     return pipe

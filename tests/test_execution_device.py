@@ -1,0 +1,82 @@
+"""``runtime.execution_device``: one pipeline instance answers ``_execution_device`` from a cache that follows
+its components, and falls back to diffusers' walk whenever an offloading hook is present."""
+
+import json
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline
+
+from sdfast.runtime import execution_device
+
+
+@pytest.fixture
+def pipe():
+    """A stock (not optimized) ``random:tiny`` pipeline on the CPU."""
+    import sdfast
+
+    return sdfast.load("random:tiny", optimize=False).pipe
+
+
+def _stock(pipe):
+    return DiffusionPipeline._execution_device.fget(pipe)
+
+
+def test_cached_answer_is_stocks_and_only_this_instance_changes(pipe):
+    cls = type(pipe)
+    assert execution_device.install(pipe) and execution_device.install(pipe)  # idempotent
+    assert type(pipe) is not cls and isinstance(pipe, cls)
+    assert type(pipe).__name__ == cls.__name__ and type(pipe).__module__ == cls.__module__
+    assert pipe._execution_device == _stock(pipe)
+    assert pipe.__dict__["_sdfast_execution_device"][1] == _stock(pipe)
+    execution_device.uninstall(pipe)
+    assert type(pipe) is cls and "_sdfast_execution_device" not in pipe.__dict__
+
+
+def test_cache_is_not_consulted_when_components_change(pipe, monkeypatch):
+    execution_device.install(pipe)
+    walks = []
+    stock = DiffusionPipeline._execution_device.fget
+    monkeypatch.setattr(DiffusionPipeline, "_execution_device",
+                        property(lambda self: walks.append(1) or stock(self)))
+    pipe._execution_device, pipe._execution_device
+    assert len(walks) == 1  # cached after the first walk
+    pipe.vae = type(pipe.vae).from_config(pipe.vae.config)  # a replaced component: walked again
+    pipe._execution_device
+    assert len(walks) == 2
+    pipe.text_encoder.to(torch.float64)  # same device, same identity: still cached
+    pipe._execution_device
+    assert len(walks) == 2
+
+
+def test_offloading_hooks_always_take_stocks_walk(pipe, monkeypatch):
+    execution_device.install(pipe)
+
+    class Hook:
+        execution_device = "cpu"
+
+    pipe.unet._hf_hook = Hook()  # as accelerate's cpu offload leaves it
+    walks = []
+    stock = DiffusionPipeline._execution_device.fget
+    monkeypatch.setattr(DiffusionPipeline, "_execution_device",
+                        property(lambda self: walks.append(1) or stock(self)))
+    for _ in range(3):
+        assert pipe._execution_device == torch.device("cpu")
+    assert len(walks) == 3
+
+
+def test_saved_pipeline_names_the_diffusers_class(pipe, tmp_path):
+    name = type(pipe).__name__
+    execution_device.install(pipe)
+    pipe.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "model_index.json").read_text())["_class_name"] == name
+
+
+def test_optimize_installs_and_unoptimize_removes(pipe):
+    import sdfast
+
+    cls = type(pipe)
+    sdfast.optimize(pipe)
+    assert execution_device.installed(pipe) and isinstance(pipe, cls)
+    sdfast.unoptimize(pipe)
+    assert type(pipe) is cls
