@@ -9,6 +9,7 @@ import warnings
 
 import numpy as np
 import torch
+from PIL import Image
 
 from . import prompts as prompt_policy
 from .errors import NonFiniteOutputError
@@ -17,6 +18,17 @@ from .runtime import host_timesteps
 from .schedulers import check_steps, make_scheduler
 
 log = logging.getLogger("sdfast")
+
+
+def _to_uint8(images: torch.Tensor) -> tuple[np.ndarray, bool]:
+    """A pipeline's ``output_type="pt"`` images, (N, C, H, W) in [0, 1] on any device, as (N, H, W, C) uint8 on
+    the host, and whether every value was finite. The arithmetic of diffusers' ``pt_to_numpy`` and
+    ``numpy_to_pil`` (fp32 ``x * 255``, round half to even, cast), bit for bit, but on the images' device: on the
+    H200's host, numpy's pass took 8 ms of a 512² image and 21 ms of a 1024² one (``benchmarks/trace_e2e.py``)."""
+    x = images.permute(0, 2, 3, 1).float()
+    finite = torch.isfinite(x).all()
+    pixels = (x * 255).round().to(torch.uint8)
+    return pixels.cpu().numpy(), bool(finite)
 
 
 class PromptTruncatedWarning(UserWarning):
@@ -167,7 +179,7 @@ class Engine:
                 width=width,
                 num_images_per_prompt=num_images_per_prompt,
                 generator=generators,
-                output_type="np",
+                output_type="pt",
             )
         except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
             oom = isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)
@@ -180,9 +192,9 @@ class Engine:
             raise
         finally:
             hook.remove()
-        images = out.images
+        pixels, images_finite = _to_uint8(out.images)
         self.last_timings = {"total_s": time.perf_counter() - t0}
-        if not all(finite) or not np.isfinite(images).all():
+        if not all(finite) or not images_finite:
             low = pipe.unet.dtype in (torch.float16, torch.bfloat16)
             raise NonFiniteOutputError(
                 "the pipeline produced NaN/Inf values; no image is returned. "
@@ -190,7 +202,7 @@ class Engine:
                    if low else f"It runs in {pipe.unet.dtype} already: check guidance_scale ({guidance_scale:g}) and "
                    "the weights, try optimize=False, or report it")
             )
-        pil = pipe.image_processor.numpy_to_pil(images)
+        pil = [Image.fromarray(p[..., 0] if p.shape[-1] == 1 else p) for p in pixels]
         for i, (img, s) in enumerate(zip(pil, seeds)):
             p = i // num_images_per_prompt
             img.info["seed"] = str(s)

@@ -21,6 +21,22 @@ def test_same_pixels_as_diffusers(tiny_engine):
     assert np.array_equal(_px(images[0]), _px(stock[0]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_pixels_are_diffusers_numpy_to_pil_bit_for_bit(dtype):
+    from diffusers.image_processor import VaeImageProcessor
+
+    from sdfast.engine import _to_uint8
+
+    halves = (torch.arange(256, dtype=torch.float64) + 0.5) / 255  # the rounding ties and their neighbours
+    x = torch.cat([torch.rand(2 * 3 * 40 * 40 - 3 * 256, dtype=torch.float64), halves, halves.nextafter(halves * 0),
+                   halves.nextafter(halves * 0 + 1)]).clamp(0, 1).to(dtype).reshape(2, 3, 40, 40)
+    pixels, finite = _to_uint8(x)
+    stock = VaeImageProcessor.numpy_to_pil(VaeImageProcessor.pt_to_numpy(x))
+    assert finite and pixels.dtype == np.uint8 and pixels.shape == (2, 40, 40, 3)
+    assert all(np.array_equal(p, np.asarray(s)) for p, s in zip(pixels, stock))
+    assert not _to_uint8(x.masked_fill(x > 0.999, float("nan")))[1]
+
+
 def test_seed_determinism(tiny_engine):
     a = tiny_engine.txt2img("a cat", seed=1, num_inference_steps=2)[0]
     b = tiny_engine.txt2img("a cat", seed=1, num_inference_steps=2)[0]
