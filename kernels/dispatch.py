@@ -61,9 +61,19 @@ def launch_autotuned(kernel, grid, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)`` for a ``triton.autotune`` kernel, dropping the autotuner's
     reference to the arguments afterwards. Triton 3.6's ``Autotuner.run`` keeps them in ``nargs`` until
     it returns normally: an exception while it benchmarks configs (e.g. out of memory) would keep the
-    call's tensors, the output included, alive for the life of the process (seen on the H200)."""
+    call's tensors, the output included, alive for the life of the process (seen on the H200).
+    In a ``kernels.precompile`` dry run, every config is launched once (so each compiles) and none is timed
+    or cached: timings of skipped launches mean nothing."""
+    from kernels import precompile
+
     try:
-        kernel[grid](*args, **kwargs)
+        if precompile.active():  # compile every config (in parallel), time none: their launches are skipped
+            kernel.nargs = dict(zip(kernel.arg_names, args))
+            meta = dict(kwargs, grid=grid, warmup=False)
+            for config in (kernel.prune_configs(meta) if len(kernel.configs) > 1 else kernel.configs):
+                kernel.fn.run(*args, **meta, **config.all_kwargs())
+        else:
+            kernel[grid](*args, **kwargs)
     finally:
         if getattr(kernel, "nargs", None) is not None:
             kernel.nargs = None

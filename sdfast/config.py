@@ -27,6 +27,10 @@ class OptimizeConfig:
         pipeline call (in their own graph) instead of at every step: the embedding does not change during the
         denoising loop. Speed: 140 fewer GEMMs per SDXL step (about 0.9 ms of 31), 32 per SD1.5 step; memory:
         the K/V of every layer (SDXL about 55 MB). Numerics: identical (the same GEMMs, run earlier).
+    parallel_compile: with cuda_graphs, before the first warm-up at a new input signature, one compile-only pass
+        (``kernels.precompile``) compiles the Triton kernels it reaches on all CPU cores (ptxas, LLVM and the
+        launcher builds overlap) instead of one after another. Speed: warm-up with a cold Triton cache; costs
+        one extra eager pass per new signature. Numerics: none (no output of that pass is used).
     max_graphs: graphs kept per module; the least recently used shape is dropped beyond this.
     vae_fp32_when_asked: when the VAE config says ``force_upcast`` and the pipeline is fp16, keep the VAE
         in fp32 permanently (what stock diffusers does per call, without casting weights back and forth).
@@ -38,6 +42,7 @@ class OptimizeConfig:
     channels_last: bool = True
     cuda_graphs: bool = True
     cross_kv_once: bool = True
+    parallel_compile: bool = True
     max_graphs: int = 8
     vae_fp32_when_asked: bool = True
 

@@ -78,6 +78,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels import precompile
 from kernels.dispatch import log_fallback, use_triton
 from kernels.gemm.sparsegpt_block import sparsegpt_block
 
@@ -1159,6 +1160,8 @@ class SparseLinear(nn.Module):
         ck = (m, x2d.dtype)
         choice = self._choices.get(ck)
         if choice is None:
+            if precompile.active():  # compile-only pass (kernels.precompile): no timing is real, decide later
+                return F.linear(x, self.weight, self.bias)
             choice = self._decide(x2d)
             if choice is None:
                 log_fallback("SparseLinear", "dense: first call with this M happened inside CUDA-graph capture or torch.compile")

@@ -7,7 +7,8 @@ the static outputs, so no caller ever holds a view of a graph's buffer. A module
 its root runs eagerly (hooks need Python at every call: a calibration collecting activations, a user's
 hook). A new signature is warmed up
 eagerly on a side stream (cuDNN/cuBLAS handles, Triton compilation, the attention dispatcher's
-measurements all happen there) and captured. Graphs share the engine's memory pool: their
+measurements all happen there) and captured; before that warm-up, a compile-only pass
+(``kernels.precompile.dry_run``, ``parallel_compile``) compiles the Triton kernels it needs on all cores. Graphs share the engine's memory pool: their
 intermediates reuse one planned workspace, safe because graphs replay one at a time and outputs are
 copied out at once. At most ``max_graphs`` are kept (least recently used dropped). With a ``conditioning``
 (``runtime.cross_kv.CrossKV``: the UNet's cross-attention K/V), each signature has a second, small graph that
@@ -33,6 +34,7 @@ from torch.nn.modules import module as nn_module
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
+from kernels import precompile
 from sdfast.runtime.cross_kv import CrossKV, SeenContext
 
 log = logging.getLogger("sdfast.runtime")
@@ -191,8 +193,9 @@ class GraphedForward:
     """A callable that replaces ``module.forward`` (see the module docstring)."""
 
     def __init__(self, module: torch.nn.Module, *, pool, max_graphs: int = 8, warmup_iters: int = 2, name: str = "",
-                 clock=None, stream=None, conditioning: CrossKV | None = None):
+                 clock=None, stream=None, conditioning: CrossKV | None = None, parallel_compile: bool = True):
         self.module = module
+        self.parallel_compile = parallel_compile  # a compile-only pass before the first warm-up at a signature
         self.conditioning = conditioning  # computed in its own graph, once per context (see runtime.cross_kv)
         self.eager = module.forward  # the forward as it was (possibly already patched by other passes)
         self.rebound = "forward" in module.__dict__  # was forward already an instance attribute?
@@ -289,6 +292,8 @@ class GraphedForward:
         side.wait_stream(torch.cuda.current_stream())
         try:
             with torch.cuda.stream(side):
+                if self.parallel_compile:  # the Triton kernels of this signature compile on all cores first
+                    precompile.dry_run(self.eager, *s_args, label=self.name, **s_kwargs)
                 for _ in range(self.warmup_iters):
                     self.eager(*s_args, **s_kwargs)
             torch.cuda.current_stream().wait_stream(side)
@@ -337,7 +342,8 @@ class GraphedForward:
 class GraphCache:
     """The graphed modules of one pipeline and their shared memory pool."""
 
-    def __init__(self, max_graphs: int = 8):
+    def __init__(self, max_graphs: int = 8, parallel_compile: bool = True):
+        self.parallel_compile = parallel_compile
         self.pool = torch.cuda.graph_pool_handle()
         # One side stream for every warm-up and capture: cuBLAS keeps a workspace per stream it has
         # run on, for the life of the process, so a new stream per capture would grow memory.
@@ -352,7 +358,7 @@ class GraphCache:
 
     def install(self, name: str, module: torch.nn.Module, conditioning: CrossKV | None = None) -> GraphedForward:
         runner = GraphedForward(module, pool=self.pool, max_graphs=self.max_graphs, name=name, clock=self._tick,
-                                stream=self.stream, conditioning=conditioning)
+                                stream=self.stream, conditioning=conditioning, parallel_compile=self.parallel_compile)
         module.forward = runner
         self.runners[name] = runner
         return runner

@@ -1,0 +1,118 @@
+"""Compile the Triton kernels a forward pass needs in parallel, before the pass runs for real.
+
+With a cold Triton cache, the first forward pass at a new shape compiles every kernel specialization it
+reaches, one after another, on the launching thread. On the H200 host that was about 20 s of SD1.5's 33 s
+first image (run 7 profile: ptxas 9.7 s, LLVM 8.4 s, the launchers' C builds 3.7 s). ptxas and the C compiler
+are subprocesses and LLVM releases the GIL, so they overlap when several compilations run at once.
+
+``dry_run(fn, *args, **kwargs)`` calls ``fn`` once in *compile-only* mode: a Triton launch whose kernel is not
+compiled yet is skipped and its compilation (``JITFunction.preload`` of the launch's specialization, then its
+launcher build) is queued on a thread pool; launches of compiled kernels run. The outputs of skipped launches
+are never written, so the values of the pass are garbage and it returns nothing; it only has to reach every
+launch with the real shapes, dtypes and strides. It then waits for the compilations; the real pass after it
+finds them in Triton's caches. A compilation that fails in the pool is logged and left to the real pass, which
+compiles it again and raises (or falls back) where it would have anyway. This is Triton's
+``knobs.runtime.jit_cache_hook`` (the pre-compile hook: returning True skips the launch) and ``preload``
+(compile from a launch's serialized specialization), the mechanism Triton offers for ahead-of-time warm-up.
+
+Code that measures kernels must not believe timings taken in this mode: it checks ``active()``
+(the attention dispatcher, ``launch_autotuned``, ``SparseLinear``'s backend choice).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+
+log = logging.getLogger("sdfast.kernels")
+
+_state = threading.local()
+
+
+def active() -> bool:
+    """True inside ``dry_run`` on this thread: Triton launches of uncompiled kernels are being skipped."""
+    return getattr(_state, "session", None) is not None
+
+
+class _Session:
+    """The compilations queued by one dry run."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sdfast-precompile")
+        self.futures: dict[tuple, Future] = {}
+        self.owner = threading.get_ident()
+
+    def hook(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 - Triton's names
+        if is_manual_warmup or threading.get_ident() != self.owner:
+            return None  # our own preload in the pool, or someone's warmup(): compile as usual
+        jit = fn.jit_function
+        ident = (id(jit), key)
+        if ident not in self.futures:
+            self.futures[ident] = self.pool.submit(_compile, jit, compile["specialization_data"], compile["device"])
+        return True  # skip this launch
+
+    def finish(self) -> tuple[int, int]:
+        wait(list(self.futures.values()))
+        self.pool.shutdown(wait=True)
+        failed = 0
+        for f in self.futures.values():
+            if f.exception() is not None:
+                failed += 1
+                log.info("sdfast precompile: a kernel failed to compile ahead (the real pass compiles it again): %s",
+                         f.exception())
+        return len(self.futures), failed
+
+
+def _compile(jit, specialization_data: str, device: int):
+    """In a pool thread: compile one launch's specialization into ``jit``'s kernel cache, then build its launcher
+    (a C module, cached on disk, which the first real launch would otherwise build on the launching thread)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device)  # Triton compiles for the current device's target
+    kernel = jit.preload(specialization_data)
+    src = getattr(kernel, "src", None)
+    if src is not None:
+        from triton.runtime.driver import driver
+
+        driver.active.launcher_cls(src, kernel.metadata)
+    return kernel
+
+
+def default_workers() -> int:
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+def dry_run(fn, *args, workers: int | None = None, label: str = "module", **kwargs) -> None:
+    """Run ``fn(*args, **kwargs)`` once in compile-only mode, then wait for the Triton compilations it queued.
+
+    Args: ``fn`` and its arguments: a forward pass on real-shaped inputs (CUDA); ``workers``: compile threads
+    (default: the CPU count, at most 16); ``label``: for the log line.
+    Never raises for the pass itself: an exception in ``fn`` (garbage values reaching a check, out of memory)
+    ends the dry run early, logged; the kernels queued so far are still compiled. Returns None.
+    """
+    import triton
+
+    if active():
+        fn(*args, **kwargs)
+        return
+    session = _Session(workers or default_workers())
+    previous = triton.knobs.runtime.jit_cache_hook
+    t0 = time.perf_counter()
+    _state.session = session
+    triton.knobs.runtime.jit_cache_hook = session.hook
+    try:
+        fn(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - the real pass after this one meets (and reports) the same problem
+        log.info("sdfast precompile: the dry pass of %s stopped early (%s: %s)", label, type(e).__name__, e)
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous
+        _state.session = None
+        n, failed = session.finish()
+    if n:
+        log.info("sdfast precompile: %s: %d Triton kernels compiled in %.1f s on %d threads (%d failed)",
+                 label, n, time.perf_counter() - t0, session.workers, failed)
