@@ -6,7 +6,7 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && bash benchmarks/gpu_suite.sh tests kernels txt2img
 # Stages: env tests kernels txt2img server presets warmup warmup2 hostwarm trace tune tuneln (default: env tests kernels txt2img server). Extra args:
-# PYTEST_ARGS, KERNEL_ARGS, BENCH_ARGS, SERVER_ARGS, PRESET_ARGS, TUNE_ARGS; per-stage time limits in seconds: T_<stage>
+# PYTEST_ARGS, KERNEL_ARGS, BENCH_ARGS, SERVER_ARGS, PRESET_ARGS, TUNE_ARGS, TRACE_ARGS; per-stage time limits in seconds: T_<stage>
 # (default 540). All stages do not fit one 600 s device call. Measured on the H200 (2026-11-29, run 4): tests ~270 s
 # (files in parallel; the user-case file alone ~245 s), server ~70 s, kernels: attention ~35 s, sparse ~150 s,
 # gemm ~25 s, norm (--quick) ~20 s, quant 43 s; txt2img stock+sdfast with --profile --second-size ~120 s,
@@ -44,7 +44,7 @@ for stage in $stages; do
     warmup) run warmup python3 -m benchmarks.profile_warmup --cold --out "$RAW/warmup" ;;
     warmup2) run warmup2 python3 -m benchmarks.profile_warmup --second-size --out "$RAW/warmup2" ;;
     hostwarm) run hostwarm python3 -m benchmarks.profile_warmup --warm --out "$RAW/hostwarm" ;;
-    trace) run trace bash -c "python3 -m benchmarks.trace_e2e --out '$RAW/trace-sd15' && python3 -m benchmarks.trace_e2e --model random:sdxl --steps 30 --out '$RAW/trace-sdxl'" ;;
+    trace) run trace bash -c "python3 -m benchmarks.trace_e2e --out '$RAW/trace-sd15' \${TRACE_ARGS:-} && python3 -m benchmarks.trace_e2e --model random:sdxl --steps 30 --out '$RAW/trace-sdxl' \${TRACE_ARGS:-}" ;;
     tune) run tune python3 -m benchmarks.tune_group_norm --out "$RAW" --budget-s "${T_tune_budget:-200}" ${TUNE_ARGS:-} ;;
     tuneln) run tuneln python3 -m benchmarks.tune_layer_norm --out "$RAW" ;;
     *) echo "unknown stage $stage" ;;
