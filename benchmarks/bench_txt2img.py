@@ -217,20 +217,25 @@ def _sdfast_info(pipe) -> dict:
     info = {"counts": dict(state.counts), "vae_upcast": state.vae_upcast}
     if state.graphs is not None:
         info["graphs"] = state.graphs.stats()
-    info["attention"] = _attention_choices()
+    info["attention"] = _attention_choices(state.vae_dispatcher)
     return info
 
 
-def _attention_choices() -> list[dict]:
-    """What the attention dispatcher picked per shape, and the µs it measured for each backend."""
+def _attention_choices(vae_dispatcher=None) -> list[dict]:
+    """What the attention dispatchers (the shared one, and the fp32 VAE's own if any) picked per shape, and the µs
+    each backend measured."""
     from sdfast.passes.attention import default_dispatcher
 
-    d = default_dispatcher()
-    timings = d.timings()
-    return [{"lq": k.lq, "lk": k.lk, "heads": k.heads, "head_dim": k.head_dim, "mask": k.has_mask,
-             "dtype": str(k.dtype).replace("torch.", ""), "picked": name,
-             "us": {b: round(t, 1) for b, t in sorted(timings.get(k, {}).items(), key=lambda x: x[1])}}
-            for k, name in d.choices().items()]
+    rows = []
+    for owner, d in (("shared", default_dispatcher()), ("vae", vae_dispatcher)):
+        if d is None:
+            continue
+        timings = d.timings()
+        rows += [{"dispatcher": owner, "lq": k.lq, "lk": k.lk, "heads": k.heads, "head_dim": k.head_dim,
+                  "mask": k.has_mask, "dtype": str(k.dtype).replace("torch.", ""), "picked": name,
+                  "us": {b: round(t, 1) for b, t in sorted(timings.get(k, {}).items(), key=lambda x: x[1])}}
+                 for k, name in d.choices().items()]
+    return rows
 
 
 def build_sdfast(spec: ModelSpec, ctx: Context, **config_kwargs) -> Built:

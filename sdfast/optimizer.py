@@ -27,6 +27,7 @@ class OptimizeState:
     counts: dict = field(default_factory=dict)
     graphs: object | None = None  # runtime.cuda_graphs.GraphCache
     vae_upcast: bool = False
+    vae_dispatcher: object | None = None  # the fp32 VAE's own AttentionDispatcher (TF32 allowed), if any
 
 
 def _denoisers(pipe) -> list[torch.nn.Module]:
@@ -91,7 +92,11 @@ def optimize(pipe, config: OptimizeConfig | None = None):
         _vae_decode_in_own_dtype(vae)
         state.vae_upcast = True
     if config.attention:
-        state.counts["attention"] = sum(attention.apply(m, fuse_projections=config.fuse_qkv) for m in _denoisers(pipe))
+        if state.vae_upcast and config.vae_tf32:
+            state.vae_dispatcher = attention.AttentionDispatcher(allow_tf32=True)
+        state.counts["attention"] = sum(
+            attention.apply(m, fuse_projections=config.fuse_qkv, dispatcher=state.vae_dispatcher if m is vae else None)
+            for m in _denoisers(pipe))
     if config.fuse_norms:
         state.counts["norms"] = sum(norms.apply(m) for m in _denoisers(pipe))
     if config.channels_last:

@@ -442,3 +442,72 @@ def test_dispatcher_skips_a_much_slower_backend_after_a_probe_on_a_query_slice(c
     d2.slow_factor = 1e9  # never too slow: measured in full
     d2(q, k, v)
     assert full_calls and "slow" in d2.timings()[key]
+
+
+@pytest.mark.parametrize("mask", [None, "bool", "float"])
+def test_tf32_backend_is_chunked_fp32_math_on_the_cpu(monkeypatch, mask):
+    monkeypatch.setattr(ap, "_TF32_SCORE_ELEMS", 2 * 3 * 40 * 7)  # 7 query rows per chunk: 6 chunks, the last short
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, n, 16, generator=g) for n in (40, 37, 37))
+    m = None
+    if mask == "bool":
+        m = torch.rand(2, 1, 40, 37, generator=g) > 0.3
+        m[..., 0] = True
+    elif mask == "float":
+        m = torch.randn(1, 3, 1, 37, generator=g)
+    out = ap._tf32_backend(q, k, v, m, 0.25, False)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=0.25)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(NotImplementedError, match="fp32"):
+        ap._tf32_backend(q.half(), k.half(), v.half(), None, 0.25, False)
+
+
+def test_tf32_is_a_candidate_only_when_allowed_for_fp32_and_checked_at_fp16_tolerance():
+    from types import SimpleNamespace
+
+    def on_cuda(dtype):  # what _candidate_names reads of a tensor
+        return SimpleNamespace(shape=(1, 1, 4, 8), dtype=dtype, device=torch.device("cuda"))
+
+    q32, q16 = on_cuda(torch.float32), on_cuda(torch.float16)
+    assert "tf32" in ap.AttentionDispatcher(allow_tf32=True)._candidate_names(q32, q32)
+    assert "tf32" not in ap.AttentionDispatcher(allow_tf32=True)._candidate_names(q16, q16)
+    assert "tf32" not in ap.AttentionDispatcher()._candidate_names(q32, q32)
+    assert ap._COMPUTE_DTYPE["tf32"] is torch.float16
+
+
+@pytest.mark.parametrize("api", ["untouched", "legacy", "new"])
+def test_tf32_matmul_flag_is_restored_through_the_callers_api(api):
+    m = torch.backends.cuda.matmul
+    saved = m.fp32_precision
+    try:
+        if api == "legacy":
+            m.allow_tf32 = False
+        elif api == "new":
+            m.fp32_precision = "ieee"
+        before = m.fp32_precision
+        with ap._tf32_matmuls():
+            assert m.fp32_precision == "tf32"
+        assert m.fp32_precision == before
+        if api != "new":
+            assert m.allow_tf32 is False
+    finally:
+        m.fp32_precision = saved
+
+
+def test_fp32_vae_gets_its_own_tf32_dispatcher():
+    import sdfast
+    from sdfast import OptimizeConfig
+
+    for tf32 in (True, False):
+        pipe = sdfast.load("random:tiny-xl", optimize=False).pipe.to(torch.float16)
+        pipe.vae.register_to_config(force_upcast=True)  # as SDXL's VAE config says
+        sdfast.optimize(pipe, OptimizeConfig(vae_tf32=tf32))
+        state = pipe._sdfast
+        assert state.vae_upcast and pipe.vae.dtype == torch.float32
+        vae_procs = {id(p.dispatcher) for p in pipe.vae.attn_processors.values()}
+        unet_procs = {id(p.dispatcher) for p in pipe.unet.attn_processors.values()}
+        assert unet_procs == {id(ap.default_dispatcher())}
+        if tf32:
+            assert state.vae_dispatcher.allow_tf32 and vae_procs == {id(state.vae_dispatcher)}
+        else:
+            assert state.vae_dispatcher is None and vae_procs == unet_procs

@@ -50,7 +50,7 @@ _SDPA_FORCED = {
     "efficient": "EFFICIENT_ATTENTION",
     "math": "MATH",
 }
-BACKEND_NAMES = ("cudnn", "flash", "efficient", "math", "sdpa", "xformers", "triton")
+BACKEND_NAMES = ("cudnn", "flash", "efficient", "math", "sdpa", "xformers", "triton", "tf32")
 _STATE_ATTR = "_sdfast_attention_state"
 # Names of the fused Q/K/V (K/V) projections this pass adds: views of to_q/to_k/to_v's weights, used
 # only while those are plain nn.Linear, so other passes (quantize_, sparsify_) never convert them.
@@ -125,6 +125,55 @@ def _triton_backend(q, k, v, attn_mask, scale, upcast):
     return flash_attention(q, k, v, key_padding_mask=kpm, scale=scale, upcast_softmax=upcast)
 
 
+_TF32_SCORE_ELEMS = 64 * 2**20  # fp32 scores per chunk of the tf32 backend (256 MiB)
+
+
+def _tf32_backend(q, k, v, attn_mask, scale, upcast):
+    """Attention of fp32 tensors with both matmuls in TF32 (tensor cores: fp32 range, 10-bit mantissa, fp32
+    accumulation) and an fp32 softmax, over chunks of queries whose (B, H, rows, Lk) scores stay under
+    256 MiB. For the fp32 VAE of SDXL (``force_upcast``) at 1024², where SDPA's fp32 kernels run on CUDA
+    cores: 13.6 ms per call on the H200 (run 7). The TF32 flag is process-wide: it is set only while this
+    function queues its matmuls, and restored (``_tf32_matmuls``). On the CPU there is no TF32: the same
+    chunked fp32 math."""
+    if q.dtype != torch.float32:
+        raise NotImplementedError(f"the tf32 backend takes fp32 tensors, got {q.dtype}")
+    B, H, Lq, _ = q.shape
+    Lk = k.shape[2]
+    m = attn_mask
+    if m is not None:
+        while m.dim() < 4:
+            m = m.unsqueeze(0)
+    rows = max(1, _TF32_SCORE_ELEMS // max(1, B * H * Lk))
+    out = torch.empty(B, H, Lq, v.shape[-1], dtype=q.dtype, device=q.device)
+    kt = k.transpose(-1, -2)
+    with _tf32_matmuls():
+        for i in range(0, Lq, rows):
+            s = torch.matmul(q[:, :, i : i + rows] * scale, kt)
+            if m is not None:
+                mi = m if m.shape[2] == 1 else m[:, :, i : i + rows]
+                s = s.masked_fill(~mi, float("-inf")) if mi.dtype == torch.bool else s + mi
+            out[:, :, i : i + rows] = torch.matmul(torch.softmax(s, dim=-1), v)
+            del s
+    return out
+
+
+@contextlib.contextmanager
+def _tf32_matmuls():
+    """cuBLAS fp32 matmuls in TF32 inside the block, the caller's setting restored after, through whichever of
+    torch's two flag APIs the caller uses (reading the legacy ``allow_tf32`` raises once the caller has set
+    the newer ``fp32_precision``, and mixing them makes later reads raise)."""
+    m = torch.backends.cuda.matmul
+    try:
+        name, previous, value = "allow_tf32", m.allow_tf32, True
+    except RuntimeError:
+        name, previous, value = "fp32_precision", m.fp32_precision, "tf32"
+    setattr(m, name, value)
+    try:
+        yield
+    finally:
+        setattr(m, name, previous)
+
+
 def _xformers_backend(q, k, v, attn_mask, scale, upcast):
     if attn_mask is not None:
         raise NotImplementedError("xformers backend: attention masks are not wired")
@@ -163,6 +212,7 @@ def _builtin_backends() -> Dict[str, BackendFn]:
     b["sdpa"] = _sdpa_default
     b["xformers"] = _xformers_backend
     b["triton"] = _triton_backend
+    b["tf32"] = _tf32_backend
     return b
 
 
@@ -183,6 +233,8 @@ class AttentionKey(NamedTuple):
 
 
 _RTOL = {torch.float16: 2e-2, torch.bfloat16: 6e-2, torch.float32: 2e-3}
+# Backends that compute in a narrower precision than their inputs: checked at that precision's tolerance.
+_COMPUTE_DTYPE = {"tf32": torch.float16}  # TF32 keeps fp16's 10-bit mantissa
 
 
 def _reference(q, k, v, attn_mask, scale) -> torch.Tensor:
@@ -299,7 +351,8 @@ class AttentionDispatcher:
 
     Backends: ``cudnn``, ``flash``, ``efficient``, ``math`` (torch SDPA forced to that backend via
     ``torch.nn.attention.sdpa_kernel``), ``sdpa`` (SDPA's own choice), ``xformers`` (only if
-    importable and a probe call works), ``triton`` (ours; no masks other than key padding).
+    importable and a probe call works), ``triton`` (ours; no masks other than key padding), ``tf32``
+    (fp32 inputs, matmuls in TF32; only with ``allow_tf32``).
     ``upcast`` is passed to the Triton kernel (fp32-like P, see ``flash_attention``); SDPA backends
     already run the softmax in fp32, as diffusers' ``AttnProcessor2_0`` relies on.
 
@@ -311,6 +364,8 @@ class AttentionDispatcher:
         extra_backends: additional named backends ``fn(q, k, v, attn_mask, scale, upcast)``.
         measure_cpu: measure on CPU too instead of taking SDPA.
         budget_ms: timing budget per backend and key.
+        allow_tf32: fp32 keys also consider ``tf32`` (both matmuls in TF32, checked at fp16's tolerance
+            against the fp32 reference). Off by default: an fp32 model asked for fp32.
 
     Raises:
         ValueError: unknown backend / candidate name.
@@ -325,6 +380,7 @@ class AttentionDispatcher:
         extra_backends: Optional[Mapping[str, BackendFn]] = None,
         measure_cpu: bool = False,
         budget_ms: float = 3.0,
+        allow_tf32: bool = False,
     ):
         self._backends: Dict[str, BackendFn] = _builtin_backends()
         if extra_backends:
@@ -348,6 +404,7 @@ class AttentionDispatcher:
         self._extra = tuple(extra_backends or ())
         self.measure_cpu = measure_cpu
         self.budget_ms = budget_ms
+        self.allow_tf32 = allow_tf32
         self._choice: Dict[AttentionKey, str] = {}
         self._timings: Dict[AttentionKey, Dict[str, float]] = {}
         self._excluded: Dict[AttentionKey, Dict[str, str]] = {}
@@ -447,6 +504,8 @@ class AttentionDispatcher:
             names = ["cudnn", "flash", "efficient"] + (["math"] if math_ok else []) + ["sdpa"]
             if xformers_works(device):
                 names.append("xformers")
+            if self.allow_tf32 and q.dtype == torch.float32:
+                names.append("tf32")
             if os.environ.get("SDFAST_ATTENTION_TRITON", "1") != "0":
                 # SDFAST_ATTENTION_TRITON=0 leaves our kernel out: a kernel fault (unlike an exception)
                 # breaks the CUDA context, so it could not be measured-and-excluded like the others.
@@ -486,7 +545,7 @@ class AttentionDispatcher:
                     continue
                 with torch.no_grad():
                     out = fn(q, k, v, attn_mask, scale, upcast)
-                bad = _mismatch(out, ref, q.dtype)
+                bad = _mismatch(out, ref, _COMPUTE_DTYPE.get(name, q.dtype))
                 del out
                 if bad is not None:
                     self._exclude(key, name, f"wrong result vs fp32 math: {bad}", wrong=True)

@@ -287,3 +287,25 @@ def test_vae_decoder_parity():
         ours = vae.decode(z.half()).sample.float()
         ap.undo(vae)
     assert_close_rule(ours, ref32, stock, atol=2e-3, name="VAE decode")
+
+
+@pytest.mark.parametrize("lq", [4096, 16384])
+def test_tf32_backend_on_the_fp32_vae_shape_and_in_a_cuda_graph(lq):
+    """The SDXL VAE's mid-block attention (1 head of 512, 128x128 latents at 1024²) in TF32: within fp16's
+    tolerance of fp32 math, and the same numbers replayed from a CUDA graph (the TF32 flag is read at capture)."""
+    from sdfast.passes import attention as ap
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(1, 1, lq, 512, device="cuda", generator=g) for _ in range(3))
+    scale = 512**-0.5
+    before = torch.backends.cuda.matmul.allow_tf32
+    out = ap._tf32_backend(q, k, v, None, scale, False)
+    ref = ap._reference(q, k, v, None, scale)
+    assert ap._mismatch(out, ref, torch.float16) is None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ap._tf32_backend(q, k, v, None, scale, False)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, out)
+    assert torch.backends.cuda.matmul.allow_tf32 == before  # the caller's setting is back
