@@ -45,15 +45,15 @@ def idle_gaps(busy: list[tuple[float, float]], start: float, end: float, min_gap
     return gaps
 
 
-def frames_at(events: list[dict], t: float, depth: int = 5) -> list[str]:
-    """The innermost ``depth`` Python frames (and torch ops) running on the host at time ``t`` (µs)."""
-    live = [e for e in events if e.get("cat") in ("python_function", "cpu_op")
+def frames_at(events: list[dict], t: float, tid, depth: int = 5) -> list[str]:
+    """The innermost ``depth`` Python frames (and torch ops) running on host thread ``tid`` at time ``t`` (µs)."""
+    live = [e for e in events if e.get("cat") in ("python_function", "cpu_op") and e.get("tid") == tid
             and e["ts"] <= t < e["ts"] + e.get("dur", 0)]
     live.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
     return [e["name"] for e in live[-depth:]]
 
 
-def summarize(events: list[dict], call_start: float, call_end: float, min_gap: float) -> str:
+def summarize(events: list[dict], call_start: float, call_end: float, min_gap: float, tid=None) -> str:
     busy = gpu_intervals(events)
     inside = [(max(s, call_start), min(e, call_end)) for s, e in busy if e > call_start and s < call_end]
     busy_us = sum(e - s for s, e in inside)
@@ -63,7 +63,7 @@ def summarize(events: list[dict], call_start: float, call_end: float, min_gap: f
              f"of which {sum(e - s for s, e in gaps) / 1e3:.1f} ms in {len(gaps)} gaps >= {min_gap:.0f} us", "",
              "| at ms | gap ms | host frames at the gap's middle (outer -> inner) |", "| --- | --- | --- |"]
     for s, e in sorted(gaps, key=lambda g: g[0]):
-        frames = " > ".join(f.replace("|", "/") for f in frames_at(events, (s + e) / 2))
+        frames = " > ".join(f.replace("|", "/") for f in frames_at(events, (s + e) / 2, tid))
         lines.append(f"| {(s - call_start) / 1e3:.2f} | {(e - s) / 1e3:.2f} | {frames} |")
     return "\n".join(lines)
 
@@ -107,7 +107,7 @@ def main(argv=None) -> int:
     call = next(e for e in events if e.get("name") == "sdfast_txt2img_call" and e.get("cat") == "user_annotation")
     text = (f"model {args.model}, {args.steps} steps, one warm image: {wall * 1e3:.1f} ms wall (profiled"
             f"{', no Python frames' if args.no_stack else ', with Python frames'})\n"
-            + summarize(events, call["ts"], call["ts"] + call["dur"], args.min_gap_us))
+            + summarize(events, call["ts"], call["ts"] + call["dur"], args.min_gap_us, call.get("tid")))
     (args.out / "trace_e2e.txt").write_text(text + "\n")
     print(text)
     return 0

@@ -87,20 +87,36 @@ def default_workers() -> int:
     return max(1, min(16, os.cpu_count() or 1))
 
 
-def dry_run(fn, *args, workers: int | None = None, label: str = "module", **kwargs) -> None:
+_LOCK = threading.Lock()  # Triton's hook is process-wide: one dry run at a time
+
+
+def dry_run(fn, args: tuple = (), kwargs: dict | None = None, *, workers: int | None = None,
+            label: str = "module") -> None:
     """Run ``fn(*args, **kwargs)`` once in compile-only mode, then wait for the Triton compilations it queued.
 
     Args: ``fn`` and its arguments: a forward pass on real-shaped inputs (CUDA); ``workers``: compile threads
     (default: the CPU count, at most 16); ``label``: for the log line.
     Never raises for the pass itself: an exception in ``fn`` (garbage values reaching a check, out of memory)
-    ends the dry run early, logged; the kernels queued so far are still compiled. Returns None.
+    ends the dry run early, logged; the kernels queued so far are still compiled. While another thread's dry
+    run holds Triton's hook, this one does nothing (its real pass compiles as usual). Returns None.
     """
     import triton
 
+    kwargs = kwargs or {}
     if active():
         fn(*args, **kwargs)
         return
-    session = _Session(workers or default_workers())
+    if not _LOCK.acquire(blocking=False):
+        log.info("sdfast precompile: another thread's dry run is on; %s compiles in its real pass", label)
+        return
+    try:
+        _run_session(triton, fn, args, kwargs, workers or default_workers(), label)
+    finally:
+        _LOCK.release()
+
+
+def _run_session(triton, fn, args, kwargs, workers: int, label: str) -> None:
+    session = _Session(workers)
     previous = triton.knobs.runtime.jit_cache_hook
     t0 = time.perf_counter()
     _state.session = session
@@ -110,9 +126,9 @@ def dry_run(fn, *args, workers: int | None = None, label: str = "module", **kwar
     except Exception as e:  # noqa: BLE001 - the real pass after this one meets (and reports) the same problem
         log.info("sdfast precompile: the dry pass of %s stopped early (%s: %s)", label, type(e).__name__, e)
     finally:
-        triton.knobs.runtime.jit_cache_hook = previous
         _state.session = None
-        n, failed = session.finish()
+        n, failed = session.finish()  # before the hook goes: the pool's compiles call it (as manual warm-ups)
+        triton.knobs.runtime.jit_cache_hook = previous
     if n:
         log.info("sdfast precompile: %s: %d Triton kernels compiled in %.1f s on %d threads (%d failed)",
                  label, n, time.perf_counter() - t0, session.workers, failed)

@@ -117,6 +117,7 @@ def unoptimize(pipe):
     if not (hasattr(pipe, "unet") and hasattr(pipe, "vae")):
         raise TypeError(f"unoptimize expects a diffusers Stable Diffusion pipeline, got {type(pipe).__name__}")
     state: OptimizeState | None = getattr(pipe, "_sdfast", None)
+    execution_device.uninstall(pipe)  # also on a from_pipe copy, which shares the class but has no state
     if state is None:
         return pipe
     if state.graphs is not None:
@@ -130,6 +131,5 @@ def unoptimize(pipe):
     if state.vae_upcast:
         del pipe.vae.decode
         pipe.vae.to(torch.float16)
-    execution_device.uninstall(pipe)
     pipe._sdfast = None
     return pipe

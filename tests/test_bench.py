@@ -326,3 +326,20 @@ def test_device_time_splits_calls_at_the_flush_marker():
     ]
     assert split_by_marker(events) == [5.5, 6.0]  # the trailing marker without a call adds nothing
     assert split_by_marker([("k", 0.0, 1.0)]) == []
+
+
+def test_trace_e2e_gaps_and_frames():
+    from benchmarks import trace_e2e as te
+
+    ev = [{"cat": "kernel", "ts": 10, "dur": 5}, {"cat": "kernel", "ts": 12, "dur": 10}, {"cat": "gpu_memcpy", "ts": 40, "dur": 2},
+          {"cat": "cuda_runtime", "ts": 0, "dur": 100},
+          {"cat": "python_function", "name": "outer", "ts": 0, "dur": 100, "tid": 1},
+          {"cat": "python_function", "name": "inner", "ts": 23, "dur": 10, "tid": 1},
+          {"cat": "python_function", "name": "other_thread", "ts": 25, "dur": 2, "tid": 2}]
+    busy = te.gpu_intervals(ev)
+    assert busy == [(10, 22), (40, 42)]
+    assert te.idle_gaps(busy, 0, 50, 5) == [(0, 10), (22, 40), (42, 50)]
+    assert te.idle_gaps(busy, 0, 50, 9) == [(0, 10), (22, 40)]
+    assert te.frames_at(ev, 26, tid=1) == ["outer", "inner"]
+    text = te.summarize(ev, 0, 50, 9, tid=1)
+    assert "GPU busy 0.0 ms" in text and "| 0.02 | 0.02 | outer > inner |" in text

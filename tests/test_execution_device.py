@@ -2,6 +2,7 @@
 its components, and falls back to diffusers' walk whenever an offloading hook is present."""
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ def test_cached_answer_is_stocks_and_only_this_instance_changes(pipe):
     assert type(pipe) is not cls and isinstance(pipe, cls)
     assert type(pipe).__name__ == cls.__name__ and type(pipe).__module__ == cls.__module__
     assert pipe._execution_device == _stock(pipe)
-    assert pipe.__dict__["_sdfast_execution_device"][1] == _stock(pipe)
+    assert pipe.__dict__["_sdfast_execution_device"]["device"] == _stock(pipe)
     execution_device.uninstall(pipe)
     assert type(pipe) is cls and "_sdfast_execution_device" not in pipe.__dict__
 
@@ -80,3 +81,24 @@ def test_optimize_installs_and_unoptimize_removes(pipe):
     assert execution_device.installed(pipe) and isinstance(pipe, cls)
     sdfast.unoptimize(pipe)
     assert type(pipe) is cls
+
+
+def test_leaf_level_offloading_hooks_are_seen(pipe, monkeypatch):
+    execution_device.install(pipe)
+    pipe._execution_device  # cached
+    leaf = next(m for m in pipe.unet.modules() if not list(m.children()))
+    leaf._diffusers_hook = SimpleNamespace(get_hook=lambda name: None)  # leaf-level group offloading: leaves only
+    walks = []
+    stock = DiffusionPipeline._execution_device.fget
+    monkeypatch.setattr(DiffusionPipeline, "_execution_device",
+                        property(lambda self: walks.append(1) or stock(self)))
+    pipe._execution_device, pipe._execution_device
+    assert len(walks) == 2
+
+
+def test_a_further_subclass_of_the_pipeline_still_works(pipe):
+    execution_device.install(pipe)
+    pipe.__class__ = type("Mine", (type(pipe),), {})
+    assert pipe._execution_device == _stock(pipe)
+    assert execution_device.install(pipe)  # a subclass of ours: installs over it, no recursion
+    assert pipe._execution_device == _stock(pipe)

@@ -332,6 +332,12 @@ def _capturing_or_compiling(device: torch.device) -> bool:
     return compiling or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
+def _dry_rows(lq: int) -> int:
+    """Queries to run our kernel on in a compile-only pass: at most 128 + 127, congruent to ``lq`` modulo 128, so
+    every power-of-two divisibility Triton specializes on (and every BLOCK_M up to 128 divides alike)."""
+    return lq if lq <= 256 else 128 + lq % 128
+
+
 class AttentionDispatcher:
     """Picks, per attention shape, the fastest backend that computes it correctly, and caches it.
 
@@ -533,8 +539,10 @@ class AttentionDispatcher:
             return SAFE_DEFAULT
         if precompile.active():  # compile-only pass: queue our kernel's compilation; measure and cache nothing
             if "triton" in self._candidate_names(q, k):
+                m = _dry_rows(q.shape[2])  # a few queries: what compiles is the same, a real launch is cheap
+                ms = attn_mask[..., :m, :] if attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] == q.shape[2] else attn_mask
                 with contextlib.suppress(Exception), torch.no_grad():
-                    self._backends["triton"](q, k, v, attn_mask, scale, upcast)
+                    self._backends["triton"](q[:, :, :m], k, v, ms, scale, upcast)
             return SAFE_DEFAULT
         ref = _reference(q, k, v, attn_mask, scale)
         times: Dict[str, float] = {}

@@ -293,7 +293,7 @@ class GraphedForward:
         try:
             with torch.cuda.stream(side):
                 if self.parallel_compile:  # the Triton kernels of this signature compile on all cores first
-                    precompile.dry_run(self.eager, *s_args, label=self.name, **s_kwargs)
+                    precompile.dry_run(self.eager, s_args, s_kwargs, label=self.name)
                 for _ in range(self.warmup_iters):
                     self.eager(*s_args, **s_kwargs)
             torch.cuda.current_stream().wait_stream(side)

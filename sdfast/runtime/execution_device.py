@@ -8,9 +8,10 @@ GPU idle.
 
 ``install(pipe)`` gives this one pipeline object a subclass of its own class (same name, module and
 behaviour) whose ``_execution_device`` caches stock's answer. The cache is keyed by each component's identity
-and device; a component with an offloading hook at its top level (``_hf_hook`` from accelerate,
-``_diffusers_hook`` from diffusers' hook registry) is never cached: stock's walk runs every time. The class
-itself is not changed. ``uninstall(pipe)`` puts the original class back.
+and device. While any module of a component carries an offloading hook (``_hf_hook`` from accelerate,
+``_diffusers_hook`` from diffusers' hook registry: group offloading at leaf level hooks only the leaves) stock's
+walk runs every time. Submodules are listed once per component object (a module added inside a component
+later is not seen). The class itself is not changed. ``uninstall(pipe)`` puts the original class back.
 """
 
 from __future__ import annotations
@@ -21,38 +22,47 @@ _HOOK_ATTRS = ("_hf_hook", "_diffusers_hook")
 _SUBCLASSES: dict[type, type] = {}
 
 
-def _key(pipe):
-    """The components' identities and devices, or None when one of them carries an offloading hook."""
-    key = []
+def _key(pipe, state: dict):
+    """The components' identities and devices, or None when a module of theirs carries an offloading hook.
+    ``state["modules"]`` maps each current component's id to its submodules, listed once per component object
+    (a flat list scanned with dict lookups: no ``__getattr__`` miss per module)."""
+    key, listed = [], {}
     for name, module in pipe.components.items():
         if not isinstance(module, torch.nn.Module):
             continue
-        if any(attr in module.__dict__ for attr in _HOOK_ATTRS):
-            return None
+        subs = state["modules"].get(id(module))
+        if subs is None or subs[0] is not module:
+            subs = list(module.modules())
+        listed[id(module)] = subs
+        if any(attr in m.__dict__ for m in subs for attr in _HOOK_ATTRS):
+            key = None
+            break
         param = next(module.parameters(), None)
         key.append((name, id(module), None if param is None else param.device))
-    return tuple(key)
-
-
-def _cached_execution_device(self):
-    key = _key(self)
-    if key is None:  # offloading hooks: the execution device lives in them, ask stock every time
-        return super(type(self), self)._execution_device
-    cached = self.__dict__.get("_sdfast_execution_device")
-    if cached is None or cached[0] != key:
-        cached = (key, super(type(self), self)._execution_device)
-        self.__dict__["_sdfast_execution_device"] = cached
-    return cached[1]
+    state["modules"] = listed  # only the current components: a replaced one is not kept alive
+    return None if key is None else tuple(key)
 
 
 def _subclass(cls: type) -> type:
-    if cls not in _SUBCLASSES:
-        _SUBCLASSES[cls] = type(cls.__name__, (cls,), {
-            "_execution_device": property(_cached_execution_device, doc=cls._execution_device.__doc__),
-            "__module__": cls.__module__,
-            "__qualname__": cls.__qualname__,
-            "_sdfast_original_class": cls,
-        })
+    if cls in _SUBCLASSES:
+        return _SUBCLASSES[cls]
+
+    def _execution_device(self):
+        stock = getattr(cls, "_execution_device").fget  # looked up per call: whatever the class has now
+        state = self.__dict__.setdefault("_sdfast_execution_device", {"modules": {}, "key": None, "device": None})
+        key = _key(self, state)
+        if key is None:  # offloading hooks: the execution device lives in them, ask stock every time
+            return stock(self)
+        if state["key"] != key:
+            state["key"], state["device"] = key, stock(self)
+        return state["device"]
+
+    _SUBCLASSES[cls] = type(cls.__name__, (cls,), {
+        "_execution_device": property(_execution_device, doc=cls._execution_device.__doc__),
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "_sdfast_original_class": cls,
+    })
     return _SUBCLASSES[cls]
 
 

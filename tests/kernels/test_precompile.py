@@ -140,3 +140,52 @@ def test_a_dry_run_inside_a_dry_run_just_runs():
     inner = []
     precompile.dry_run(lambda: precompile.dry_run(lambda: inner.append(_launch(jit, "n"))))
     assert inner == ["skipped"] and [d for d, _ in jit.preloaded] == ["spec:n"]
+
+
+def test_pool_compiles_see_the_session_hook_and_the_callers_hook_sees_none():
+    """Triton's preload calls the current hook (as a manual warm-up); the session waits for its pool before it
+    gives the hook back, so the caller's hook never sees the dry run's compiles."""
+    seen = []
+
+    class CallsHook(FakeJit):
+        def preload(self, data):
+            hook = triton.knobs.runtime.jit_cache_hook
+            seen.append(hook(key=data, repr=data, fn=SimpleNamespace(jit_function=self), compile={},
+                             is_manual_warmup=True, already_compiled=False))
+
+    callers = []
+    previous = triton.knobs.runtime.jit_cache_hook
+    triton.knobs.runtime.jit_cache_hook = lambda **kw: callers.append(kw["key"])
+    try:
+        jit = CallsHook()
+        precompile.dry_run(lambda: [_launch(jit, k) for k in "abcdef"], workers=3)
+    finally:
+        triton.knobs.runtime.jit_cache_hook = previous
+    assert seen == [None] * 6 and callers == []
+
+
+def test_a_second_threads_dry_run_does_nothing_while_one_is_on():
+    jit, other = FakeJit(), []
+    started, release = threading.Event(), threading.Event()
+
+    def first():
+        started.set()
+        release.wait(5)
+
+    t = threading.Thread(target=lambda: precompile.dry_run(first))
+    t.start()
+    started.wait(5)
+    precompile.dry_run(lambda: other.append(_launch(jit, "x")))  # lock held: not even run
+    release.set()
+    t.join()
+    assert other == [] and jit.preloaded == []
+    precompile.dry_run(lambda: other.append(_launch(jit, "x")))
+    assert other == ["skipped"]
+
+
+def test_dry_rows_keep_divisibility_and_stay_small():
+    from sdfast.passes.attention import _dry_rows
+
+    for lq in (1, 77, 256, 257, 1024, 4096, 5120, 16384, 4608, 1000, 18432):
+        m = _dry_rows(lq)
+        assert m == lq if lq <= 256 else (128 <= m < 256 and m % 128 == lq % 128)

@@ -4,6 +4,8 @@ answer is right. Each GPU test file runs in its own process, so these specializa
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import triton
@@ -60,7 +62,10 @@ def test_autotuned_flash_attention_compiles_every_config_in_the_dry_run(compiles
 
     g = torch.Generator(device="cuda").manual_seed(1)
     q, k, v = (torch.randn(2, 5, 333, 40, device="cuda", generator=g).half() for _ in range(3))
+    fa = importlib.import_module("kernels.attention.flash_attention")  # the module (the package re-exports the function)
+
     precompile.dry_run(lambda: flash_attention(q, k, v))
+    assert not any(key[3] == 333 for key in fa._tuned_keys)  # nothing was tuned in the dry run
     out = flash_attention(q, k, v)  # autotunes now: every config is already compiled
     assert compiles == [], f"compiled after the dry run: {compiles}"
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
