@@ -420,7 +420,7 @@ def test_undo_keeps_fused_projections_for_a_user_processor_that_needs_them():
 
 
 def test_dispatcher_skips_a_much_slower_backend_after_a_probe_on_a_query_slice(caplog):
-    """With a long best time, a candidate first runs on 1/16 of the queries; if that extrapolates past
+    """With a long best time, a candidate first runs on 1/64 of the queries; if that extrapolates past
     slow_factor x the best, it is excluded (logged) without a full-size run or a timing loop."""
     full_calls = []
 

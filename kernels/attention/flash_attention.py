@@ -446,8 +446,10 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 def _bench_short(fn, quantiles):
-    # Short timing: every new shape pays this once per config at warm-up.
-    return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
+    # Short timing: every new shape pays this once per config at warm-up. SD's attention calls take 6-300 us, so
+    # 6 ms still times each config at least 20 times; at warmup=5, rep=20 the autotuning of SD1.5's second image
+    # size took 1.23 s of its 2.78 s (H200, run 7, benchmarks/profile_warmup.py --second-size).
+    return triton.testing.do_bench(fn, warmup=2, rep=6, quantiles=quantiles)
 
 
 @functools.lru_cache(maxsize=None)

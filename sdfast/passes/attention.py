@@ -405,7 +405,7 @@ class AttentionDispatcher:
         self.candidates = tuple(candidates) if candidates is not None else None
         # A candidate is probed on a slice of the queries first when the best time so far is at least probe_us,
         # and skipped if that extrapolates to more than slow_factor times the best (see _too_slow).
-        self.probe_us = 5000.0
+        self.probe_us = 1000.0
         self.slow_factor = 8.0
         self._extra = tuple(extra_backends or ())
         self.measure_cpu = measure_cpu
@@ -473,13 +473,14 @@ class AttentionDispatcher:
             return self._backends[SAFE_DEFAULT](q, k, v, attn_mask, scale, upcast)
 
     def _too_slow(self, key: AttentionKey, name: str, fn: BackendFn, args: tuple, best_us: float) -> bool:
-        """When the best time so far is long (``probe_us``), run a candidate on 1/16 of the queries first and
+        """When the best time so far is long (``probe_us``), run a candidate on 1/64 of the queries first and
         exclude it if that extrapolates to more than ``slow_factor`` times the best: a full run, let alone the
         timing loop, would cost seconds (the SDXL VAE's fp32 attention at 128x128 latents: 2.3 s per call of
-        our fp32 Triton path against 13.5 ms for SDPA, about 14 s of warm-up per image size, run 6)."""
+        our fp32 Triton path against 13.5 ms for SDPA, about 14 s of warm-up per image size, run 6; with
+        ``tf32`` at 2.3 ms measured first, a 5 ms threshold let it through: 15 s per size, run 7)."""
         q, k, v, attn_mask, scale, upcast = args
         lq = q.shape[2]
-        m = max(64, lq // 16)
+        m = max(64, lq // 64)
         if best_us < self.probe_us or m >= lq:
             return False
         qs = q[:, :, :m]
