@@ -446,7 +446,7 @@ def test_dispatcher_skips_a_much_slower_backend_after_a_probe_on_a_query_slice(c
 
 @pytest.mark.parametrize("mask", [None, "bool", "float"])
 def test_tf32_backend_is_chunked_fp32_math_on_the_cpu(monkeypatch, mask):
-    monkeypatch.setattr(ap, "_TF32_SCORE_ELEMS", 2 * 3 * 40 * 7)  # 7 query rows per chunk: 6 chunks, the last short
+    monkeypatch.setattr(ap, "_SCORE_CHUNK_ELEMS", 2 * 3 * 37 * 7)  # 7 query rows per chunk: 6 chunks, the last short
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 3, n, 16, generator=g) for n in (40, 37, 37))
     m = None

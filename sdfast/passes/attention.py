@@ -125,7 +125,19 @@ def _triton_backend(q, k, v, attn_mask, scale, upcast):
     return flash_attention(q, k, v, key_padding_mask=kpm, scale=scale, upcast_softmax=upcast)
 
 
-_TF32_SCORE_ELEMS = 64 * 2**20  # fp32 scores per chunk of the tf32 backend (256 MiB)
+_SCORE_CHUNK_ELEMS = 64 * 2**20  # fp32 scores per query chunk of the math paths (256 MiB)
+
+
+def _mask_4d(attn_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    m = attn_mask
+    while m is not None and m.dim() < 4:
+        m = m.unsqueeze(0)
+    return m
+
+
+def _chunk_rows(q: torch.Tensor, k: torch.Tensor) -> int:
+    """Queries per chunk so that one chunk's (B, H, rows, Lk) fp32 scores stay under ``_SCORE_CHUNK_ELEMS``."""
+    return max(1, _SCORE_CHUNK_ELEMS // max(1, q.shape[0] * q.shape[1] * k.shape[2]))
 
 
 def _tf32_backend(q, k, v, attn_mask, scale, upcast):
@@ -138,12 +150,7 @@ def _tf32_backend(q, k, v, attn_mask, scale, upcast):
     if q.dtype != torch.float32:
         raise NotImplementedError(f"the tf32 backend takes fp32 tensors, got {q.dtype}")
     B, H, Lq, _ = q.shape
-    Lk = k.shape[2]
-    m = attn_mask
-    if m is not None:
-        while m.dim() < 4:
-            m = m.unsqueeze(0)
-    rows = max(1, _TF32_SCORE_ELEMS // max(1, B * H * Lk))
+    m, rows = _mask_4d(attn_mask), _chunk_rows(q, k)
     out = torch.empty(B, H, Lq, v.shape[-1], dtype=q.dtype, device=q.device)
     kt = k.transpose(-1, -2)
     with _tf32_matmuls():
@@ -239,15 +246,10 @@ _COMPUTE_DTYPE = {"tf32": torch.float16}  # TF32 keeps fp16's 10-bit mantissa
 
 def _reference(q, k, v, attn_mask, scale) -> torch.Tensor:
     """fp32 math attention, chunked over queries to keep the score matrix under ~256 MiB."""
-    B, H, Lq, D = q.shape
-    Lk = k.shape[2]
-    m = attn_mask
-    if m is not None:
-        while m.dim() < 4:
-            m = m.unsqueeze(0)
-        if m.dtype != torch.bool:
-            m = m.float()
-    rows = max(1, (64 * 2**20) // max(1, B * H * Lk))
+    Lq = q.shape[2]
+    m, rows = _mask_4d(attn_mask), _chunk_rows(q, k)
+    if m is not None and m.dtype != torch.bool:
+        m = m.float()
     kf, vf = k.float(), v.float()
     outs = []
     from torch.nn.attention import SDPBackend, sdpa_kernel
