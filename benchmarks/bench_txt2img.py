@@ -326,6 +326,11 @@ SYSTEMS: dict[str, System] = {
     "sdfast-fuse_qkv": System("sdfast-fuse_qkv", partial(build_sdfast, fuse_qkv=True), "sdfast, OptimizeConfig(fuse_qkv=True)"),
     "sdfast-kv_every_step": System("sdfast-kv_every_step", partial(build_sdfast, cross_kv_once=False),
                                    "sdfast, OptimizeConfig(cross_kv_once=False)"),
+    "sdfast-vae_fp32_attention": System("sdfast-vae_fp32_attention", partial(build_sdfast, vae_tf32=False),
+                                        "sdfast, OptimizeConfig(vae_tf32=False)"),
+    "sdfast-serial_compile": System("sdfast-serial_compile", partial(build_sdfast, parallel_compile=False),
+                                    "sdfast, OptimizeConfig(parallel_compile=False) (warm-up A/B: run it first, on a "
+                                    "cold Triton cache)"),
     **{f"sdfast-{name}": System(f"sdfast-{name}", partial(build_sdfast_compressed, preset=name),
                                 f"sdfast + {COMPRESSION[name][0]}({COMPRESSION[name][1]}"
                                 f"({', '.join(f'{k}={v!r}' for k, v in COMPRESSION[name][2].items())}))")
