@@ -63,7 +63,10 @@ class Engine:
         """Native image side in pixels (UNet sample size × VAE scale factor): 512 for SD1.5, 1024 for SDXL."""
         return self.pipe.unet.config.sample_size * self.pipe.vae_scale_factor
 
-    def _scheduler(self, name: str | None):
+    def scheduler_for(self, name: str | None):
+        """The scheduler instance a request with ``scheduler=name`` runs: the model's own for None, else one of
+        ``sdfast.schedulers.SCHEDULERS`` built once from the model's scheduler config. Raises
+        ``InvalidRequestError`` (field ``scheduler``) for an unknown name."""
         if name is None:
             return self._default_scheduler
         if name not in self._schedulers:
@@ -126,7 +129,7 @@ class Engine:
         )
         negatives = check_negative_prompt(negative_prompt, len(prompts))
         check_long_prompt(long_prompt)
-        sched = self._scheduler(scheduler)
+        sched = self.scheduler_for(scheduler)
         check_steps(int(num_inference_steps), sched, scheduler)
         # checked integral (numpy scalars included): plain ints from here on
         height, width, num_inference_steps, num_images_per_prompt = (

@@ -240,7 +240,7 @@ class Service:
 
     def _check_steps(self, steps: int, scheduler: str | None) -> None:
         """The scheduler's own step limit (LCM: 50) as a 422 before the request is queued (``sdfast.schedulers``)."""
-        get = getattr(self.engine, "_scheduler", None)
+        get = getattr(self.engine, "scheduler_for", None)
         if get is None:
             return
         from sdfast.errors import InvalidRequestError

@@ -153,8 +153,13 @@ def group_norm_ref(
 # Tile orientation: HW_AXIS = 1 for NCHW tiles (BLOCK_C, BLOCK_HW), each row a contiguous H*W run;
 # HW_AXIS = 0 for NHWC tiles (BLOCK_HW, BLOCK_C), channels contiguous. Per-channel vectors are
 # broadcast with tl.expand_dims(v, HW_AXIS) and reduced with tl.sum(t, axis=HW_AXIS). Loop trip
-# counts are constexpr (the Triton interpreter cannot loop to a runtime bound under numpy 2), and
-# the kernels call no nested @triton.jit helpers (each costs a re-patch in the interpreter).
+# counts are constexpr (the Triton interpreter cannot loop to a runtime bound under numpy 2).
+# The five kernels below repeat the pre-norm sum (x + channel bias + residual, rounded to x's dtype) and
+# the bias + SiLU tail. Moving them into two @triton.jit helpers was tried (2026-11-30). The interpreter
+# tests passed, 6 % slower. The helpers put the residual's address math before x's load, so ptxas scheduled 5
+# of 20 compiled variants differently (the onepass kernel with every fusion: 2072 SASS instructions
+# instead of 2136). That change was never timed on the GPU, so the kernels stay as they were measured.
+# Do the refactor together with a benchmark run.
 
 
 @triton.jit

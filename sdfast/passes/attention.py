@@ -334,6 +334,13 @@ def _capturing_or_compiling(device: torch.device) -> bool:
     return compiling or (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
 
 
+def _first_queries(q: torch.Tensor, attn_mask: Optional[torch.Tensor], m: int) -> tuple:
+    """The first ``m`` queries of ``q`` (B, H, Lq, D) and the matching rows of a mask that has a query axis."""
+    lq = q.shape[2]
+    per_query = attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] == lq
+    return q[:, :, :m], attn_mask[..., :m, :] if per_query else attn_mask
+
+
 def _dry_rows(lq: int) -> int:
     """Queries to run our kernel on in a compile-only pass: at most 128 + 127, congruent to ``lq`` modulo 128, so
     every power-of-two divisibility Triton specializes on (and every BLOCK_M up to 128 divides alike)."""
@@ -485,8 +492,7 @@ class AttentionDispatcher:
         m = max(64, lq // 64)
         if best_us < self.probe_us or m >= lq:
             return False
-        qs = q[:, :, :m]
-        ms = attn_mask[..., :m, :] if attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] == lq else attn_mask
+        qs, ms = _first_queries(q, attn_mask, m)
         with torch.no_grad():
             fn(qs, k, v, ms, scale, upcast)  # compilation / autotuning at the slice shape, not timed
             est = _time_once_us(lambda: fn(qs, k, v, ms, scale, upcast), q.device) * lq / m
@@ -542,10 +548,11 @@ class AttentionDispatcher:
             return SAFE_DEFAULT
         if precompile.active():  # compile-only pass: queue our kernel's compilation; measure and cache nothing
             if "triton" in self._candidate_names(q, k):
-                m = _dry_rows(q.shape[2])  # a few queries: what compiles is the same, a real launch is cheap
-                ms = attn_mask[..., :m, :] if attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-2] == q.shape[2] else attn_mask
+                # a few queries: what compiles is the same, and a real launch (of a compiled kernel) is cheap;
+                # a failure is left to the real pass, whose measurement excludes and logs it
+                qs, ms = _first_queries(q, attn_mask, _dry_rows(q.shape[2]))
                 with contextlib.suppress(Exception), torch.no_grad():
-                    self._backends["triton"](q[:, :, :m], k, v, ms, scale, upcast)
+                    self._backends["triton"](qs, k, v, ms, scale, upcast)
             return SAFE_DEFAULT
         ref = _reference(q, k, v, attn_mask, scale)
         times: Dict[str, float] = {}

@@ -5,10 +5,11 @@ its arguments: tensor shapes, strides, dtypes, devices and every non-tensor valu
 copies its tensors into that graph's static input buffers, replays the graph, and returns clones of
 the static outputs, so no caller ever holds a view of a graph's buffer. A module with forward hooks below
 its root runs eagerly (hooks need Python at every call: a calibration collecting activations, a user's
-hook). A new signature is warmed up
-eagerly on a side stream (cuDNN/cuBLAS handles, Triton compilation, the attention dispatcher's
-measurements all happen there) and captured; before that warm-up, a compile-only pass
-(``kernels.precompile.dry_run``, ``parallel_compile``) compiles the Triton kernels it needs on all cores. Graphs share the engine's memory pool: their
+hook).
+
+A new signature is first run once in compile-only mode (``kernels.precompile.dry_run``, ``parallel_compile``:
+its Triton kernels compile on all cores), then warmed up eagerly on a side stream (cuDNN/cuBLAS handles, the
+attention dispatcher's measurements happen there) and captured. Graphs share the engine's memory pool: their
 intermediates reuse one planned workspace, safe because graphs replay one at a time and outputs are
 copied out at once. At most ``max_graphs`` are kept (least recently used dropped). With a ``conditioning``
 (``runtime.cross_kv.CrossKV``: the UNet's cross-attention K/V), each signature has a second, small graph that
