@@ -13,6 +13,8 @@
 - ``w8a8_fp8``: the same with E4M3 (sm_89+). ``fp8_scaled_mm_rowwise``: our per-token FP8 quantize kernel,
   then ``torch._scaled_mm`` with row-wise (per-token x per-channel) scales and the bias (cuBLASLt/CUTLASS);
   ``..._gemm_only`` on pre-quantized activations. A candidate backend, measured before any switch.
+  ``fp8_scaled_mm_tensorwise[_fast_accum]_gemm_only``: ``torch._scaled_mm`` with one static scale per
+  tensor on pre-quantized activations (with fast accumulation: no fp32 promotion in cuBLASLt's K loop).
 - ``w4a16_triton`` / ``w4a16_csrc``: packed int4, group_size 128, dequantized in the main loop.
 - ``int8_outlier``: LLM.int8() with a fixed outlier mask of 8 columns (as after calibration).
 
@@ -154,10 +156,28 @@ def _candidates(shape: dict, phase: str, csrc_state: dict, device: str = "cuda")
 
             c["fp8_scaled_mm_rowwise"] = (fp8_scaled_mm, "gemm")
             c["fp8_scaled_mm_rowwise_gemm_only"] = (lambda: fp8_scaled_mm(True), "gemm")
+            c.update(_tensorwise_fp8(x, w32, b))
     c["w4a16_triton"] = (lambda: w4a16_linear(x, qw4, s4, z4, b, group_size=128), "gemm")
     qo, wso = quantize_weight_per_channel(w32, torch.int8)
     c["int8_outlier"] = (lambda: int8_outlier_linear(x, qo, wso, b, outlier_mask=mask), "gemm")
     return {**refs, **c}
+
+
+def _tensorwise_fp8(x: torch.Tensor, w32: torch.Tensor, b: torch.Tensor) -> dict:
+    """``torch._scaled_mm`` with one static scale per tensor (activation scale from calibration, as
+    TensorRT's FP8 SD recipes do), on activations already in E4M3 (a producer kernel would write them):
+    the GEMM alone, with and without cuBLASLt's fast (non-promoted) fp8 accumulation."""
+    f8 = torch.float8_e4m3fn
+    sa = (x.float().abs().amax() / 448.0).reshape(())
+    sw = (w32.abs().amax() / 448.0).reshape(())
+    qa = (x.float() / sa).clamp(-448, 448).to(f8)
+    qwt = (w32 / sw).clamp(-448, 448).to(f8).t()
+
+    def gemm(fast: bool) -> torch.Tensor:
+        return torch._scaled_mm(qa, qwt, scale_a=sa, scale_b=sw, bias=b, out_dtype=torch.float16, use_fast_accum=fast)
+
+    return {"fp8_scaled_mm_tensorwise_gemm_only": (lambda: gemm(False), "gemm"),
+            "fp8_scaled_mm_tensorwise_fast_accum_gemm_only": (lambda: gemm(True), "gemm")}
 
 
 def _shapes(quick: bool) -> list[dict]:
