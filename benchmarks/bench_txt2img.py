@@ -256,6 +256,7 @@ def build_sdfast(spec: ModelSpec, ctx: Context, **config_kwargs) -> Built:
 COMPRESSION = {
     "w8a8": ("quantize_", "W8A8Config", {}),
     "fp8": ("quantize_", "W8A8Config", {"dtype": "fp8"}),
+    "fp8-static": ("quantize_", "W8A8Config", {"dtype": "fp8", "activations": "static", "alpha": 0.0}),
     "w4a16": ("quantize_", "W4A16Config", {"method": "awq"}),
     "int8-outlier": ("quantize_", "Int8OutlierConfig", {}),
     "sparse24": ("sparsify_", "Sparse24Config", {"method": "magnitude"}),

@@ -19,7 +19,14 @@ from sdfast.passes.quantize import (
     dequantize_,
     quantize_,
 )
-from sdfast.quantization import Int8OutlierLinear, QuantizedLinear, W4A16Linear, W8A8Linear, collect_linear_stats
+from sdfast.quantization import (
+    Int8OutlierLinear,
+    QuantizedLinear,
+    W4A16Linear,
+    W8A8Linear,
+    W8A8StaticLinear,
+    collect_linear_stats,
+)
 
 N_TRANSFORMER_LINEARS = 40  # 4 transformer blocks x (attn1 4 + attn2 4 + ff 2)
 
@@ -253,3 +260,108 @@ def test_norm_fusion_keeps_geglu_fused_over_a_quantized_projection(unet, monkeyp
     # fused norms round differently in the last bits, which can move a dynamic int8 activation by one step
     assert _rel(_run(u, inp), ref) < 2e-3
     assert len(calls) == len(gegl)
+
+
+# --------------------------------------------------------------------------------------------
+# W8A8 FP8 with static per-tensor scales (W8A8StaticLinear)
+# --------------------------------------------------------------------------------------------
+STATIC = W8A8Config(dtype="fp8", activations="static", alpha=0.0, min_features=32)
+
+
+def test_static_config_checks():
+    with pytest.raises(ValueError, match="activations"):
+        W8A8Config(activations="per-tensor")
+    with pytest.raises(ValueError, match="dtype='fp8'"):
+        W8A8Config(activations="static")  # int8
+    with pytest.raises(ValueError, match="group_size=None"):
+        W8A8Config(dtype="fp8", activations="static", group_size=32)
+    with pytest.raises(TypeError, match="fast_accum"):
+        W8A8Config(dtype="fp8", activations="static", fast_accum=1)
+    with pytest.raises(ValueError, match="calibration"):
+        quantize_(nn.Sequential(nn.Linear(64, 64)), STATIC, filter_fn=lambda m, n: True)
+
+
+def test_static_fp8_end_to_end(unet):
+    """Calibrated static FP8 on the tiny UNet: the quantize kernel in the interpreter, the GEMM's CPU reference;
+    per-tensor scales stay within a few percent of fp32, and dequantize_ gives nn.Linear back."""
+    u = copy.deepcopy(unet)
+    inp = _inputs()
+    ref = _run(u, inp)
+    n = quantize_(u, STATIC, calibration=_calibration(u))
+    assert n == N_TRANSFORMER_LINEARS and n.skipped_shape == 0
+    qs = [m for m in u.modules() if isinstance(m, W8A8StaticLinear)]
+    assert len(qs) == N_TRANSFORMER_LINEARS and all(m.smooth is None and m.input_amax > 0 for m in qs)
+    assert all(m.input_scale.dim() == 0 and m.w_scale.dim() == 0 for m in qs)
+    assert n.weight_ratio < 0.26  # one byte per fp32 weight, plus a scalar
+    out = _run(u, inp)
+    assert torch.isfinite(out).all() and _rel(out, ref) < 0.06
+    assert dequantize_(u) == N_TRANSFORMER_LINEARS
+    assert _rel(_run(u, inp), ref) < 0.06
+
+
+def test_static_fp8_saturates_beyond_calibration():
+    lin = nn.Linear(32, 16)
+    m = W8A8StaticLinear.from_linear(lin, act_absmax=torch.full((32,), 2.0))
+    x = torch.full((1, 32), 10.0)  # 5x the calibrated range: clamps to +448 * scale = 2.0
+    torch.testing.assert_close(m(x), lin(torch.full((1, 32), 2.0)), rtol=0.07, atol=0.07)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        W8A8StaticLinear.from_linear(nn.Linear(24, 16), act_absmax=torch.ones(24))
+    with pytest.raises(ValueError, match="input_amax"):
+        W8A8StaticLinear.from_linear(nn.Linear(32, 16), act_absmax=torch.full((32,), float("nan")))
+
+
+def _count_quantize(monkeypatch) -> list:
+    calls = []
+    real = W8A8StaticLinear.quantize_input
+    monkeypatch.setattr(W8A8StaticLinear, "quantize_input", lambda self, x: calls.append(x.shape) or real(self, x))
+    return calls
+
+
+def test_static_qkv_share_one_quantize_pass(unet, monkeypatch):
+    """Under sdfast's attention processor, a self-attention's to_q/to_k/to_v (static FP8, no smoothing) quantize
+    their input once; smoothing per layer (alpha > 0) makes each quantize its own."""
+    from sdfast.passes import attention
+
+    u = copy.deepcopy(unet)
+    attention.apply(u, fuse_projections=False)
+    quantize_(u, STATIC, calibration=_calibration(u))
+    inp = _inputs()
+    calls = _count_quantize(monkeypatch)
+    out = _run(u, inp)
+    # per block: attn1 q/k/v (1) + out (1), attn2 q (1) + k/v on the text states (1) + out (1), ff in and out (2)
+    assert len(calls) == 4 * 7
+    q_shared = copy.deepcopy(unet)
+    attention.apply(q_shared, fuse_projections=False)
+    quantize_(q_shared, W8A8Config(dtype="fp8", activations="static", alpha=0.5, min_features=32),
+              calibration=_calibration(q_shared))
+    calls.clear()
+    out_smooth = _run(q_shared, inp)
+    assert len(calls) == 4 * 10  # every linear its own
+    assert _rel(out_smooth, out) < 0.1
+
+
+def test_shared_input_quantization_keys(monkeypatch):
+    """The memory is keyed by the input object, its version and the layer's key; it ends with the block."""
+    from sdfast.quantization import SharedInputQuantization
+
+    a = W8A8StaticLinear.from_linear(nn.Linear(32, 16), act_absmax=torch.full((32,), 3.0))
+    b = W8A8StaticLinear.from_linear(nn.Linear(32, 16), act_absmax=torch.full((32,), 3.0))
+    c = W8A8StaticLinear.from_linear(nn.Linear(32, 16), act_absmax=torch.full((32,), 5.0))  # another scale
+    calls = _count_quantize(monkeypatch)
+    x = torch.randn(4, 32)
+    with SharedInputQuantization():
+        ya, yb = a(x), b(x)
+        assert len(calls) == 1
+        c(x)
+        assert len(calls) == 2
+        ya2 = a(x.clone())  # another object
+        assert len(calls) == 3
+        x.mul_(2)  # in place: a new version
+        ya3 = a(x)
+        assert len(calls) == 4
+    a(x)
+    b(x)
+    assert len(calls) == 6  # outside a block every call quantizes
+    torch.testing.assert_close(ya2, ya)
+    assert not torch.equal(ya3, ya)
+    torch.testing.assert_close(yb, b(x / 2))

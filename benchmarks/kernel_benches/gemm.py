@@ -25,10 +25,17 @@ runs the UNet); ``us_eager`` = ``do_bench`` median (includes host launch overhea
 L2 error against the fp32 product of the unquantized weights (the quantization error for quantized
 backends). Rows with ``layer == "UNET TOTAL"`` add up count × us over one UNet forward per model.
 A backend that fails on a shape gives a row whose ``note`` starts with ``error:``.
+
+``SDFAST_GEMM_BACKENDS`` (environment, a regular expression): only backends whose name matches it run
+(``cublas_fp16`` always runs: the rows are compared with it). Each row is printed to stderr as it is
+measured, so a run cut short by a time limit still shows what it measured.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import sys
 import threading
 import time
 
@@ -190,17 +197,27 @@ def _shapes(quick: bool) -> list[dict]:
     return out
 
 
+def _selected(cands: dict) -> dict:
+    """``cands`` limited to ``SDFAST_GEMM_BACKENDS`` (a regular expression; cuBLAS fp16 always kept)."""
+    pattern = os.environ.get("SDFAST_GEMM_BACKENDS")
+    if not pattern:
+        return cands
+    return {k: v for k, v in cands.items() if k == "cublas_fp16" or re.search(pattern, k)}
+
+
 def run(quick: bool = False) -> list[dict]:
     """Benchmark every backend at every shape; returns rows (see the module docstring)."""
     if not torch.cuda.is_available():
         return [_row({}, bench="gemm", note="skipped: needs a CUDA GPU")]
     meta = _meta()
     t_start = time.perf_counter()
-    csrc_state = _start_csrc_build()
+    want_csrc = bool(_selected({"csrc_fp16": 1, "w4a16_csrc": 1}).keys() - {"cublas_fp16"})
+    csrc_state = _start_csrc_build() if want_csrc else {}
     rows: list[dict] = []
     totals: dict[tuple[str, str], float] = {}
     cublas_us: dict[tuple[str, str], float] = {}
-    for phase, shape in [("main", s) for s in _shapes(quick)] + [("csrc", s) for s in _shapes(quick)]:
+    phases = ("main", "csrc") if want_csrc else ("main",)
+    for phase, shape in [(ph, s) for ph in phases for s in _shapes(quick)]:
         M, K, N, epi = shape["M"], shape["K"], shape["N"], shape["epilogue"]
         n_w = 2 * N if epi == "geglu" else N
         flop = 2.0 * M * K * n_w
@@ -208,7 +225,7 @@ def run(quick: bool = False) -> list[dict]:
             cands = _candidates(shape, phase, csrc_state)
         refs = cands.pop("_refs")
         shape_rows = []
-        for name, (fn, kind) in cands.items():
+        for name, (fn, kind) in _selected(cands).items():
             base = dict(bench="gemm", model=shape["model"], layer=shape["layer"], M=M, K=K, N=n_w, backend=name,
                         epilogue=epi, count=shape["count"])
             if fn is None:
@@ -228,6 +245,8 @@ def run(quick: bool = False) -> list[dict]:
             us = graph if graph is not None else eager
             shape_rows.append(_row(meta, **base, us=us, us_eager=eager, tflops=flop / us / 1e6 if us else None,
                                    frac_of_peak=flop / us / 1e6 / PEAK_TFLOPS if us else None, rel_err=rel, note=err))
+            print(f"[gemm] {shape['model']} {shape['layer']} {M}x{K}x{n_w} {name}: {us:.2f} us, rel_err {rel}",
+                  file=sys.stderr, flush=True)
         skey = (shape["model"], shape["layer"])
         cub = next((r["us"] for r in shape_rows if r["backend"] == "cublas_fp16" and r["us"]), None)
         if cub:

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from kernels import precompile
 from sdfast.passes._modules import runs_as_its_class
+from sdfast.quantization.shared_input import SharedInputQuantization
 
 log = logging.getLogger("sdfast.attention")
 
@@ -711,23 +712,8 @@ class SdfastAttnProcessor:
             hidden_states = attn.group_norm(hidden_states.transpose(1, 2)).transpose(1, 2)
 
         heads = attn.heads
-        to_qkv = _fused_layer(attn, "to_qkv") if encoder_hidden_states is None else None
-        if to_qkv is not None:
-            qkv = to_qkv(hidden_states)  # (B, L, 3 * H * D)
-            head_dim = qkv.shape[-1] // (3 * heads)
-            query, key, value = qkv.view(qkv.shape[0], qkv.shape[1], 3, heads, head_dim).unbind(2)
-        else:
-            query = attn.to_q(hidden_states)
-            cached = None
-            if encoder_hidden_states is not None and (kv_cache := getattr(attn, CROSS_KV_ATTR, None)) is not None:
-                cached = kv_cache.lookup(attn, encoder_hidden_states)  # K/V computed outside the step's graph
-            if cached is not None:
-                key, value = cached
-            else:
-                key, value = project_kv(attn, hidden_states if encoder_hidden_states is None else encoder_hidden_states,
-                                        cross=encoder_hidden_states is not None)
-            head_dim = key.shape[-1]
-            query = query.view(batch_size, -1, heads, head_dim)
+        with SharedInputQuantization():  # static-scale quantized Q/K/V read one quantized copy of the input
+            query, key, value, head_dim = self._project(attn, hidden_states, encoder_hidden_states, batch_size)
 
         # (B, L, H, D) -> (B, H, L, D) views: no copies
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
@@ -749,6 +735,28 @@ class SdfastAttnProcessor:
         if attn.rescale_output_factor != 1.0:  # x / 1.0 is x: skip the pass over the output (140 per SDXL step)
             out = out / attn.rescale_output_factor
         return out
+
+    @staticmethod
+    def _project(attn, hidden_states, encoder_hidden_states, batch_size):
+        """Q, K, V as (B, L, H, D) views, and the head dim (the fused ``to_qkv`` GEMM when there is one)."""
+        heads = attn.heads
+        to_qkv = _fused_layer(attn, "to_qkv") if encoder_hidden_states is None else None
+        if to_qkv is not None:
+            qkv = to_qkv(hidden_states)  # (B, L, 3 * H * D)
+            head_dim = qkv.shape[-1] // (3 * heads)
+            query, key, value = qkv.view(qkv.shape[0], qkv.shape[1], 3, heads, head_dim).unbind(2)
+            return query, key, value, head_dim
+        query = attn.to_q(hidden_states)
+        cached = None
+        if encoder_hidden_states is not None and (kv_cache := getattr(attn, CROSS_KV_ATTR, None)) is not None:
+            cached = kv_cache.lookup(attn, encoder_hidden_states)  # K/V computed outside the step's graph
+        if cached is not None:
+            key, value = cached
+        else:
+            key, value = project_kv(attn, hidden_states if encoder_hidden_states is None else encoder_hidden_states,
+                                    cross=encoder_hidden_states is not None)
+        head_dim = key.shape[-1]
+        return query.view(batch_size, -1, heads, head_dim), key, value, head_dim
 
 
 # ----------------------------------------------------------------------------------------------

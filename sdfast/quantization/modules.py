@@ -6,6 +6,7 @@ moves them; integer buffers are never cast by ``.half()``), and can give back an
 (:meth:`QuantizedLinear.to_linear`): the exact original when one was kept, else the dequantized weight.
 
 * :class:`W8A8Linear`: SmoothQuant int8 or FP8 E4M3 (``kernels.gemm.w8a8``), optional ZeroQuant groups.
+* :class:`W8A8StaticLinear`: FP8 E4M3 with static per-tensor scales on cuBLASLt (``kernels.gemm.fp8_static``).
 * :class:`W4A16Linear`: packed int4, AWQ / GPTQ / RTN (``kernels.gemm.w4a16``; ``backend="csrc"`` uses
   the CUDA C++ cp.async kernel where it applies).
 * :class:`Int8OutlierLinear`: LLM.int8() (``kernels.gemm.int8_outlier``).
@@ -13,14 +14,24 @@ moves them; integer buffers are never cast by ``.half()``), and can give back an
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from kernels.gemm.int8_outlier import int8_outlier_linear
 from kernels.gemm.w4a16 import dequantize_w4, pack_int4, quantize_int4_groups, w4a16_linear
-from kernels.gemm.w8a8 import dequantize_weight, quantize_weight_per_channel, smoothquant_scales, w8a8_linear
+from kernels.gemm.fp8_static import fp8_linear, quantize_static
+from kernels.gemm.w8a8 import (
+    FP8_QMAX,
+    dequantize_weight,
+    quantize_weight_per_channel,
+    smoothquant_scales,
+    w8a8_linear,
+)
 
 from .calibration import LinearStats
+from .shared_input import quantize_input
 
 
 def _nbytes(*ts: torch.Tensor | None) -> int:
@@ -129,6 +140,90 @@ class W8A8Linear(QuantizedLinear):
         return (f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.qdtype}, "
                 f"smooth={'alpha=%g' % self.alpha if self.smooth is not None else None}, group_size={self.group_size}, "
                 f"bias={self.bias is not None}")
+
+
+class W8A8StaticLinear(QuantizedLinear):
+    """FP8 E4M3 linear with static per-tensor scales (``kernels.gemm.fp8_static``): the activation scale is
+    fixed by calibration (``input_amax / 448``), the weight has one scale, the GEMM is cuBLASLt's
+    ``torch._scaled_mm``. Inputs beyond the calibrated ``input_amax`` saturate at ±448 · scale.
+
+    Buffers: ``qweight`` (N, K) E4M3 stored as its uint8 bit pattern, ``w_scale`` () fp32, ``input_scale`` ()
+    fp32, ``input_scale_inv`` () fp32 (``1 / input_scale``, what the quantize kernel multiplies by),
+    ``smooth`` (K,) fp32 or None, ``bias``. ``input_amax`` (a float) and the smoothing decide
+    ``quant_key``: linears reading the same input with equal keys share one quantize pass inside a
+    :class:`~sdfast.quantization.shared_input.SharedInputQuantization` block. K and N must be multiples of 16.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, qweight, w_scale, input_amax: float, smooth, bias,
+                 orig_dtype: torch.dtype, fast_accum: bool = True, alpha: float | None = None):
+        super().__init__(in_features, out_features, bias, orig_dtype)
+        if in_features % 16 or out_features % 16:
+            raise ValueError(f"W8A8StaticLinear: in_features={in_features} and out_features={out_features} must be "
+                             "multiples of 16 (cuBLASLt FP8)")
+        if not (input_amax > 0 and math.isfinite(input_amax)):
+            raise ValueError(f"W8A8StaticLinear: input_amax must be a positive finite number, got {input_amax!r}")
+        self.input_amax = float(input_amax)
+        self.fast_accum = fast_accum
+        self.alpha = alpha
+        scale = torch.tensor(self.input_amax / FP8_QMAX, dtype=torch.float32, device=qweight.device)
+        self.register_buffer("qweight", qweight.view(torch.uint8))
+        self.register_buffer("w_scale", w_scale.reshape(()).float())
+        self.register_buffer("input_scale", scale)
+        self.register_buffer("input_scale_inv", 1.0 / scale)
+        self.register_buffer("smooth", smooth)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, act_absmax: torch.Tensor, alpha: float = 0.0,
+                    fast_accum: bool = True) -> "W8A8StaticLinear":
+        """Quantize ``linear`` from its calibrated per-input-channel ``act_absmax`` (K,); ``alpha > 0`` applies
+        SmoothQuant's smoothing first (then the layer's input is quantized on its own, not shared)."""
+        w = linear.weight.detach().float()
+        amax = act_absmax.to(w.device).float()
+        smooth = None
+        if alpha > 0:
+            s = smoothquant_scales(amax, w, alpha)
+            w = w * s[None, :]
+            smooth = (1.0 / s).contiguous()
+            amax = amax * smooth
+        w_scale = w.abs().amax().clamp_min(1e-12) / FP8_QMAX
+        qweight = (w / w_scale).clamp(-FP8_QMAX, FP8_QMAX).to(torch.float8_e4m3fn)
+        return cls(linear.in_features, linear.out_features, qweight=qweight, w_scale=w_scale,
+                   input_amax=max(float(amax.max()), 1e-12), smooth=smooth, bias=linear.bias,
+                   orig_dtype=linear.weight.dtype, fast_accum=fast_accum, alpha=alpha if smooth is not None else None)
+
+    @property
+    def weight_q(self) -> torch.Tensor:
+        """The quantized weight as ``float8_e4m3fn`` (N, K)."""
+        return self.qweight.view(torch.float8_e4m3fn)
+
+    @property
+    def quant_key(self) -> tuple:
+        """Equal keys quantize an input identically (same scale, no per-layer smoothing)."""
+        return (self.input_amax, None if self.smooth is None else id(self))
+
+    def quantize_input(self, x2d: torch.Tensor) -> torch.Tensor:
+        """(M, K) float -> (M, K) E4M3 with this layer's static scale (and smoothing)."""
+        return quantize_static(x2d, self.input_scale_inv.float(), self.smooth)  # .float(): after a module.half()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = quantize_input(self, x)
+        y = fp8_linear(q, self.weight_q, self.input_scale.float(), self.w_scale.float(), self.bias, out_dtype=x.dtype,
+                       fast_accum=self.fast_accum)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        w = self.weight_q.float() * self.w_scale.float()
+        if self.smooth is not None:
+            w = w * self.smooth.float()[None, :]
+        return w
+
+    def weight_nbytes(self) -> int:
+        return _nbytes(self.qweight, self.w_scale, self.smooth)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, dtype=fp8, activations=static, "
+                f"input_amax={self.input_amax:.4g}, smooth={'alpha=%g' % self.alpha if self.smooth is not None else None}, "
+                f"fast_accum={self.fast_accum}, bias={self.bias is not None}")
 
 
 class W4A16Linear(QuantizedLinear):

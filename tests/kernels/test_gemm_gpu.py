@@ -201,3 +201,70 @@ def test_csrc_w4a16_edges_and_errors(csrc):
     with pytest.raises(ValueError, match="K % 32"):
         csrc.gemm_w4a16(torch.randn(4, 40, device=DEV).half(), *quantize_w4(torch.randn(8, 40, device=DEV), 16,
                                                                              scale_dtype=torch.float16), group_size=16)
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 static per-tensor (kernels.gemm.fp8_static; W8A8StaticLinear)
+# --------------------------------------------------------------------------------------------
+def _need_fp8():
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs sm_89+")
+
+
+@pytest.mark.parametrize("M,K", [(8192, 320), (2048, 1280), (154, 2048), (2048, 5120), (7, 48)])
+def test_quantize_static_bit_exact_gpu(M, K):
+    """The kernel's own E4M3 rounding, then the hardware cast, equals torch's cast bit for bit (ties, -0.0,
+    saturation included)."""
+    from kernels.gemm.fp8_static import quantize_static, quantize_static_ref
+
+    _need_fp8()
+    x = torch.randn(M, K, device=DEV, dtype=torch.float16) * 40
+    x.view(-1)[: min(x.numel(), 256)] = torch.linspace(-600, 600, min(x.numel(), 256), device=DEV).half()
+    inv = torch.tensor(1.7, device=DEV)
+    sm = torch.rand(K, device=DEV) + 0.5
+    for s in (None, sm):
+        q, r = quantize_static(x, inv, s), quantize_static_ref(x, inv, s)
+        assert torch.equal(q.view(torch.uint8), r.view(torch.uint8)), f"M{M} K{K} smooth={s is not None}"
+
+
+@pytest.mark.parametrize("fast_accum", [True, False])
+@pytest.mark.parametrize("M,K,N,epi", SHAPES, ids=IDS)
+def test_fp8_linear_sd_shapes(M, K, N, epi, fast_accum):
+    """cuBLASLt FP8 (torch._scaled_mm) against the fp32 product of the same quantized operands."""
+    from kernels.gemm.fp8_static import fp8_linear, fp8_linear_ref, quantize_static_ref
+
+    _need_fp8()
+    torch.manual_seed(0)
+    rows = 2 * N if epi == "geglu" else N
+    x = torch.randn(M, K, device=DEV, dtype=torch.float16)
+    w = torch.randn(rows, K, device=DEV) / K**0.5
+    b = torch.randn(rows, device=DEV).half()
+    sa = (x.float().abs().amax() / 448).reshape(())
+    sw = (w.abs().amax() / 448).reshape(())
+    q, qw = quantize_static_ref(x, 1 / sa), quantize_static_ref(w, 1 / sw)
+    ours = fp8_linear(q, qw, sa, sw, b, out_dtype=torch.float16, fast_accum=fast_accum)
+    ref32 = fp8_linear_ref(q, qw, sa, sw, b, torch.float32)
+    assert_close_rule(ours, ref32, ref32.half(), 1e-2, f"fp8_linear M{M} K{K} N{rows} fast_accum={fast_accum}")
+    _rel_ok(ours, x.float() @ w.t() + b.float(), 0.06, "fp8 static vs fp32 product")
+
+
+def test_w8a8_static_linear_in_cuda_graph():
+    """The module (quantize kernel + cuBLASLt) captured in a CUDA graph replays what eager computes, on new input."""
+    from torch import nn
+
+    from sdfast.quantization import SharedInputQuantization, W8A8StaticLinear
+
+    _need_fp8()
+    lin = nn.Linear(1280, 1280, device=DEV, dtype=torch.float16)
+    x = torch.randn(2, 1024, 1280, device=DEV, dtype=torch.float16)
+    m = W8A8StaticLinear.from_linear(lin, act_absmax=x.float().abs().amax(dim=(0, 1)) * 1.5)
+    m2 = W8A8StaticLinear.from_linear(lin, act_absmax=x.float().abs().amax(dim=(0, 1)) * 1.5)
+    want = m(x)
+    _rel_ok(want, lin(x), 0.06, "W8A8StaticLinear vs fp16 linear")
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g), SharedInputQuantization():
+        out, out2 = m(x), m2(x)
+    x.copy_(torch.randn_like(x))
+    g.replay()
+    torch.testing.assert_close(out, m(x), rtol=0, atol=0)
+    torch.testing.assert_close(out2, out, rtol=0, atol=0)
