@@ -244,7 +244,12 @@ def test_fp8_linear_sd_shapes(M, K, N, epi, fast_accum):
     q, qw = quantize_static_ref(x, 1 / sa), quantize_static_ref(w, 1 / sw)
     ours = fp8_linear(q, qw, sa, sw, b, out_dtype=torch.float16, fast_accum=fast_accum)
     ref32 = fp8_linear_ref(q, qw, sa, sw, b, torch.float32)
-    assert_close_rule(ours, ref32, ref32.half(), 1e-2, f"fp8_linear M{M} K{K} N{rows} fast_accum={fast_accum}")
+    # Fast accumulation keeps Hopper's FP8 accumulator (about 14 mantissa bits, DeepSeek-V3 report) without
+    # promotion to fp32: max error 0.024 at K = 5120 against 0.014 allowed for fp32 accumulation (H200), well
+    # under the E4M3 quantization error itself (~0.037 relative L2, checked against the fp32 product below).
+    atol = 4e-2 if fast_accum else 1e-2
+    assert_close_rule(ours, ref32, ref32.half(), atol, f"fp8_linear M{M} K{K} N{rows} fast_accum={fast_accum}")
+    _rel_ok(ours, ref32, 1e-2, "fp8_linear vs the fp32 product of its quantized operands")
     _rel_ok(ours, x.float() @ w.t() + b.float(), 0.06, "fp8 static vs fp32 product")
 
 
