@@ -258,6 +258,7 @@ COMPRESSION = {
     "fp8": ("quantize_", "W8A8Config", {"dtype": "fp8"}),
     "fp8-static": ("quantize_", "W8A8Config", {"dtype": "fp8", "activations": "static", "alpha": 0.0}),
     "w4a16": ("quantize_", "W4A16Config", {"method": "awq"}),
+    "w4a16-gptq": ("quantize_", "W4A16Config", {"method": "gptq"}),
     "int8-outlier": ("quantize_", "Int8OutlierConfig", {}),
     "sparse24": ("sparsify_", "Sparse24Config", {"method": "magnitude"}),
     "sparsegpt": ("sparsify_", "Sparse24Config", {"method": "sparsegpt"}),

@@ -6,7 +6,7 @@
 set -uo pipefail
 out=${1:-out/gpu}
 declare -A systems=(
-  [sd15]=sdfast,sdfast-fp8-static,sdfast-w8a8,sdfast-fp8,sdfast-sparsegpt,sdfast-sparse24,sdfast-w4a16,sdfast-int8-outlier
+  [sd15]=sdfast,sdfast-fp8-static,sdfast-w8a8,sdfast-fp8,sdfast-sparsegpt,sdfast-sparse24,sdfast-w4a16,sdfast-w4a16-gptq,sdfast-int8-outlier
   [sdxl]=sdfast,sdfast-fp8-static,sdfast-fp8,sdfast-w8a8,sdfast-sparsegpt,sdfast-sparse24
 )
 for model in ${PRESET_MODELS:-sd15 sdxl}; do

@@ -20,7 +20,7 @@ from .schedulers import SCHEDULERS
 __all__ = [
     "Engine", "load", "txt2img", "optimize", "unoptimize", "OptimizeConfig", "SCHEDULERS",
     "InvalidRequestError", "ModelNotFoundError", "HubOfflineError", "NonFiniteOutputError", "PromptTruncatedWarning",
-    "quantize_", "sparsify_", "W8A8Config", "W4A16Config", "Int8OutlierConfig", "Sparse24Config",
+    "quantize_", "dequantize_", "sparsify_", "W8A8Config", "W4A16Config", "Int8OutlierConfig", "Sparse24Config",
 ]
 
 # Imported on first use (they pull in the Triton kernels): name -> module.
@@ -62,6 +62,14 @@ def quantize_(module, config, *, filter_fn=None, calibration=None, **kwargs):
     from .passes.quantize import quantize_ as _quantize
 
     return _quantize(module, config, filter_fn=filter_fn, calibration=calibration, **kwargs)
+
+
+def dequantize_(module, *, filter_fn=None) -> int:
+    """Undo ``quantize_``: every quantized linear of ``module`` (passing ``filter_fn``) becomes an ``nn.Linear``
+    again. See ``sdfast.passes.quantize.dequantize_``."""
+    from .passes.quantize import dequantize_ as _dequantize
+
+    return _dequantize(module, filter_fn=filter_fn)
 
 
 def sparsify_(module, config=None, *, filter_fn=None, calibration=None):

@@ -365,3 +365,74 @@ def test_shared_input_quantization_keys(monkeypatch):
     torch.testing.assert_close(ya2, ya)
     assert not torch.equal(ya3, ya)
     torch.testing.assert_close(yb, b(x / 2))
+    # nested blocks share the outer memory; a seeded copy is used as is; the memory ends with the outer block
+    calls.clear()
+    fake = torch.zeros(4, 32, dtype=torch.float8_e4m3fn)
+    with SharedInputQuantization() as outer:
+        outer.seed(x, a.quant_key, fake)
+        with SharedInputQuantization():
+            assert torch.equal(a(x), a.bias.expand(4, 16)) and not calls  # zeros in: the bias out
+        assert torch.equal(b(x), b.bias.expand(4, 16)) and not calls
+    a(x)
+    assert len(calls) == 1
+
+
+def test_fused_norms_write_the_fp8_input_of_static_linears(unet, monkeypatch):
+    """With norm fusion, each LayerNorm read by a static FP8 linear writes its E4M3 copy in the same pass: per
+    block three quantize passes fewer (attn1 Q/K/V, attn2 Q, the feed-forward's input), the same output bits."""
+    from sdfast.passes import attention, norms
+
+    u = copy.deepcopy(unet)
+    quantize_(u, STATIC, calibration=_calibration(u))
+    attention.apply(u, fuse_projections=False)
+    norms.apply(u)
+    inp = _inputs()
+    calls = _count_quantize(monkeypatch)
+    seeded = _run(u, inp)
+    assert len(calls) == 4 * 4  # attn1 out, attn2 K/V (text), attn2 out, ff out
+    calls.clear()
+    monkeypatch.setattr(norms, "W8A8StaticLinear", type("NotIt", (), {}))  # the norms no longer see a reader
+    unseeded = _run(u, inp)
+    assert len(calls) == 4 * 7
+    assert torch.equal(seeded, unseeded)
+
+
+def test_static_module_edge_cases(unet, monkeypatch):
+    """Review findings: inference mode, .half() keeping the fp32 scales, the calibrated range travelling with a
+    state_dict, a layer calibrated on zeros, the same block object entered twice."""
+    import sdfast
+    from sdfast.quantization import SharedInputQuantization
+
+    lin = nn.Linear(64, 48)
+    small = W8A8StaticLinear.from_linear(lin, act_absmax=torch.full((64,), 0.005))
+    small.half()  # 448 / 0.005 would overflow fp16
+    assert small.input_scale_inv.dtype == torch.float32 and torch.isfinite(small.input_scale_inv)
+    assert small.w_scale.dtype == torch.float32 and small.qweight.dtype == torch.uint8
+    assert torch.isfinite(small(torch.full((4, 64), 0.004).half())).all()
+
+    a = W8A8StaticLinear.from_linear(lin, act_absmax=torch.full((64,), 1.0))
+    b = W8A8StaticLinear.from_linear(lin, act_absmax=torch.full((64,), 3.0))
+    a.load_state_dict(b.state_dict())
+    assert a.input_amax == 3.0 and a.quant_key == b.quant_key and torch.equal(a.input_scale, b.input_scale)
+
+    x = torch.randn(4, 64)
+    with torch.inference_mode():  # no version counter: each layer quantizes for itself
+        xi = x.clone()
+        with SharedInputQuantization():
+            torch.testing.assert_close(a(xi), b(xi))
+    block = SharedInputQuantization()
+    with block, block:
+        pass
+    calls = _count_quantize(monkeypatch)
+    a(x)
+    a(x)
+    assert len(calls) == 2  # the memory ended with the outer exit
+
+    u = copy.deepcopy(unet)
+    names = [n for n, m in u.named_modules() if n.endswith("attn1.to_q")]
+    # a pre-hook registered before calibration's own hands that layer zeros
+    u.get_submodule(names[0]).register_forward_pre_hook(lambda m, args: (torch.zeros_like(args[0]),))
+    with pytest.raises(ValueError, match="no nonzero input"):
+        quantize_(u, STATIC, calibration=_calibration(u))
+    assert not any(isinstance(m, QuantizedLinear) for m in u.modules())  # nothing replaced
+    assert sdfast.dequantize_ is not None

@@ -15,6 +15,8 @@
   ``..._gemm_only`` on pre-quantized activations. A candidate backend, measured before any switch.
   ``fp8_scaled_mm_tensorwise[_fast_accum]_gemm_only``: ``torch._scaled_mm`` with one static scale per
   tensor on pre-quantized activations (with fast accumulation: no fp32 promotion in cuBLASLt's K loop).
+  ``w8a8_fp8_static``: what ``W8A8StaticLinear`` runs per call: the static quantize kernel, then that GEMM
+  with fast accumulation (``kernels.gemm.fp8_static``).
 - ``w4a16_triton`` / ``w4a16_csrc``: packed int4, group_size 128, dequantized in the main loop.
 - ``int8_outlier``: LLM.int8() with a fixed outlier mask of 8 columns (as after calibration).
 
@@ -183,8 +185,16 @@ def _tensorwise_fp8(x: torch.Tensor, w32: torch.Tensor, b: torch.Tensor) -> dict
     def gemm(fast: bool) -> torch.Tensor:
         return torch._scaled_mm(qa, qwt, scale_a=sa, scale_b=sw, bias=b, out_dtype=torch.float16, use_fast_accum=fast)
 
+    from kernels.gemm.fp8_static import fp8_linear, quantize_static
+
+    inv, qw = (1.0 / sa).reshape(()), qwt.t()
+
+    def static_linear() -> torch.Tensor:  # what W8A8StaticLinear runs: our quantize kernel, then cuBLASLt
+        return fp8_linear(quantize_static(x, inv), qw, sa, sw, b, out_dtype=torch.float16)
+
     return {"fp8_scaled_mm_tensorwise_gemm_only": (lambda: gemm(False), "gemm"),
-            "fp8_scaled_mm_tensorwise_fast_accum_gemm_only": (lambda: gemm(True), "gemm")}
+            "fp8_scaled_mm_tensorwise_fast_accum_gemm_only": (lambda: gemm(True), "gemm"),
+            "w8a8_fp8_static": (static_linear, "gemm")}
 
 
 def _shapes(quick: bool) -> list[dict]:

@@ -21,7 +21,7 @@ Rounding: on the GPU the kernel clamps to ±448 and casts (``cvt.rn.satfinite``:
 bit-identical to torch's ``(x * smooth * inv).clamp(-448, 448).to(torch.float8_e4m3fn)``. Triton's
 interpreter casts fp32 -> e4m3 wrongly across binades, so there the kernel first rounds to the E4M3 grid
 itself (bit arithmetic: exact) and the cast only has exact values to convert; the result is then equal in
-value (the interpreter drops the sign of zero). Doing that rounding on the GPU too, measured in the SDXL
+value (the interpreter drops the sign of zero and casts NaN to 384; the GPU keeps NaN). Doing that rounding on the GPU too, measured in the SDXL
 UNet (H200, 2026-11-30): 7.8 µs per call instead of the memory-bound ~2.5 µs, and not bit-exact.
 
 Requirements (``torch._scaled_mm``): K and N multiples of 16; a CUDA GPU of sm_89+ (Ada, Hopper). On a
@@ -108,7 +108,7 @@ def _quantize_static_kernel(
     v = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_SMOOTH:
         v = v * tl.load(smooth_ptr + offs % K, mask=mask, other=0.0)
-    v = tl.clamp(v * tl.load(inv_ptr), -QMAX, QMAX)
+    v = tl.clamp(v * tl.load(inv_ptr), -QMAX, QMAX, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN
     if ROUND_FIRST:
         v = _round_to_e4m3(v)
     tl.store(q_ptr + offs, v.to(q_ptr.dtype.element_ty), mask=mask)  # GPU: cvt.rn.satfinite (nearest, ties to even)
@@ -196,9 +196,11 @@ def fp8_linear(
         log_fallback("fp8_scaled_mm", f"tensors on {q.device.type}: torch._scaled_mm runs on CUDA only")
         return fp8_linear_ref(q, qweight, a_scale, w_scale, bias, out_dtype)
     check_fp8_supported(q, "fp8_linear")
-    b = bias.to(out_dtype) if bias is not None and out_dtype != torch.float32 else bias
-    return torch._scaled_mm(q.contiguous(), qweight.t(), scale_a=a_scale, scale_b=w_scale, bias=b,
-                            out_dtype=out_dtype, use_fast_accum=fast_accum)
+    fp32 = out_dtype == torch.float32  # torch._scaled_mm takes no bias with an fp32 output: added after
+    b = bias.to(out_dtype) if bias is not None and not fp32 else None
+    y = torch._scaled_mm(q.contiguous(), qweight.t(), scale_a=a_scale, scale_b=w_scale, bias=b,
+                         out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return y.add_(bias.float()) if fp32 and bias is not None else y
 
 
 __all__ = ["FP8", "quantize_static", "quantize_static_ref", "fp8_linear", "fp8_linear_ref"]

@@ -228,7 +228,20 @@ def _static(config) -> bool:
 def _check_fp8_device(targets: dict) -> None:
     """FP8 GEMMs need sm_89+: raise before calibrating rather than at the first call."""
     lin = next(iter(targets.values()))
-    check_fp8_supported(lin.weight, "quantize_(W8A8Config(activations='static'))")
+    try:
+        check_fp8_supported(lin.weight, "quantize_(W8A8Config(activations='static'))")
+    except NotImplementedError as e:
+        raise NotImplementedError(f"{str(e).split(' Use ')[0]} Use W8A8Config(dtype='int8') with the default "
+                                  "activations='dynamic' instead.") from None
+
+
+def _static_range(name: str, st) -> None:
+    """A static scale needs a calibrated range: a layer that saw no tokens or only zeros would saturate every
+    real input."""
+    if st.n_tokens == 0 or not float(st.absmax.max()) > 0:
+        raise ValueError(f"quantize_: calibration gave {name!r} no nonzero input ({st.n_tokens} tokens); a static "
+                         "activation scale needs its range. Calibrate on real prompts, or leave the layer out "
+                         "(filter_fn)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -292,6 +305,9 @@ def quantize_(
         missing = [n for n in targets if n not in stats]
         if needs_cal and missing:
             raise ValueError(f"quantize_: calibration did not run {len(missing)} targeted layers (e.g. {missing[0]})")
+        if _static(config):  # before any layer is replaced: an error leaves the module as it was
+            for name in targets:
+                _static_range(name, stats[name])
 
     before = after = 0
     done = []

@@ -191,6 +191,24 @@ class W8A8StaticLinear(QuantizedLinear):
                    input_amax=max(float(amax.max()), 1e-12), smooth=smooth, bias=linear.bias,
                    orig_dtype=linear.weight.dtype, fast_accum=fast_accum, alpha=alpha if smooth is not None else None)
 
+    _FP32_BUFFERS = ("w_scale", "input_scale", "input_scale_inv", "smooth")
+
+    def _apply(self, fn, recurse=True):
+        """Device moves apply to every buffer; dtype casts (``.half()``) leave the fp32 scales alone (448 / amax
+        overflows fp16 for small ranges). The quantized weight is uint8, which casts never touch."""
+        keep = {n: self._buffers[n] for n in self._FP32_BUFFERS if self._buffers.get(n) is not None}
+        super()._apply(fn, recurse)
+        for n, t in keep.items():
+            self._buffers[n] = t.to(self._buffers[n].device)
+        return self
+
+    def get_extra_state(self) -> dict:
+        return {"input_amax": self.input_amax}
+
+    def set_extra_state(self, state: dict) -> None:
+        """``load_state_dict`` brings the calibrated range with the scale buffers, so ``quant_key`` follows them."""
+        self.input_amax = float(state["input_amax"])
+
     @property
     def weight_q(self) -> torch.Tensor:
         """The quantized weight as ``float8_e4m3fn`` (N, K)."""
@@ -203,11 +221,11 @@ class W8A8StaticLinear(QuantizedLinear):
 
     def quantize_input(self, x2d: torch.Tensor) -> torch.Tensor:
         """(M, K) float -> (M, K) E4M3 with this layer's static scale (and smoothing)."""
-        return quantize_static(x2d, self.input_scale_inv.float(), self.smooth)  # .float(): after a module.half()
+        return quantize_static(x2d, self.input_scale_inv, self.smooth)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = quantize_input(self, x)
-        y = fp8_linear(q, self.weight_q, self.input_scale.float(), self.w_scale.float(), self.bias, out_dtype=x.dtype,
+        y = fp8_linear(q, self.weight_q, self.input_scale, self.w_scale, self.bias, out_dtype=x.dtype,
                        fast_accum=self.fast_accum)
         return y.reshape(*x.shape[:-1], self.out_features)
 

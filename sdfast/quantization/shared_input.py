@@ -5,7 +5,9 @@ scale (and no per-layer smoothing), their 8-bit inputs are identical, so one qua
 three. Inside a :class:`SharedInputQuantization` block, :func:`quantize_input` remembers what it
 quantized, keyed by the input tensor object, its version counter (an in-place change is a new input) and
 the layer's quantization key; outside a block it always quantizes. The memory lives only for the block
-(the attention processor wraps its projections in one), so nothing outlives the call it was made for.
+(the attention processor wraps its projections in one; sdfast's fused transformer block wraps each norm and
+the layers after it, and seeds the memory with the E4M3 copy its LayerNorm kernel writes, so those layers do
+not quantize at all), so nothing outlives the call it was made for.
 
     with SharedInputQuantization():
         q = attn.to_q(x); k = attn.to_k(x); v = attn.to_v(x)     # x quantized once
@@ -24,25 +26,44 @@ _local = threading.local()
 
 
 class SharedInputQuantization:
-    """Context manager: within it, :func:`quantize_input` quantizes each (input, key) once. Re-entrant
-    (an inner block has its own memory); per thread."""
+    """Context manager: within it, :func:`quantize_input` quantizes each (input, key) once. Per thread.
+    Nested blocks (the same object entered twice too) share the outermost block's memory, which ends with
+    that block: what an outer block :meth:`seed` s (the E4M3 copy a LayerNorm wrote beside its output)
+    reaches the projections inside the attention processor's own block."""
 
-    __slots__ = ("_outer",)
+    __slots__ = ()
 
     def __enter__(self) -> "SharedInputQuantization":
-        self._outer = getattr(_local, "memo", None)
-        _local.memo = {}
+        depth = getattr(_local, "depth", 0)
+        if depth == 0:
+            _local.memo = {}
+        _local.depth = depth + 1
         return self
 
     def __exit__(self, *exc) -> None:
-        _local.memo = self._outer
+        _local.depth -= 1
+        if _local.depth == 0:
+            _local.memo = None
+
+    def seed(self, x: torch.Tensor, key, q: torch.Tensor) -> None:
+        """Record ``q`` (M, K) as the quantization of ``x`` (..., K) for the layers whose ``quant_key`` is ``key``
+        (nothing for an input that cannot be keyed, see :func:`quantize_input`)."""
+        memo = getattr(_local, "memo", None)
+        if memo is not None and _keyable(x):
+            memo[(id(x), x._version, key)] = (x, q.reshape(-1, q.shape[-1]))
+
+
+def _keyable(x: torch.Tensor) -> bool:
+    """Inference-mode tensors have no version counter, and under torch.compile the version is symbolic:
+    those inputs are quantized by each layer (correct, just not shared)."""
+    return not x.is_inference() and not torch.compiler.is_compiling()
 
 
 def quantize_input(layer, x: torch.Tensor) -> torch.Tensor:
     """``layer.quantize_input(x.reshape(-1, K))``, shared within a :class:`SharedInputQuantization` block
     with every layer of equal ``quant_key`` that is given the same, unmodified ``x``."""
     memo = getattr(_local, "memo", None)
-    if memo is None:
+    if memo is None or not _keyable(x):
         return layer.quantize_input(x.reshape(-1, x.shape[-1]))
     key = (id(x), x._version, layer.quant_key)
     hit = memo.get(key)
