@@ -11,9 +11,7 @@ Kernels: ``_ln_fwd_kernel`` keeps ``ROWS`` whole rows in registers (D up to 8192
 two-pass mean/variance in fp32. ``_ln_fwd_looped_kernel`` handles longer rows (one row per program,
 statistics by per-lane shifted sums, then a second sweep that usually hits L2).
 Anchors: Ba et al. 2016 (LayerNorm); triton-lang tutorial 05-layer-norm; flash-attention's
-``ops/triton/layer_norm.py`` (fused residual, returned pre-norm sum). ``quant_inv`` adds a static-scale
-E4M3 copy of the output for the FP8 linears that read it (``kernels.gemm.fp8_static``), as TensorRT fuses
-the quantize into the preceding norm.
+``ops/triton/layer_norm.py`` (fused residual, returned pre-norm sum).
 """
 
 from __future__ import annotations
@@ -27,8 +25,6 @@ import triton.language as tl
 
 from kernels.checks import check_like
 from kernels.dispatch import use_triton
-from kernels.gemm.fp8_static import FP8, _round_to_e4m3, quantize_static_ref
-from kernels.gemm.w8a8 import check_fp8_supported
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_FUSED_D = 8192  # rows up to this (padded) width stay in registers
@@ -82,8 +78,6 @@ def _ln_fwd_kernel(
     y_ptr,  # (M, D) output, contiguous
     s_ptr,  # (M, D) sum output, contiguous; unused without WRITE_SUM
     sb_ptr,  # (D,) bias added to the stored sum only; unused without HAS_SUM_BIAS
-    q_ptr,  # (M, D) E4M3 copy of y, contiguous; unused without QUANT
-    qinv_ptr,  # () fp32 multiplier of that copy; unused without QUANT
     M,
     D,
     eps,
@@ -96,8 +90,6 @@ def _ln_fwd_kernel(
     HAS_B: tl.constexpr,
     WRITE_SUM: tl.constexpr,
     HAS_SUM_BIAS: tl.constexpr,
-    QUANT: tl.constexpr,
-    ROUND_FIRST: tl.constexpr,  # QUANT in the interpreter: round to the E4M3 grid before the cast
 ):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
@@ -123,20 +115,7 @@ def _ln_fwd_kernel(
         y = y * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     if HAS_B:
         y = y + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    yo = y.to(y_ptr.dtype.element_ty)
-    tl.store(y_ptr + out_offs, yo, mask=mask)
-    if QUANT:
-        tl.store(q_ptr + out_offs, _e4m3(yo, qinv_ptr, ROUND_FIRST).to(q_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _e4m3(yo, qinv_ptr, ROUND_FIRST: tl.constexpr):
-    """The stored output ``yo`` times the static inverse scale, saturated to ±448 (and rounded to the E4M3
-    grid in the interpreter): what ``kernels.gemm.fp8_static.quantize_static`` computes from ``yo``."""
-    v = tl.clamp(yo.to(tl.float32) * tl.load(qinv_ptr), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
-    if ROUND_FIRST:
-        v = _round_to_e4m3(v)
-    return v
+    tl.store(y_ptr + out_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -164,8 +143,6 @@ def _ln_fwd_looped_kernel(
     y_ptr,  # (M, D) output, contiguous
     s_ptr,  # (M, D) sum output, contiguous; unused without WRITE_SUM
     sb_ptr,  # (D,) bias added to the stored sum only; unused without HAS_SUM_BIAS
-    q_ptr,  # (M, D) E4M3 copy of y, contiguous; unused without QUANT
-    qinv_ptr,  # () fp32 multiplier of that copy; unused without QUANT
     D,
     eps,
     sxm,
@@ -177,8 +154,6 @@ def _ln_fwd_looped_kernel(
     HAS_B: tl.constexpr,
     WRITE_SUM: tl.constexpr,
     HAS_SUM_BIAS: tl.constexpr,
-    QUANT: tl.constexpr,
-    ROUND_FIRST: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * sxm
@@ -213,10 +188,7 @@ def _ln_fwd_looped_kernel(
             y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_B:
             y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        yo = y.to(y_ptr.dtype.element_ty)
-        tl.store(y_ptr + row * D + cols, yo, mask=mask)
-        if QUANT:
-            tl.store(q_ptr + row * D + cols, _e4m3(yo, qinv_ptr, ROUND_FIRST).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + row * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -261,7 +233,7 @@ def _rows_view(t: torch.Tensor, name: str) -> torch.Tensor:
         ) from e
 
 
-def _check_inputs(x, weight, bias, residual, sum_bias=None, return_sum=False, quant_inv=None) -> None:
+def _check_inputs(x, weight, bias, residual, sum_bias=None, return_sum=False) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError(f"layer_norm: x must be (..., D), got {getattr(x, 'shape', type(x).__name__)}")
     if x.dtype not in _SUPPORTED_DTYPES:
@@ -278,58 +250,44 @@ def _check_inputs(x, weight, bias, residual, sum_bias=None, return_sum=False, qu
             raise TypeError(f"layer_norm: {name} must be floating point, got {t.dtype}")
     if residual is not None:
         check_like("layer_norm", "residual", residual, x)
-    if quant_inv is not None and (quant_inv.dim() != 0 or quant_inv.dtype != torch.float32):
-        raise TypeError(f"layer_norm: quant_inv must be a 0-dim fp32 tensor, got {quant_inv.dtype} {tuple(quant_inv.shape)}")
-    devs = {t.device for t in (x, weight, bias, residual, sum_bias, quant_inv) if t is not None}
+    devs = {t.device for t in (x, weight, bias, residual, sum_bias) if t is not None}
     if len(devs) > 1:
         raise ValueError(f"layer_norm: all tensors must be on one device, got {sorted(map(str, devs))}")
 
 
-def _quant_copy(y: torch.Tensor, quant_inv: torch.Tensor | None) -> torch.Tensor:
-    """The E4M3 copy of ``y`` (the reference path), or an empty tensor without ``quant_inv``."""
-    if quant_inv is None:
-        return y.new_empty(0, dtype=FP8)
-    return quantize_static_ref(y.reshape(-1, y.shape[-1]), quant_inv).view(y.shape)
-
-
-def _layer_norm_impl(x, weight, bias, eps, residual, return_sum, sum_bias=None, quant_inv=None):
-    _check_inputs(x, weight, bias, residual, sum_bias, return_sum, quant_inv)
-    if not use_triton("layer_norm", x, weight, bias, residual, sum_bias, quant_inv):
+def _layer_norm_impl(x, weight, bias, eps, residual, return_sum, sum_bias=None):
+    _check_inputs(x, weight, bias, residual, sum_bias, return_sum)
+    if not use_triton("layer_norm", x, weight, bias, residual, sum_bias):
         out = layer_norm_ref(x, weight, bias, eps, residual=residual, return_sum=return_sum, sum_bias=sum_bias)
         if not return_sum:
-            return out, x.new_empty(0), _quant_copy(out, quant_inv)
+            return out, x.new_empty(0)
         y, s = out
-        return y, (s.clone() if s.data_ptr() == x.data_ptr() else s), _quant_copy(y, quant_inv)
+        return y, (s.clone() if s.data_ptr() == x.data_ptr() else s)
     D = x.shape[-1]
     x2 = _rows_view(x, "x")
     r2 = _rows_view(residual, "residual") if residual is not None else x2
     M = x2.shape[0]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if return_sum else x.new_empty(0)
-    q = torch.empty(x.shape, dtype=FP8, device=x.device) if quant_inv is not None else x.new_empty(0, dtype=FP8)
     if M == 0 or D == 0:
-        return y, s, q
-    if quant_inv is not None:
-        check_fp8_supported(x, "layer_norm(quant_inv=...)")
+        return y, s
     w = weight.contiguous() if weight is not None else x2
     b = bias.contiguous() if bias is not None else x2
     sb = sum_bias.contiguous() if sum_bias is not None else x2
-    qi = quant_inv if quant_inv is not None else x2
     flags = dict(HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None, WRITE_SUM=return_sum,
-                 HAS_SUM_BIAS=sum_bias is not None, QUANT=quant_inv is not None, ROUND_FIRST=not x.is_cuda)
+                 HAS_SUM_BIAS=sum_bias is not None)
     cfg = layer_norm_config(M, D)
-    outs = (y, s if return_sum else y, sb, q if quant_inv is not None else y, qi)
     if cfg["looped"]:
         _ln_fwd_looped_kernel[(M,)](
-            x2, r2, w, b, *outs, D, float(eps), x2.stride(0), r2.stride(0),
+            x2, r2, w, b, y, s if return_sum else y, sb, D, float(eps), x2.stride(0), r2.stride(0),
             N_CHUNKS=cfg["N_CHUNKS"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"], **flags,
         )
     else:
         _ln_fwd_kernel[(triton.cdiv(M, cfg["ROWS"]),)](
-            x2, r2, w, b, *outs, M, D, float(eps), x2.stride(0), r2.stride(0),
+            x2, r2, w, b, y, s if return_sum else y, sb, M, D, float(eps), x2.stride(0), r2.stride(0),
             ROWS=cfg["ROWS"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"], **flags,
         )
-    return y, s, q
+    return y, s
 
 
 # --------------------------------------------------------------------------------------------
@@ -344,18 +302,16 @@ def _layer_norm_op(
     residual: Optional[torch.Tensor],
     return_sum: bool,
     sum_bias: Optional[torch.Tensor] = None,
-    quant_inv: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _layer_norm_impl(x, weight, bias, eps, residual, return_sum, sum_bias, quant_inv)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _layer_norm_impl(x, weight, bias, eps, residual, return_sum, sum_bias)
 
 
 @_layer_norm_op.register_fake
-def _layer_norm_fake(x, weight, bias, eps, residual, return_sum, sum_bias=None, quant_inv=None):
-    _check_inputs(x, weight, bias, residual, sum_bias, return_sum, quant_inv)
+def _layer_norm_fake(x, weight, bias, eps, residual, return_sum, sum_bias=None):
+    _check_inputs(x, weight, bias, residual, sum_bias, return_sum)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if return_sum else x.new_empty(0)
-    q = torch.empty(x.shape if quant_inv is not None else (0,), dtype=FP8, device=x.device)
-    return y, s, q
+    return y, s
 
 
 def layer_norm(
@@ -367,7 +323,6 @@ def layer_norm(
     residual: torch.Tensor | None = None,
     return_sum: bool = False,
     sum_bias: torch.Tensor | None = None,
-    quant_inv: torch.Tensor | None = None,
 ):
     """Fused LayerNorm over the last dim: ``y = LayerNorm(x + residual) * weight + bias``.
 
@@ -377,21 +332,14 @@ def layer_norm(
     residual``, the residual stream; ``s`` is ``x`` itself when there is no residual). ``sum_bias`` (D,)
     (needs ``return_sum``) is added to ``s`` only: the next layer's bias, so that a GEMM can add its
     product to ``s`` in place (``s.addmm_``) with no separate bias or residual pass.
-    ``quant_inv`` (0-dim fp32 tensor): also write ``y``'s static-scale E4M3 copy in the same pass, appended to
-    what is returned (``(y, q)`` or ``(y, s, q)``); ``q`` equals
-    ``kernels.gemm.fp8_static.quantize_static(y, quant_inv)``, so an FP8 linear reading ``y`` can take it instead
-    of quantizing ``y`` itself (``sdfast.quantization.SharedInputQuantization.seed``). sm_89+ on CUDA.
-    Raises ValueError (shapes, strides, devices), TypeError (dtypes), NotImplementedError (FP8 below sm_89).
-    Falls back to the PyTorch reference where Triton cannot run. Registered as ``torch.ops.sdfast.layer_norm``.
+    Raises ValueError (shapes, strides, devices) or TypeError (dtypes). Falls back to the PyTorch
+    reference where Triton cannot run. Registered as ``torch.ops.sdfast.layer_norm``.
     """
     if return_sum and residual is None and sum_bias is None:
-        y, _, q = torch.ops.sdfast.layer_norm(x, weight, bias, float(eps), None, False, None, quant_inv)
-        return (y, x) if quant_inv is None else (y, x, q)
-    y, s, q = torch.ops.sdfast.layer_norm(x, weight, bias, float(eps), residual, bool(return_sum), sum_bias, quant_inv)
-    out = (y, s) if return_sum else (y,)
-    if quant_inv is not None:
-        out += (q,)
-    return out if len(out) > 1 else y
+        y, _ = torch.ops.sdfast.layer_norm(x, weight, bias, float(eps), None, False)
+        return y, x
+    y, s = torch.ops.sdfast.layer_norm(x, weight, bias, float(eps), residual, bool(return_sum), sum_bias)
+    return (y, s) if return_sum else y
 
 
 __all__ = ["layer_norm", "layer_norm_ref", "layer_norm_config"]

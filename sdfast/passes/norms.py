@@ -9,8 +9,7 @@ Rewrites (each per module instance, reversible with ``undo``):
   replacing the SiLU module.
 - ``conv_norm_out`` + ``conv_act`` (UNet and VAE decoder tails): GroupNorm+SiLU as one kernel.
 - every other ``nn.GroupNorm`` (Transformer2D input norm, VAE attention group_norm): the fused GroupNorm.
-- ``BasicTransformerBlock`` (norm_type "layer_norm"): norm2/norm3 fused with the residual add before them; where
-  the layer reading a norm's output is an FP8 static linear, the norm also writes its E4M3 input.
+- ``BasicTransformerBlock`` (norm_type "layer_norm"): norm2/norm3 fused with the residual add before them.
 - ``GEGLU``: projection, then one kernel for ``a * gelu(g)``.
 Sources of the fusion patterns: stable-fast, Paddle Inference and TensorRT's SD demo (GroupNorm+SiLU,
 bias-add+norm), Liger-Kernel (fused norms).
@@ -28,8 +27,6 @@ from torch import nn
 from kernels.elementwise import bias_residual_add
 from kernels.norm import geglu, group_norm, layer_norm
 from sdfast.passes._modules import runs_as_its_class
-from sdfast.quantization.modules import W8A8StaticLinear
-from sdfast.quantization.shared_input import SharedInputQuantization
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -159,35 +156,21 @@ def fused_transformer_block_forward(
     n1, n2, n3 = self.norm1, self.norm2, self.norm3
     if hidden_states.stride(-1) != 1:  # the token view of an NCHW tensor; channels_last gives contiguous rows
         hidden_states = hidden_states.contiguous()
-    with SharedInputQuantization() as shared:  # FP8 static linears take the E4M3 copy each norm writes
-        x = _norm(shared, self.attn1.to_q, n1, hidden_states)
-        a = self.attn1(x, encoder_hidden_states=None, attention_mask=attention_mask, **kwargs)
-        x, h = _norm(shared, self.attn2.to_q, n2, a, residual=hidden_states, return_sum=True)
-        a = self.attn2(x, encoder_hidden_states=encoder_hidden_states, attention_mask=encoder_attention_mask, **kwargs)
-        ff_in = getattr(self.ff.net[0], "proj", None) if hasattr(self.ff, "net") else None
-        out_proj = _ff_out_projection(self.ff, a)
-        if out_proj is None:
-            x, h = _norm(shared, ff_in, n3, a, residual=h, return_sum=True)
-            return self.ff(x) + h
-        # The residual add and ff's output bias in the output GEMM: norm3's kernel stores h + bias, and the GEMM
-        # adds its product to it in place (cuBLAS beta = 1): no separate bias or residual pass over the tokens.
-        x, h = _norm(shared, ff_in, n3, a, residual=h, return_sum=True, sum_bias=out_proj.bias)
-        for m in self.ff.net[:-1]:
-            x = m(x)
-        h.view(-1, h.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]), out_proj.weight.t())
-        return h
-
-
-def _norm(shared: SharedInputQuantization, reader: nn.Module | None, norm: nn.LayerNorm, x: torch.Tensor, **kw):
-    """``layer_norm`` with ``norm``'s parameters. When ``reader``, the layer that reads the result, is an FP8 linear
-    with a static scale and no smoothing (``W8A8StaticLinear``), the kernel also writes the E4M3 copy it would
-    compute, and ``shared`` hands it that copy (and to every layer with the same quantization key, e.g. to_k/to_v):
-    one quantize pass fewer per reader, the same bits."""
-    if type(reader) is not W8A8StaticLinear or reader.smooth is not None:
-        return layer_norm(x, norm.weight, norm.bias, norm.eps, **kw)
-    *out, q = layer_norm(x, norm.weight, norm.bias, norm.eps, quant_inv=reader.input_scale_inv, **kw)
-    shared.seed(out[0], reader.quant_key, q)
-    return out[0] if len(out) == 1 else tuple(out)
+    x = layer_norm(hidden_states, n1.weight, n1.bias, n1.eps)
+    a = self.attn1(x, encoder_hidden_states=None, attention_mask=attention_mask, **kwargs)
+    x, h = layer_norm(a, n2.weight, n2.bias, n2.eps, residual=hidden_states, return_sum=True)
+    a = self.attn2(x, encoder_hidden_states=encoder_hidden_states, attention_mask=encoder_attention_mask, **kwargs)
+    out_proj = _ff_out_projection(self.ff, a)
+    if out_proj is None:
+        x, h = layer_norm(a, n3.weight, n3.bias, n3.eps, residual=h, return_sum=True)
+        return self.ff(x) + h
+    # The residual add and ff's output bias in the output GEMM: norm3's kernel stores h + bias, and the GEMM
+    # adds its product to it in place (cuBLAS beta = 1): no separate bias or residual pass over the tokens.
+    x, h = layer_norm(a, n3.weight, n3.bias, n3.eps, residual=h, return_sum=True, sum_bias=out_proj.bias)
+    for m in self.ff.net[:-1]:
+        x = m(x)
+    h.view(-1, h.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]), out_proj.weight.t())
+    return h
 
 
 def _ff_out_projection(ff: nn.Module, a: torch.Tensor) -> nn.Linear | None:

@@ -116,26 +116,6 @@ def test_layer_norm_sd_shapes(shape, residual):
         assert_close_rule(o, r32, lp, atol=2e-3)
 
 
-@pytest.mark.parametrize("shape", sd_shapes.unique_layer_norm_shapes(), ids=lambda s: "x".join(map(str, s)))
-def test_layer_norm_fp8_copy_sd_shapes(shape):
-    """``quant_inv``: the E4M3 copy is bit-identical to quantizing the fp16 output (what the FP8 static linear
-    reading it would compute), in both kernels (long rows: the looped one)."""
-    from kernels.gemm.fp8_static import quantize_static_ref
-
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("FP8 needs sm_89+")
-    for shp in (shape, (4, 3, 12000)):
-        x = torch.randn(shp, device="cuda", dtype=torch.float16) * 3
-        r = torch.randn_like(x)
-        w, b = torch.rand(shp[-1], device="cuda") + 0.5, torch.randn(shp[-1], device="cuda")
-        inv = torch.tensor(90.0, device="cuda")
-        y, s, q = layer_norm(x, w, b, residual=r, return_sum=True, quant_inv=inv)
-        y0, s0 = layer_norm(x, w, b, residual=r, return_sum=True)
-        assert torch.equal(y, y0) and torch.equal(s, s0)
-        want = quantize_static_ref(y.view(-1, shp[-1]), inv).view(shp)
-        assert torch.equal(q.view(torch.uint8), want.view(torch.uint8)), f"{shp}"
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_layer_norm_other_dtypes_and_long_rows(dtype):
     for D in (1280, 12000):
