@@ -38,6 +38,11 @@ def _nbytes(*ts: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
 
+def _unsmooth(w: torch.Tensor, smooth: torch.Tensor | None) -> torch.Tensor:
+    """A SmoothQuant weight ``W diag(s)`` back to ``W``: times ``smooth = 1 / s`` per input channel."""
+    return w if smooth is None else w * smooth.float()[None, :]
+
+
 class QuantizedLinear(nn.Module):
     """Base class of sdfast's quantized linears (``quantize_`` skips modules of this type)."""
 
@@ -128,10 +133,7 @@ class W8A8Linear(QuantizedLinear):
         return w8a8_linear(x, self.weight_q, self.w_scale, self.bias, smooth=self.smooth, group_size=self.group_size)
 
     def dequantized_weight(self) -> torch.Tensor:
-        w = dequantize_weight(self.weight_q, self.w_scale, self.group_size)
-        if self.smooth is not None:
-            w = w * self.smooth.float()[None, :]
-        return w
+        return _unsmooth(dequantize_weight(self.weight_q, self.w_scale, self.group_size), self.smooth)
 
     def weight_nbytes(self) -> int:
         return _nbytes(self.qweight, self.w_scale, self.smooth)
@@ -230,10 +232,7 @@ class W8A8StaticLinear(QuantizedLinear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def dequantized_weight(self) -> torch.Tensor:
-        w = self.weight_q.float() * self.w_scale.float()
-        if self.smooth is not None:
-            w = w * self.smooth.float()[None, :]
-        return w
+        return _unsmooth(self.weight_q.float() * self.w_scale.float(), self.smooth)
 
     def weight_nbytes(self) -> int:
         return _nbytes(self.qweight, self.w_scale, self.smooth)
