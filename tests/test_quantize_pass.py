@@ -415,3 +415,40 @@ def test_static_module_edge_cases(unet, monkeypatch):
         quantize_(u, STATIC, calibration=_calibration(u))
     assert not any(isinstance(m, QuantizedLinear) for m in u.modules())  # nothing replaced
     assert sdfast.dequantize_ is not None
+
+
+def test_w4a16_backend_choice(monkeypatch, caplog):
+    """backend="auto": the CUDA C++ kernel for fp16 CUDA calls of >= 1024 tokens when it builds, Triton otherwise
+    (and a logged fallback when the build fails); "triton" and "csrc" are what they say."""
+    import logging
+
+    from kernels.csrc import build
+    from kernels import dispatch
+    from sdfast.quantization import modules
+
+    lin = nn.Linear(256, 64).half()
+    auto = W4A16Linear.from_linear(lin, method="rtn", group_size=128)
+    assert auto.backend == "auto" and W4A16Config().backend == "auto"
+    monkeypatch.setattr(modules, "_csrc_builds", lambda: True)
+    assert auto.uses_csrc(True, torch.float16, 2048)
+    assert not auto.uses_csrc(True, torch.float16, 154)  # few tokens: Triton was faster
+    assert not auto.uses_csrc(False, torch.float16, 2048) and not auto.uses_csrc(True, torch.bfloat16, 2048)
+    tri = W4A16Linear.from_linear(lin, method="rtn", group_size=128, backend="triton")
+    cs = W4A16Linear.from_linear(lin, method="rtn", group_size=128, backend="csrc")
+    assert not tri.uses_csrc(True, torch.float16, 8192) and cs.uses_csrc(True, torch.float16, 16)
+    monkeypatch.undo()
+
+    def no_nvcc():
+        raise RuntimeError("gemm_cp_async could not be built: nvcc not found")
+
+    monkeypatch.setattr(build, "backend", no_nvcc)
+    monkeypatch.setattr(dispatch, "_logged", set())
+    modules._csrc_builds.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="sdfast.kernels"):
+            assert not auto.uses_csrc(True, torch.float16, 2048)
+        assert any("did not build" in r.getMessage() for r in caplog.records)
+    finally:
+        modules._csrc_builds.cache_clear()
+    with pytest.raises(ValueError, match="backend"):
+        W4A16Config(backend="cuda")

@@ -106,7 +106,9 @@ class W4A16Config:
         compensation; needs calibration; K² fp32 per layer during calibration) or ``"rtn"``
         (round-to-nearest; no calibration).
     group_size: multiple of 16 (128 is standard). Smaller groups: less error, more scale bytes.
-    backend: ``"triton"`` or ``"csrc"`` (CUDA C++ cp.async kernel, built on first use; fp16, K % 32 == 0).
+    backend: ``"auto"`` (the CUDA C++ cp.async kernel at 1024 tokens or more, where it was faster, else Triton;
+        see ``W4A16Linear``), ``"triton"`` or ``"csrc"`` (CUDA C++, built on first use, about a minute once per
+        machine; fp16, K % 32 == 0).
     damp: GPTQ diagonal damping (fraction of the mean Hessian diagonal).
     n_grid: AWQ grid points for the scale exponent. n_samples: calibration input rows kept per layer (AWQ).
     min_features: layers with in or out features below this are skipped.
@@ -114,7 +116,7 @@ class W4A16Config:
 
     method: str = "awq"
     group_size: int = 128
-    backend: str = "triton"
+    backend: str = "auto"
     damp: float = 0.01
     n_grid: int = 20
     n_samples: int = 256
@@ -126,8 +128,8 @@ class W4A16Config:
             raise ValueError(f"W4A16Config: method must be 'awq', 'gptq' or 'rtn', got {self.method!r}")
         if self.group_size <= 0 or self.group_size % 16:
             raise ValueError(f"W4A16Config: group_size must be a positive multiple of 16, got {self.group_size}")
-        if self.backend not in ("triton", "csrc"):
-            raise ValueError(f"W4A16Config: backend must be 'triton' or 'csrc', got {self.backend!r}")
+        if self.backend not in ("auto", "triton", "csrc"):
+            raise ValueError(f"W4A16Config: backend must be 'auto', 'triton' or 'csrc', got {self.backend!r}")
 
 
 @dataclass(frozen=True)

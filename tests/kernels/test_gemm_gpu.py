@@ -278,3 +278,27 @@ def test_w8a8_static_linear_in_cuda_graph():
     g.replay()
     torch.testing.assert_close(out, m(x), rtol=0, atol=0)
     torch.testing.assert_close(out2, out, rtol=0, atol=0)
+
+
+def test_w4a16_linear_auto_backend():
+    """W4A16Linear(backend="auto"): the CUDA C++ kernel at >= 1024 tokens, Triton below; both near fp16."""
+    from torch import nn
+
+    from kernels.gemm.w4a16 import w4a16_linear
+    from sdfast.quantization import W4A16Linear
+
+    lin = nn.Linear(1280, 1280, device=DEV, dtype=torch.float16)
+    m = W4A16Linear.from_linear(lin, method="rtn", group_size=128)
+    assert m.backend == "auto"
+    for M, csrc_path in ((2048, True), (154, False)):
+        x = torch.randn(M, 1280, device=DEV, dtype=torch.float16)
+        assert m.uses_csrc(True, torch.float16, M) is csrc_path
+        y = m(x)
+        if csrc_path:
+            from kernels.csrc.build import gemm_w4a16
+
+            want = gemm_w4a16(x, m.qweight, m.scales, m.zeros, m.bias, group_size=128)
+        else:
+            want = w4a16_linear(x, m.qweight, m.scales, m.zeros, m.bias, group_size=128)
+        torch.testing.assert_close(y, want, rtol=0, atol=0)
+        _rel_ok(y, lin(x), 0.15, f"W4A16 auto M{M} vs fp16")
