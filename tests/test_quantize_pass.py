@@ -395,26 +395,38 @@ def test_static_module_edge_cases(unet, monkeypatch):
     assert a.input_amax == 3.0 and a.quant_key == b.quant_key and torch.equal(a.input_scale, b.input_scale)
 
     x = torch.randn(4, 64)
+    calls = _count_quantize(monkeypatch)
     with torch.inference_mode():  # no version counter: each layer quantizes for itself
         xi = x.clone()
         with SharedInputQuantization():
             torch.testing.assert_close(a(xi), b(xi))
+    assert len(calls) == 2
+    calls.clear()
     block = SharedInputQuantization()
-    with block, block:
-        pass
-    calls = _count_quantize(monkeypatch)
+    with block, block:  # one object entered twice: one memory, shared inside, ended by the outer exit
+        a(x)
+        b(x)
+        assert len(calls) == 1
     a(x)
     a(x)
-    assert len(calls) == 2  # the memory ended with the outer exit
+    assert len(calls) == 3
 
     u = copy.deepcopy(unet)
     names = [n for n, m in u.named_modules() if n.endswith("attn1.to_q")]
     # a pre-hook registered before calibration's own hands that layer zeros
     u.get_submodule(names[0]).register_forward_pre_hook(lambda m, args: (torch.zeros_like(args[0]),))
-    with pytest.raises(ValueError, match="no nonzero input"):
+    with pytest.raises(ValueError, match="input range of 0.0"):
         quantize_(u, STATIC, calibration=_calibration(u))
     assert not any(isinstance(m, QuantizedLinear) for m in u.modules())  # nothing replaced
-    assert sdfast.dequantize_ is not None
+    u2 = copy.deepcopy(unet)
+    u2.get_submodule(names[0]).register_forward_pre_hook(lambda m, args: (torch.full_like(args[0], float("inf")),))
+    with pytest.raises(ValueError, match="finite, nonzero"):  # an overflowing layer: also before any replacement
+        quantize_(u2, STATIC, calibration=_calibration(u2))
+    assert not any(isinstance(m, QuantizedLinear) for m in u2.modules())
+    q = nn.Sequential(nn.Linear(64, 64))
+    sdfast.quantize_(q, STATIC, filter_fn=lambda m, n: True, calibration=lambda: q(torch.randn(8, 64)))
+    assert isinstance(q[0], W8A8StaticLinear)
+    assert sdfast.dequantize_(q) == 1 and type(q[0]) is nn.Linear
 
 
 def test_w4a16_backend_choice(monkeypatch, caplog):

@@ -21,8 +21,9 @@ Rounding: on the GPU the kernel clamps to ±448 and casts (``cvt.rn.satfinite``:
 bit-identical to torch's ``(x * smooth * inv).clamp(-448, 448).to(torch.float8_e4m3fn)``. Triton's
 interpreter casts fp32 -> e4m3 wrongly across binades, so there the kernel first rounds to the E4M3 grid
 itself (bit arithmetic: exact) and the cast only has exact values to convert; the result is then equal in
-value (the interpreter drops the sign of zero and casts NaN to 384; the GPU keeps NaN). Doing that rounding on the GPU too, measured in the SDXL
-UNet (H200, 2026-11-30): 7.8 µs per call instead of the memory-bound ~2.5 µs, and not bit-exact.
+value (the interpreter drops the sign of zero and casts NaN to 384; the GPU keeps NaN). Doing that rounding on
+the GPU too, measured in the SDXL UNet (H200, 2026-11-30): 7.8 µs per call instead of 3.3 µs, and not
+bit-exact.
 
 Requirements (``torch._scaled_mm``): K and N multiples of 16; a CUDA GPU of sm_89+ (Ada, Hopper). On a
 CPU tensor the GEMM runs the plain-PyTorch reference (dequantize, matmul), logged once by

@@ -27,6 +27,7 @@ skipped and counted (``QuantizeStats.skipped_shape``): they are too small for an
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -68,7 +69,9 @@ class W8A8Config:
         alone 1.65x), against 0.92x for "dynamic"; the SDXL UNet step 1.175x sdfast fp16; SD1.5 0.99x (its linears
         are too small). Numerics: 44 dB against stock fp16 on SDXL; inputs beyond the calibrated range saturate.
     fast_accum: "static" only: cuBLASLt's fast FP8 accumulation (no periodic fp32 promotion). Speed: 9.3
-        against 11.4 ms over SDXL's linears; numerics: the same error against fp32 at SD's K (H200).
+        against 11.4 ms over SDXL's linears (H200). Numerics: the relative error against the fp32 product of the
+        unquantized operands is unchanged (0.037, the E4M3 quantization); the largest error against the fp32
+        product of the quantized operands grows to 0.024 at K = 5120.
     group_size: None (per-channel weights) or a multiple of 32 (ZeroQuant group-wise weights, smaller
         weight error, one fp32 scale per group per row); "dynamic" only.
     min_features: layers with in or out features below this are skipped (speed: too small to pay).
@@ -241,10 +244,11 @@ def _check_fp8_device(targets: dict) -> None:
 def _static_range(name: str, st) -> None:
     """A static scale needs a calibrated range: a layer that saw no tokens or only zeros would saturate every
     real input."""
-    if st.n_tokens == 0 or not float(st.absmax.max()) > 0:
-        raise ValueError(f"quantize_: calibration gave {name!r} no nonzero input ({st.n_tokens} tokens); a static "
-                         "activation scale needs its range. Calibrate on real prompts, or leave the layer out "
-                         "(filter_fn)")
+    amax = float(st.absmax.max()) if st.n_tokens else 0.0
+    if not 0.0 < amax < math.inf:
+        raise ValueError(f"quantize_: calibration gave {name!r} an input range of {amax} ({st.n_tokens} tokens); a static "
+                         "activation scale needs a finite, nonzero range. Calibrate on real prompts, or leave the "
+                         "layer out (filter_fn)")
 
 
 # --------------------------------------------------------------------------------------------
