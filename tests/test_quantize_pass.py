@@ -464,3 +464,21 @@ def test_w4a16_backend_choice(monkeypatch, caplog):
         modules._csrc_builds.cache_clear()
     with pytest.raises(ValueError, match="backend"):
         W4A16Config(backend="cuda")
+
+
+def test_fp8_below_sm89_error_names_the_fix(monkeypatch):
+    """Static FP8 on a GPU below sm_89 raises before calibrating, and says what to use instead."""
+    from kernels.gemm import w8a8
+
+    class FakeCuda:  # quantize_ only asks the first target's weight for its device
+        is_cuda = True
+        device = "cuda:0"
+
+    monkeypatch.setattr(w8a8, "interpret_mode", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    from sdfast.passes import quantize as qpass
+
+    with pytest.raises(NotImplementedError, match="activations='dynamic'"):
+        qpass._check_fp8_device({"l": type("L", (), {"weight": FakeCuda()})()})
+    with pytest.raises(NotImplementedError, match=r"W8A8Config\(dtype='int8'\)\) instead"):
+        w8a8.check_fp8_supported(FakeCuda(), "w8a8_gemm")

@@ -317,14 +317,15 @@ def _tuned_gemm(device_index: int, group_size: int):
         triton.heuristics({"EVEN_K": even_k})(_w8a8_gemm_kernel))
 
 
-def check_fp8_supported(t: torch.Tensor, what: str) -> None:
-    """Raise ``NotImplementedError`` for an FP8 kernel on a CUDA device below sm_89."""
+def check_fp8_supported(
+    t: torch.Tensor, what: str, advice: str = "Use int8 (W8A8Config(dtype='int8')) instead."
+) -> None:
+    """Raise ``NotImplementedError`` (ending with ``advice``) for an FP8 kernel on a CUDA device below sm_89."""
     if t.is_cuda and not interpret_mode():
         cap = torch.cuda.get_device_capability(t.device)
         if cap < (8, 9):
             raise NotImplementedError(
-                f"{what}: FP8 E4M3 tl.dot needs sm_89+ (Ada/Hopper); this GPU is sm_{cap[0]}{cap[1]}. "
-                "Use int8 (W8A8Config(dtype='int8')) instead."
+                f"{what}: FP8 E4M3 needs sm_89+ (Ada/Hopper); this GPU is sm_{cap[0]}{cap[1]}. {advice}"
             )
 
 

@@ -34,9 +34,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from kernels.gemm.w8a8 import check_fp8_supported
 from sdfast.passes.attention import FUSED_PROJECTIONS
 from sdfast.quantization.calibration import collect_linear_stats
-from kernels.gemm.w8a8 import check_fp8_supported
 from sdfast.quantization.modules import Int8OutlierLinear, QuantizedLinear, W4A16Linear, W8A8Linear, W8A8StaticLinear
 
 FilterFn = Callable[[nn.Module, str], bool]
@@ -234,11 +234,8 @@ def _static(config) -> bool:
 def _check_fp8_device(targets: dict) -> None:
     """FP8 GEMMs need sm_89+: raise before calibrating rather than at the first call."""
     lin = next(iter(targets.values()))
-    try:
-        check_fp8_supported(lin.weight, "quantize_(W8A8Config(activations='static'))")
-    except NotImplementedError as e:
-        raise NotImplementedError(f"{str(e).split(' Use ')[0]} Use W8A8Config(dtype='int8') with the default "
-                                  "activations='dynamic' instead.") from None
+    check_fp8_supported(lin.weight, "quantize_(W8A8Config(activations='static'))",
+                        advice="Use W8A8Config(dtype='int8') with the default activations='dynamic' instead.")
 
 
 def _static_range(name: str, st) -> None:

@@ -315,9 +315,6 @@ class W4A16Linear(QuantizedLinear):
                    zeros=z, smooth=smooth, bias=linear.bias, group_size=group_size, method=method,
                    orig_dtype=linear.weight.dtype, backend=backend)
 
-    def _csrc_ok(self, x: torch.Tensor) -> bool:
-        return self.uses_csrc(x.is_cuda, x.dtype, x.numel() // max(self.in_features, 1))
-
     def uses_csrc(self, is_cuda: bool, dtype: torch.dtype, tokens: int) -> bool:
         """Whether a call with this input runs the CUDA C++ kernel (see ``backend`` in the class docstring)."""
         applies = (self.backend != "triton" and is_cuda and dtype == torch.float16 and self.in_features % 32 == 0
@@ -328,7 +325,7 @@ class W4A16Linear(QuantizedLinear):
         return tokens >= self.CSRC_MIN_TOKENS and _csrc_builds()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._csrc_ok(x):
+        if self.uses_csrc(x.is_cuda, x.dtype, x.numel() // max(self.in_features, 1)):
             from kernels.csrc.build import gemm_w4a16
 
             x2 = x.reshape(-1, self.in_features)
