@@ -326,9 +326,6 @@ def test_device_time_splits_calls_at_the_flush_marker():
     ]
     assert split_by_marker(events) == [5.5, 6.0]  # the trailing marker without a call adds nothing
     assert split_by_marker([("k", 0.0, 1.0)]) == []
-    # Overlapping kernels (programmatic dependent launch) count once where they overlap; a gap is not counted.
-    overlap = [(flush, 0.0, 60.0), ("stats", 61.0, 4.0), ("apply", 63.0, 5.0), ("inside", 64.0, 1.0), ("k", 70.0, 1.0)]
-    assert split_by_marker(overlap) == [8.0]
 
 
 def test_trace_e2e_gaps_and_frames():

@@ -4,10 +4,8 @@ which a 10 MB copy at the 4.05 TB/s ceiling would need only 2.6 µs for).
 
 ``device_time_us(fn)``: L2 is flushed (``bitwise_not_`` over a 256 MB buffer, the marker kernel) before each
 of ``iters`` calls of ``fn``; the GPU activities (kernels, memcpys, memsets) between two markers are one
-call's; the time the GPU was busy with them (the union of their intervals: their summed durations, unless
-kernels overlap, which programmatic dependent launch lets them do, see ``kernels.pdl``) is one call's time,
-and the median over calls is returned. Gaps between a call's kernels are not counted (in a CUDA graph they
-are about 1 µs each). Nothing runs at import.
+call's; their durations are summed and the median over calls returned. Gaps between a call's kernels are
+not counted (in a CUDA graph they are about 1 µs each). Nothing runs at import.
 """
 
 from __future__ import annotations
@@ -22,30 +20,21 @@ _GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
 def split_by_marker(events: list[tuple[str, float, float]], marker: str = MARKER) -> list[float]:
-    """Per-call busy µs: ``events`` are (name, start µs, duration µs) GPU activities in any order; a call is
-    every activity after a ``marker`` one up to the next marker (activities before the first marker are
-    ignored). A call's time is the length of the union of its activities' intervals, so two kernels that
-    overlap count once where they overlap. Returns one value per marker that had at least one activity
-    after it."""
-    calls: list[list[tuple[float, float]]] = []
+    """Per-call summed µs: ``events`` are (name, start µs, duration µs) GPU activities in any order; a
+    call is every activity after a ``marker`` one up to the next marker (activities before the first
+    marker are ignored). Returns one sum per marker that had at least one activity after it."""
+    sums: list[float] = []
     current = None
-    for name, start, dur in sorted(events, key=lambda e: e[1]):
+    for name, _, dur in sorted(events, key=lambda e: e[1]):
         if marker in name:
-            current = []
-            calls.append(current)
+            if current:
+                sums.append(current)
+            current = 0.0
         elif current is not None:
-            current.append((start, start + dur))
-    return [_union_length(c) for c in calls if c]
-
-
-def _union_length(intervals: list[tuple[float, float]]) -> float:
-    """Total length covered by ``intervals`` (sorted by start)."""
-    total, end = 0.0, float("-inf")
-    for lo, hi in intervals:
-        if hi > end:
-            total += hi - max(lo, end)
-            end = hi
-    return total
+            current += dur
+    if current:
+        sums.append(current)
+    return sums
 
 
 def _gpu_events(prof) -> list[tuple[str, float, float]]:

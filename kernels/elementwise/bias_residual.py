@@ -23,7 +23,6 @@ import triton.language as tl
 from kernels.checks import check_like
 from kernels.checks import is_channels_last as _is_channels_last
 from kernels.dispatch import use_triton
-from kernels.pdl import launch_options
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK = 4096  # elements per program: 16 per thread with 8 warps (two 16-byte fp16 vectors)
@@ -81,11 +80,7 @@ def _bias_residual_kernel(
     SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
     INT64: tl.constexpr,  # N >= 2**31: 64-bit offsets (slower index math, only for huge tensors)
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     if INT64:
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     else:
@@ -163,7 +158,6 @@ def _bias_residual_impl(x, bias, residual, out_scale):
         r.stride(0), r.stride(1), _hw_stride(r), float(out_scale),
         CHANNELS_LAST=cl, HAS_B=bias is not None, HAS_R=residual is not None, R_SAME=same,
         SCALE=out_scale != 1.0, BLOCK=BLOCK, INT64=N + BLOCK >= INT64_FROM, num_warps=8,
-        **launch_options(x),
     )
     return y
 

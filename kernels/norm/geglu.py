@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import use_triton
-from kernels.pdl import launch_options
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -47,11 +46,7 @@ def _geglu_kernel(
     shm,
     ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = (rows < M)[:, None] & (cols < D)[None, :]
@@ -107,8 +102,7 @@ def _geglu_impl(h: torch.Tensor) -> torch.Tensor:
     cfg = geglu_config(M, D)
     grid = (triton.cdiv(M, cfg["ROWS"]), triton.cdiv(D, cfg["BLOCK_D"]))
     _geglu_kernel[grid](
-        h2, out, M, D, h2.stride(0), ROWS=cfg["ROWS"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"],
-        **launch_options(h),
+        h2, out, M, D, h2.stride(0), ROWS=cfg["ROWS"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"]
     )
     return out
 

@@ -51,7 +51,6 @@ import triton.language as tl
 from kernels.checks import check_like
 from kernels.checks import is_channels_last as _is_channels_last
 from kernels.dispatch import use_triton
-from kernels.pdl import launch_options
 
 ACTIVATIONS = (None, "silu")
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -194,11 +193,7 @@ def _gn_onepass_kernel(
     HAS_B: tl.constexpr,
     WRITE_PRE: tl.constexpr,
     SILU: tl.constexpr,
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     ct = tl.program_id(0)
     b = tl.program_id(1)
     b64 = b.to(tl.int64)  # batch offsets in int64 on scalars; in-batch offsets stay int32
@@ -275,11 +270,7 @@ def _gn_stats_kernel(
     HAS_CB: tl.constexpr,
     HAS_RES: tl.constexpr,
     WRITE_PRE: tl.constexpr,
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     ct = ct_base + tl.program_id(0)
     s = tl.program_id(1)
     b = tl.program_id(2)
@@ -374,11 +365,7 @@ def _gn_finalize_kernel(
     n_groups,  # groups in this launch
     BLOCK_R: tl.constexpr,
     S_P2: tl.constexpr,
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(1)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < n_groups
@@ -440,11 +427,7 @@ def _gn_apply_kernel(
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     SILU: tl.constexpr,
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     ct = ct_base + tl.program_id(0)
     t = tl.program_id(1)
     b = tl.program_id(2)
@@ -540,11 +523,7 @@ def _gn_nhwc_stats_kernel(
     HAS_CB: tl.constexpr,
     HAS_RES: tl.constexpr,
     WRITE_PRE: tl.constexpr,
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     ct = tl.program_id(0)
     s = tl.program_id(1)
     b = tl.program_id(2)
@@ -619,11 +598,7 @@ def _gn_nhwc_finalize_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_CG: tl.constexpr,
     HAS_W: tl.constexpr,
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     g = tl.program_id(0)
     b = tl.program_id(1)
     b64 = b.to(tl.int64)
@@ -698,11 +673,7 @@ def _gn_nhwc_apply_kernel(
     HAS_RES: tl.constexpr,
     HAS_B: tl.constexpr,
     SILU: tl.constexpr,
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     ct = tl.program_id(0)
     t = tl.program_id(1)
     b = tl.program_id(2)
@@ -951,7 +922,6 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
     cl = _is_channels_last(x)
     hw_axis = 0 if cl else 1
     plan = group_norm_plan(B, C, HW, G, cl, x.element_size(), residual is not None)
-    pdl = launch_options(x)
     w = weight.contiguous() if weight is not None else x
     bs = bias.contiguous() if bias is not None else x
     r = residual if residual is not None else x
@@ -972,7 +942,7 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
             Cg=Cg, GPT=plan.GPT, BLOCK_C=plan.BLOCK_C, BLOCK_HW=plan.BLOCK_HW, GPT_P2=_p2(plan.GPT), HW_AXIS=hw_axis,
             HAS_CB=channel_bias is not None, HAS_RES=residual is not None,
             HAS_W=weight is not None, HAS_B=bias is not None, WRITE_PRE=write_pre, SILU=silu,
-            num_warps=plan.num_warps, **pdl,
+            num_warps=plan.num_warps,
         )
         return y, pre
 
@@ -987,7 +957,7 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
             C, HW, S, HWS, *xs, *rs, scbb, scbc,
             ITERS=HWS // plan.BLOCK_HW, BLOCK_C=bc, BLOCK_HW=plan.BLOCK_HW,
             HAS_CB=channel_bias is not None, HAS_RES=residual is not None, WRITE_PRE=write_pre,
-            num_warps=plan.num_warps, **pdl,
+            num_warps=plan.num_warps,
         )
         block_cg = min(_p2(Cg), 256)
         block_s = max(1, min(_p2(S), _TUNING["nhwc_finalize_elems"] // block_cg))
@@ -995,14 +965,14 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
             part[0], part[1], w, chan[0], chan[1],
             C, Cg, HW, S, HWS, float(eps),
             N_S=-(-S // block_s), N_CG=-(-Cg // block_cg), BLOCK_S=block_s, BLOCK_CG=block_cg,
-            HAS_W=weight is not None, num_warps=4 if block_s * block_cg >= 512 else 1, **pdl,
+            HAS_W=weight is not None, num_warps=4 if block_s * block_cg >= 512 else 1,
         )
         _gn_nhwc_apply_kernel[(plan.n_ct, -(-HW // plan.HWP), B)](
             src_x, r, cb, bs, y, chan[0], chan[1],
             C, HW, *xs, *rs, scbb, scbc, y.stride(0), y.stride(1), _hw_stride(y),
             ITERS=plan.HWP // plan.BLOCK_HW, BLOCK_C=bc, BLOCK_HW=plan.BLOCK_HW,
             HAS_CB=a_cb, HAS_RES=a_res, HAS_B=bias is not None, SILU=silu,
-            num_warps=plan.apply_warps, **pdl,
+            num_warps=plan.apply_warps,
         )
         return y, pre
 
@@ -1019,7 +989,7 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
             BLOCK_C=plan.BLOCK_C, BLOCK_HW=plan.BLOCK_HW,
             GPT_P2=gpt_p2, HW_AXIS=hw_axis,
             HAS_CB=channel_bias is not None, HAS_RES=residual is not None, WRITE_PRE=write_pre,
-            num_warps=plan.num_warps, **pdl,
+            num_warps=plan.num_warps,
         )
         if plan.finalize:
             g_lo = ct0 * plan.GPT
@@ -1027,7 +997,7 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
             block_r = max(1, min(_p2(n_g), 4096 // _p2(S)))
             _gn_finalize_kernel[(-(-n_g // block_r), B)](
                 pmean[0], pmean[1], fmean[0], fmean[1], G, Cg, HW, S, HWS, g_lo, n_g,
-                BLOCK_R=block_r, S_P2=_p2(S), num_warps=4, **pdl,
+                BLOCK_R=block_r, S_P2=_p2(S), num_warps=4,
             )
             stats, s_a, hws_a = fmean, 1, HW
         else:
@@ -1040,7 +1010,7 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
             BLOCK_C=plan.BLOCK_C, BLOCK_HW=plan.BLOCK_HW,
             GPT_P2=gpt_p2, S_P2=_p2(s_a), HW_AXIS=hw_axis,
             HAS_CB=a_cb, HAS_RES=a_res, HAS_W=weight is not None, HAS_B=bias is not None, SILU=silu,
-            num_warps=plan.apply_warps, **pdl,
+            num_warps=plan.apply_warps,
         )
     return y, pre
 

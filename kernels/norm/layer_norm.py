@@ -25,7 +25,6 @@ import triton.language as tl
 
 from kernels.checks import check_like
 from kernels.dispatch import use_triton
-from kernels.pdl import launch_options
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_FUSED_D = 8192  # rows up to this (padded) width stay in registers
@@ -91,11 +90,7 @@ def _ln_fwd_kernel(
     HAS_B: tl.constexpr,
     WRITE_SUM: tl.constexpr,
     HAS_SUM_BIAS: tl.constexpr,
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     cmask = cols < D
@@ -159,11 +154,7 @@ def _ln_fwd_looped_kernel(
     HAS_B: tl.constexpr,
     WRITE_SUM: tl.constexpr,
     HAS_SUM_BIAS: tl.constexpr,
-    PDL: tl.constexpr,  # programmatic dependent launch (kernels.pdl)
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * sxm
     r_row = r_ptr + row * srm
@@ -284,7 +275,7 @@ def _layer_norm_impl(x, weight, bias, eps, residual, return_sum, sum_bias=None):
     b = bias.contiguous() if bias is not None else x2
     sb = sum_bias.contiguous() if sum_bias is not None else x2
     flags = dict(HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None, WRITE_SUM=return_sum,
-                 HAS_SUM_BIAS=sum_bias is not None, **launch_options(x))
+                 HAS_SUM_BIAS=sum_bias is not None)
     cfg = layer_norm_config(M, D)
     if cfg["looped"]:
         _ln_fwd_looped_kernel[(M,)](
