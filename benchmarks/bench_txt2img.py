@@ -330,8 +330,6 @@ SYSTEMS: dict[str, System] = {
                                    "sdfast, OptimizeConfig(cross_kv_once=False)"),
     "sdfast-vae_fp32_attention": System("sdfast-vae_fp32_attention", partial(build_sdfast, vae_tf32=False),
                                         "sdfast, OptimizeConfig(vae_tf32=False)"),
-    "sdfast-no_cudnn_benchmark": System("sdfast-no_cudnn_benchmark", partial(build_sdfast, cudnn_benchmark=False),
-                                        "sdfast, OptimizeConfig(cudnn_benchmark=False)"),
     "sdfast-serial_compile": System("sdfast-serial_compile", partial(build_sdfast, parallel_compile=False),
                                     "sdfast, OptimizeConfig(parallel_compile=False) (warm-up A/B: run it first, on a "
                                     "cold Triton cache)"),

@@ -31,10 +31,6 @@ class OptimizeConfig:
         (``kernels.precompile``) compiles the Triton kernels it reaches on all CPU cores (ptxas, LLVM and the
         launcher builds overlap) instead of one after another. Speed: warm-up with a cold Triton cache; costs
         one extra eager pass per new signature. Numerics: none (no output of that pass is used).
-    cudnn_benchmark: with cuda_graphs, cuDNN times its convolution algorithms for each new shape during warm-up
-        (``torch.backends.cudnn.benchmark``, on only around warm-up and capture) and the graphs record the
-        fastest, instead of its heuristic's first pick. Speed: see benchmarks/results; costs the timing runs at
-        warm-up. Numerics: another algorithm sums in another order (fp16 rounding-level differences).
     max_graphs: graphs kept per module; the least recently used shape is dropped beyond this.
     vae_fp32_when_asked: when the VAE config says ``force_upcast`` and the pipeline is fp16, keep the VAE
         in fp32 permanently (what stock diffusers does per call, without casting weights back and forth).
@@ -53,7 +49,6 @@ class OptimizeConfig:
     cuda_graphs: bool = True
     cross_kv_once: bool = True
     parallel_compile: bool = True
-    cudnn_benchmark: bool = True
     max_graphs: int = 8
     vae_fp32_when_asked: bool = True
     vae_tf32: bool = True

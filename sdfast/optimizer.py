@@ -48,8 +48,7 @@ def _install_graphs(pipe, state: OptimizeState) -> None:
     from .runtime.cross_kv import CrossKV
     from .runtime.cuda_graphs import GraphCache
 
-    cache = GraphCache(max_graphs=state.config.max_graphs, parallel_compile=state.config.parallel_compile,
-                       cudnn_benchmark=state.config.cudnn_benchmark)
+    cache = GraphCache(max_graphs=state.config.max_graphs, parallel_compile=state.config.parallel_compile)
     cache.install("unet", pipe.unet, conditioning=CrossKV(pipe.unet) if state.config.cross_kv_once else None)
     for name in ("text_encoder", "text_encoder_2"):
         if getattr(pipe, name, None) is not None:

@@ -190,33 +190,13 @@ class GraphStats:
     failures: list = field(default_factory=list)
 
 
-@contextlib.contextmanager
-def cudnn_autotune(on: bool = True):
-    """``torch.backends.cudnn.benchmark`` on inside the block (when ``on``), as it was after: cuDNN times its
-    convolution algorithms for each new shape and keeps the fastest (PyTorch's benchmark cache), instead of
-    taking its heuristic's first choice. Used around warm-up and capture only: the warm-up calls do the timing,
-    the capture finds the choices cached and records them in the graph. The flag is process-wide, so eager
-    convolutions of other threads during a capture are autotuned too (that only costs them time)."""
-    if not on:
-        yield
-        return
-    before = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = True
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.benchmark = before
-
-
 class GraphedForward:
     """A callable that replaces ``module.forward`` (see the module docstring)."""
 
     def __init__(self, module: torch.nn.Module, *, pool, max_graphs: int = 8, warmup_iters: int = 2, name: str = "",
-                 clock=None, stream=None, conditioning: CrossKV | None = None, parallel_compile: bool = True,
-                 cudnn_benchmark: bool = False):
+                 clock=None, stream=None, conditioning: CrossKV | None = None, parallel_compile: bool = True):
         self.module = module
         self.parallel_compile = parallel_compile  # a compile-only pass before the first warm-up at a signature
-        self.cudnn_benchmark = cudnn_benchmark  # cuDNN autotunes the convolutions of warm-up and capture
         self.conditioning = conditioning  # computed in its own graph, once per context (see runtime.cross_kv)
         self.eager = module.forward  # the forward as it was (possibly already patched by other passes)
         self.rebound = "forward" in module.__dict__  # was forward already an instance attribute?
@@ -312,7 +292,7 @@ class GraphedForward:
         side = self.stream if self.stream is not None else torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         try:
-            with cudnn_autotune(self.cudnn_benchmark), torch.cuda.stream(side):
+            with torch.cuda.stream(side):
                 if self.parallel_compile:  # the Triton kernels of this signature compile on all cores first
                     precompile.dry_run(self.eager, s_args, s_kwargs, label=self.name)
                 for _ in range(self.warmup_iters):
@@ -323,7 +303,7 @@ class GraphedForward:
                 pre = self._capture_projection(static_inputs, pre_index)
                 reading = self.conditioning.reading(pre.slots, static_inputs[pre_index])
             graph = torch.cuda.CUDAGraph()
-            with cudnn_autotune(self.cudnn_benchmark), reading, torch.cuda.graph(graph, pool=self.pool):
+            with reading, torch.cuda.graph(graph, pool=self.pool):
                 out = self.eager(*s_args, **s_kwargs)
         except torch.cuda.OutOfMemoryError:
             # Transient: nothing is cached, so the next call at this signature tries again.
@@ -363,9 +343,8 @@ class GraphedForward:
 class GraphCache:
     """The graphed modules of one pipeline and their shared memory pool."""
 
-    def __init__(self, max_graphs: int = 8, parallel_compile: bool = True, cudnn_benchmark: bool = False):
+    def __init__(self, max_graphs: int = 8, parallel_compile: bool = True):
         self.parallel_compile = parallel_compile
-        self.cudnn_benchmark = cudnn_benchmark
         self.pool = torch.cuda.graph_pool_handle()
         # One side stream for every warm-up and capture: cuBLAS keeps a workspace per stream it has
         # run on, for the life of the process, so a new stream per capture would grow memory.
@@ -380,8 +359,7 @@ class GraphCache:
 
     def install(self, name: str, module: torch.nn.Module, conditioning: CrossKV | None = None) -> GraphedForward:
         runner = GraphedForward(module, pool=self.pool, max_graphs=self.max_graphs, name=name, clock=self._tick,
-                                stream=self.stream, conditioning=conditioning, parallel_compile=self.parallel_compile,
-                                cudnn_benchmark=self.cudnn_benchmark)
+                                stream=self.stream, conditioning=conditioning, parallel_compile=self.parallel_compile)
         module.forward = runner
         self.runners[name] = runner
         return runner
