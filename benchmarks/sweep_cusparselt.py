@@ -5,10 +5,10 @@
 cuSPARSELt's own search (``cusparseLtMatmulSearch``) broke the CUDA context on the H200 (run 3), so this
 walks the settings by hand, each timed in a CUDA graph (``triton.testing.do_bench_cudagraph``, median):
 
-- ``alg_id`` 0 .. ``torch.backends.cusparselt.get_max_alg_id()`` (an id the library rejects gives an error row);
-- ``split_k`` 1, 2, 4 with the one-kernel and two-kernel split-K modes;
 - the dense operand as x^T viewed (K-major, no copy) or x^T copied (M-major), and the result transposed
-  (M, N) or not (N, M);
+  (M, N) or not (N, M), at algorithm 0; then, in the fastest of those four layouts,
+- every ``alg_id`` from 1 up to the first one the library rejects, and
+- ``split_k`` 2 and 4 in the one-kernel and two-kernel split-K modes for the three fastest algorithms;
 - fp16 (2:4 fp16 against ``F.linear`` fp16) and FP8 E4M3 (2:4 FP8 with an fp16 result against
   ``torch._scaled_mm`` per-tensor FP8 with fast accumulation: the same precision on both sides).
 
@@ -31,6 +31,9 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SPLITS = ((1, -1), (2, 0), (2, 1), (4, 0), (4, 1))  # (split_k, split_k_mode): -1 default, 0 one kernel, 1 two
+# torch.backends.cusparselt.get_max_alg_id() knows cuSPARSELt 0.4-0.6 only (None for 0.8.0, torch 2.11's): walk
+# the ids up from 0 until the library rejects one.
+MAX_ALG_ID = 63
 
 
 def _shapes(which: str) -> list[tuple[str, str, int, int, int]]:
@@ -74,7 +77,6 @@ def _sweep_shape(model: str, name: str, m: int, k: int, n: int, dtypes: list[str
     rows = []
     dense_us = _time_us(lambda: F.linear(x, w))
     rows.append(dict(base, dtype="fp16", backend="dense cuBLAS", us=dense_us))
-    max_alg = int(torch.backends.cusparselt.get_max_alg_id()) if hasattr(torch.backends.cusparselt, "get_max_alg_id") else 8
     for dt in dtypes:
         if dt == "fp16":
             packed = torch._cslt_compress(w)
@@ -102,11 +104,19 @@ def _sweep_shape(model: str, name: str, m: int, k: int, n: int, dtypes: list[str
         if not timed:
             continue
         best = min(timed, key=lambda r: r["us"])
-        for alg in range(max_alg + 1):
-            for split_k, mode in SPLITS:
-                if (alg, split_k, mode) != (0, 1, -1):
-                    rows.append(_run_setting(base, dt, packed, xs, scale_kw, ref, dense, dense_us, alg, split_k, mode,
-                                             best["b_layout"], best["transpose_result"]))
+        layout = (best["b_layout"], best["transpose_result"])
+        by_alg = [best]
+        for alg in range(1, MAX_ALG_ID + 1):  # until the library rejects the id
+            row = _run_setting(base, dt, packed, xs, scale_kw, ref, dense, dense_us, alg, 1, -1, *layout)
+            rows.append(row)
+            if "error" in row and "wrong result" not in row["error"]:
+                break
+            if "us" in row:
+                by_alg.append(row)
+        for top in sorted(by_alg, key=lambda r: r["us"])[:3]:  # split-K for the three fastest algorithms
+            for split_k, mode in SPLITS[1:]:
+                rows.append(_run_setting(base, dt, packed, xs, scale_kw, ref, dense, dense_us, top["alg_id"], split_k,
+                                         mode, *layout))
     return rows
 
 
