@@ -154,12 +154,35 @@ def group_norm_ref(
 # HW_AXIS = 0 for NHWC tiles (BLOCK_HW, BLOCK_C), channels contiguous. Per-channel vectors are
 # broadcast with tl.expand_dims(v, HW_AXIS) and reduced with tl.sum(t, axis=HW_AXIS). Loop trip
 # counts are constexpr (the Triton interpreter cannot loop to a runtime bound under numpy 2).
-# The five kernels below repeat the pre-norm sum (x + channel bias + residual, rounded to x's dtype) and
-# the bias + SiLU tail. Moving them into two @triton.jit helpers was tried (2026-11-30). The interpreter
-# tests passed, 6 % slower. The helpers put the residual's address math before x's load, so ptxas scheduled 5
-# of 20 compiled variants differently (the onepass kernel with every fusion: 2072 SASS instructions
-# instead of 2136). That change was never timed on the GPU, so the kernels stay as they were measured.
-# Do the refactor together with a benchmark run.
+# The two helpers below are inlined by Triton; each computes the residual's address after x's load, as the
+# kernels did before the helpers existed (an earlier version that computed it first changed ptxas's
+# scheduling in 5 of 20 compiled variants).
+
+
+@triton.jit
+def _load_pre(x_ptrs, r_b, r_c, hw2, srhw, mask, cb, HAS_CB: tl.constexpr, HAS_RES: tl.constexpr):
+    """fp32 ``pre = x (+ cb) (+ residual)``, rounded to x's dtype when anything was added (eager's separate
+    adds round their sum). x is read at ``x_ptrs``, the residual at ``r_b + r_c + hw2 * srhw``; ``cb`` is
+    the channel bias already in fp32, broadcastable to the tile."""
+    xv = tl.load(x_ptrs, mask=mask, other=0.0)
+    pre = xv.to(tl.float32)
+    if HAS_CB:
+        pre += cb
+    if HAS_RES:
+        pre += tl.load(r_b + r_c + hw2 * srhw, mask=mask, other=0.0).to(tl.float32)
+    if HAS_CB or HAS_RES:
+        pre = pre.to(xv.dtype).to(tl.float32)
+    return pre
+
+
+@triton.jit
+def _bias_act(y, bias, HAS_B: tl.constexpr, SILU: tl.constexpr):
+    """``y (+ bias)``, then SiLU when asked."""
+    if HAS_B:
+        y += bias
+    if SILU:
+        y = y * tl.sigmoid(y)
+    return y
 
 
 @triton.jit
@@ -205,14 +228,9 @@ def _gn_onepass_kernel(
     hw2 = tl.expand_dims(tl.arange(0, BLOCK_HW), 1 - HW_AXIS)
     mask = cmask2 & (hw2 < HW)
     x_offs = c2 * sxc + hw2 * sxhw
-    xv = tl.load(x_ptr + b64 * sxb + x_offs, mask=mask, other=0.0)
-    pre = xv.to(tl.float32)
-    if HAS_CB:
-        pre += tl.load(cb_ptr + b * scbb + c2 * scbc, mask=cmask2, other=0.0).to(tl.float32)
-    if HAS_RES:
-        pre += tl.load(r_ptr + b64 * srb + c2 * src + hw2 * srhw, mask=mask, other=0.0).to(tl.float32)
+    cb2 = tl.load(cb_ptr + b * scbb + c2 * scbc, mask=cmask2, other=0.0).to(tl.float32) if HAS_CB else 0.0
+    pre = _load_pre(x_ptr + b64 * sxb + x_offs, r_ptr + b64 * srb, c2 * src, hw2, srhw, mask, cb2, HAS_CB, HAS_RES)
     if HAS_CB or HAS_RES:
-        pre = pre.to(xv.dtype).to(tl.float32)  # eager rounds the sum to x.dtype
         pre = tl.where(mask, pre, 0.0)
     if WRITE_PRE:
         tl.store(pre_ptr + b64 * sxb + x_offs, pre.to(pre_ptr.dtype.element_ty), mask=mask)
@@ -230,11 +248,8 @@ def _gn_onepass_kernel(
     a_c = tl.sum(tl.where(onehot, rstd_g[None, :], 0.0), axis=1)
     if HAS_W:
         a_c = a_c * tl.load(w_ptr + c, mask=cmask, other=0.0).to(tl.float32)
-    y = d * tl.expand_dims(a_c, HW_AXIS)
-    if HAS_B:
-        y += tl.load(b_ptr + c2, mask=cmask2, other=0.0).to(tl.float32)
-    if SILU:
-        y = y * tl.sigmoid(y)
+    bias2 = tl.load(b_ptr + c2, mask=cmask2, other=0.0).to(tl.float32) if HAS_B else 0.0
+    y = _bias_act(d * tl.expand_dims(a_c, HW_AXIS), bias2, HAS_B, SILU)
     tl.store(y_ptr + b64 * sxb + x_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -295,17 +310,9 @@ def _gn_stats_kernel(
         cmask2 = tl.expand_dims(cmask, HW_AXIS)
         x_c = c2 * sxc
         r_c = c2 * src
-        if HAS_CB:
-            cb2 = tl.load(cb_ptr + b * scbb + c2 * scbc, mask=cmask2, other=0.0).to(tl.float32)
+        cb2 = tl.load(cb_ptr + b * scbb + c2 * scbc, mask=cmask2, other=0.0).to(tl.float32) if HAS_CB else 0.0
         # Per-channel shift: the channel's first value in this split (sums of x - shift do not cancel).
-        x0 = tl.load(x_b + x_c + hw_lo * sxhw, mask=cmask2, other=0.0)
-        shift2 = x0.to(tl.float32)
-        if HAS_CB:
-            shift2 += cb2
-        if HAS_RES:
-            shift2 += tl.load(r_b + r_c + hw_lo * srhw, mask=cmask2, other=0.0).to(tl.float32)
-        if HAS_CB or HAS_RES:
-            shift2 = shift2.to(x0.dtype).to(tl.float32)
+        shift2 = _load_pre(x_b + x_c + hw_lo * sxhw, r_b, r_c, hw_lo, srhw, cmask2, cb2, HAS_CB, HAS_RES)
         if HW_AXIS == 1:
             acc1 = tl.zeros((BLOCK_C, BLOCK_HW), dtype=tl.float32)
         else:
@@ -314,14 +321,7 @@ def _gn_stats_kernel(
         for it in range(ITERS):
             hw2 = tl.expand_dims(hw_lo + it * BLOCK_HW + hw_r, 1 - HW_AXIS)
             mask = cmask2 & (hw2 < hw_hi)
-            xv = tl.load(x_b + x_c + hw2 * sxhw, mask=mask, other=0.0)
-            pre = xv.to(tl.float32)
-            if HAS_CB:
-                pre += cb2
-            if HAS_RES:
-                pre += tl.load(r_b + r_c + hw2 * srhw, mask=mask, other=0.0).to(tl.float32)
-            if HAS_CB or HAS_RES:
-                pre = pre.to(xv.dtype).to(tl.float32)
+            pre = _load_pre(x_b + x_c + hw2 * sxhw, r_b, r_c, hw2, srhw, mask, cb2, HAS_CB, HAS_RES)
             if WRITE_PRE:
                 tl.store(pre_b + x_c + hw2 * sxhw, pre.to(pre_ptr.dtype.element_ty), mask=mask)
             d = tl.where(mask, pre - shift2, 0.0)
@@ -465,29 +465,16 @@ def _gn_apply_kernel(
         # y = (pre - mean) * a + bias; not pre * a + (bias - mean * a), which cancels when |mean| >> std.
         mean2 = tl.expand_dims(mean_c, HW_AXIS)
         a2 = tl.expand_dims(a_c, HW_AXIS)
-        if HAS_B:
-            bias2 = tl.load(b_ptr + c2, mask=cmask2, other=0.0).to(tl.float32)
-        if HAS_CB:
-            cb2 = tl.load(cb_ptr + b * scbb + c2 * scbc, mask=cmask2, other=0.0).to(tl.float32)
+        bias2 = tl.load(b_ptr + c2, mask=cmask2, other=0.0).to(tl.float32) if HAS_B else 0.0
+        cb2 = tl.load(cb_ptr + b * scbb + c2 * scbc, mask=cmask2, other=0.0).to(tl.float32) if HAS_CB else 0.0
         x_c = c2 * sxc
         r_c = c2 * src
         y_c = c2 * syc
         for it in range(ITERS):
             hw2 = tl.expand_dims(hw_r + it * BLOCK_HW, 1 - HW_AXIS)
             mask = cmask2 & (hw2 < HW)
-            xv = tl.load(x_b + x_c + hw2 * sxhw, mask=mask, other=0.0)
-            pre = xv.to(tl.float32)
-            if HAS_CB:
-                pre += cb2
-            if HAS_RES:
-                pre += tl.load(r_b + r_c + hw2 * srhw, mask=mask, other=0.0).to(tl.float32)
-            if HAS_CB or HAS_RES:
-                pre = pre.to(xv.dtype).to(tl.float32)
-            y = (pre - mean2) * a2
-            if HAS_B:
-                y += bias2
-            if SILU:
-                y = y * tl.sigmoid(y)
+            pre = _load_pre(x_b + x_c + hw2 * sxhw, r_b, r_c, hw2, srhw, mask, cb2, HAS_CB, HAS_RES)
+            y = _bias_act((pre - mean2) * a2, bias2, HAS_B, SILU)
             tl.store(y_b + y_c + hw2 * syhw, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -540,34 +527,18 @@ def _gn_nhwc_stats_kernel(
     hw_lo = s * HWS
     hw_hi = tl.minimum(hw_lo + HWS, HW)
     n_hw = (hw_hi - hw_lo).to(tl.float32)
-    if HAS_CB:
-        cb = tl.load(cb_ptr + b * scbb + c * scbc, mask=cmask, other=0.0).to(tl.float32)
+    cb = tl.load(cb_ptr + b * scbb + c * scbc, mask=cmask, other=0.0).to(tl.float32) if HAS_CB else 0.0
     # Per-channel shift: the channel's first value in this split (sums of pre - shift do not cancel).
-    x0 = tl.load(x_b + c * sxc + hw_lo * sxhw, mask=cmask, other=0.0)
-    shift = x0.to(tl.float32)
-    if HAS_CB:
-        shift += cb
-    if HAS_RES:
-        shift += tl.load(r_b + c * src + hw_lo * srhw, mask=cmask, other=0.0).to(tl.float32)
-    if HAS_CB or HAS_RES:
-        shift = shift.to(x0.dtype).to(tl.float32)
+    shift = _load_pre(x_b + c * sxc + hw_lo * sxhw, r_b, c * src, hw_lo, srhw, cmask, cb, HAS_CB, HAS_RES)
     shift2 = shift[None, :]
-    if HAS_CB:
-        cb2 = cb[None, :]
+    cb2 = cb[None, :] if HAS_CB else 0.0
     hw_r = tl.arange(0, BLOCK_HW)
     acc1 = tl.zeros((BLOCK_HW, BLOCK_C), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_HW, BLOCK_C), dtype=tl.float32)
     for it in range(ITERS):
         hw2 = (hw_lo + it * BLOCK_HW + hw_r)[:, None]
         mask = (hw2 < hw_hi) & cmask2
-        xv = tl.load(x_b + x_c + hw2 * sxhw, mask=mask, other=0.0)
-        pre = xv.to(tl.float32)
-        if HAS_CB:
-            pre += cb2
-        if HAS_RES:
-            pre += tl.load(r_b + r_c + hw2 * srhw, mask=mask, other=0.0).to(tl.float32)
-        if HAS_CB or HAS_RES:
-            pre = pre.to(xv.dtype).to(tl.float32)  # eager rounds the sum to x.dtype
+        pre = _load_pre(x_b + x_c + hw2 * sxhw, r_b, r_c, hw2, srhw, mask, cb2, HAS_CB, HAS_RES)
         if WRITE_PRE:
             tl.store(pre_b + x_c + hw2 * sxhw, pre.to(pre_ptr.dtype.element_ty), mask=mask)
         d = tl.where(mask, pre - shift2, 0.0)
@@ -688,10 +659,8 @@ def _gn_nhwc_apply_kernel(
     # y = (pre - mean) * a + bias; not pre * a + (bias - mean * a), which cancels when |mean| >> std.
     mean2 = tl.load(mean_c_ptr + b64 * C + c, mask=cmask, other=0.0)[None, :]
     a2 = tl.load(scale_c_ptr + b64 * C + c, mask=cmask, other=0.0)[None, :]
-    if HAS_B:
-        bias2 = tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    if HAS_CB:
-        cb2 = tl.load(cb_ptr + b * scbb + c * scbc, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    bias2 = tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :] if HAS_B else 0.0
+    cb2 = tl.load(cb_ptr + b * scbb + c * scbc, mask=cmask, other=0.0).to(tl.float32)[None, :] if HAS_CB else 0.0
     x_c = c2 * sxc
     r_c = c2 * src
     y_c = c2 * syc
@@ -699,19 +668,8 @@ def _gn_nhwc_apply_kernel(
     for it in range(ITERS):
         hw2 = (hw_r + it * BLOCK_HW)[:, None]
         mask = (hw2 < HW) & cmask2
-        xv = tl.load(x_b + x_c + hw2 * sxhw, mask=mask, other=0.0)
-        pre = xv.to(tl.float32)
-        if HAS_CB:
-            pre += cb2
-        if HAS_RES:
-            pre += tl.load(r_b + r_c + hw2 * srhw, mask=mask, other=0.0).to(tl.float32)
-        if HAS_CB or HAS_RES:
-            pre = pre.to(xv.dtype).to(tl.float32)
-        y = (pre - mean2) * a2
-        if HAS_B:
-            y += bias2
-        if SILU:
-            y = y * tl.sigmoid(y)
+        pre = _load_pre(x_b + x_c + hw2 * sxhw, r_b, r_c, hw2, srhw, mask, cb2, HAS_CB, HAS_RES)
+        y = _bias_act((pre - mean2) * a2, bias2, HAS_B, SILU)
         tl.store(y_b + y_c + hw2 * syhw, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
