@@ -9,7 +9,7 @@ walks the settings by hand, each timed in a CUDA graph (``triton.testing.do_benc
   (M, N) or not (N, M), at algorithm 0; then, in the fastest of those four layouts,
 - every ``alg_id`` from 1 up to the first one the library rejects, and
 - ``split_k`` 2 and 4 in the one-kernel and two-kernel split-K modes for the three fastest algorithms;
-- fp16 (2:4 fp16 against ``F.linear`` fp16) and FP8 E4M3 (2:4 FP8 with an fp16 result against
+- fp16 (2:4 fp16 against ``F.linear`` fp16) and FP8 E4M3 (2:4 FP8 with an unscaled bf16 result against
   ``torch._scaled_mm`` per-tensor FP8 with fast accumulation: the same precision on both sides).
 
 Every row checks the result against the dense product of the pruned weight first (max relative error),
@@ -59,7 +59,7 @@ def _prune_24(w):
 def _time_us(fn) -> float:
     import triton
 
-    return float(triton.testing.do_bench_cudagraph(fn, rep=20))
+    return 1e3 * float(triton.testing.do_bench_cudagraph(fn, rep=20))  # do_bench_cudagraph gives ms
 
 
 def _rel_err(y, ref) -> float:
@@ -94,8 +94,12 @@ def _sweep_shape(model: str, name: str, m: int, k: int, n: int, dtypes: list[str
             except Exception as e:  # noqa: BLE001 - an error row, the sweep goes on
                 rows.append(dict(base, dtype="fp8", backend="cusparselt", error=f"{type(e).__name__}: {e}"[:300]))
                 continue
-            # torch passes alpha to cuSPARSELt as a per-row vector of the sparse operand: (N,) fp32
-            xs, scale_kw = x8, dict(alpha=(sx * sw).expand(n).contiguous(), out_dtype=torch.float16)
+            # No alpha: torch passes it as a per-row vector (CUSPARSELT_MATMUL_ALPHA_VECTOR_SCALING), which
+            # cuSPARSELt 0.8 rejected on the H200 ("operation not supported", call 2). The unscaled products of
+            # E4M3 values overflow fp16, so the result is bf16 and the check scales it by sx * sw afterwards
+            # (a layer would fold that scale into the next op).
+            xs, scale_kw = x8, dict(out_dtype=torch.bfloat16)
+            ref = ref / (sx * sw)
         # Stage 1: the four operand layouts at algorithm 0; stage 2: every algorithm and split-K in the best one.
         layouts = [(bl, tr) for bl in ("xT_view", "xT_copy") for tr in (True, False)]
         stage1 = [_run_setting(base, dt, packed, xs, scale_kw, ref, dense, dense_us, 0, 1, -1, bl, tr) for bl, tr in layouts]
