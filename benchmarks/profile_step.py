@@ -16,6 +16,7 @@ of the aten ops, so the same code path runs; the numbers then mean little.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import statistics
@@ -250,7 +251,8 @@ def format_breakdown(profile: dict, title: str = "") -> str:
 
 
 def main(argv=None) -> int:
-    """Profile one UNet step for each system and model (real inputs captured from one generation)."""
+    """Profile one UNet step (and with --vae one VAE decoder call) for each system and model, on the real
+    inputs captured from one generation."""
     import argparse
 
     from benchmarks import bench_txt2img as bench
@@ -263,6 +265,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None, help="steps of the capturing generation (default: 2)")
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help="write profile.json here")
+    p.add_argument("--vae", action="store_true", help="also profile one VAE decoder call (its real input)")
     args = p.parse_args(argv)
     ctx = bench.Context(device=args.device)
     results = []
@@ -273,12 +276,18 @@ def main(argv=None) -> int:
             built = None
             try:
                 built = bench.SYSTEMS[name].build(spec, ctx)
-                timer = bench.UnetTimer(built.engine.pipe.unet, cuda=ctx.cuda, capture=True)
-                with timer:
+                pipe = built.engine.pipe
+                parts = {"unet": pipe.unet, **({"vae_decoder": pipe.vae.decoder} if args.vae else {})}
+                timers = {part: bench.UnetTimer(m, cuda=ctx.cuda, capture=True) for part, m in parts.items()}
+                with contextlib.ExitStack() as stack:
+                    for t in timers.values():
+                        stack.enter_context(t)
                     built.engine.txt2img(**bench.gen_kwargs(spec, ctx))
-                prof = profile_unet_step(built.engine.pipe.unet, *timer.captured)
-                results.append({"system": name, "model": spec.label, "profile": prof})
-                print(format_breakdown(prof, f"{spec.label}/{name}") + "\n")
+                for part, module in parts.items():
+                    prof = profile_unet_step(module, *timers[part].captured)
+                    results.append({"system": name, "model": spec.label, "part": part, "profile": prof})
+                    label = f"{spec.label}/{name}" + ("" if part == "unet" else f" {part} (per call)")
+                    print(format_breakdown(prof, label) + "\n")
             except Exception as e:  # one failing system must not stop the others
                 results.append({"system": name, "model": spec.label, "error": f"{type(e).__name__}: {e}"})
                 print(f"{spec.label}/{name}: failed: {type(e).__name__}: {e}\n")
