@@ -2,7 +2,8 @@
 fused kernels (``kernels.norm``), wired in at block level.
 
 Rewrites (each per module instance, reversible with ``undo``):
-- ``ResnetBlock2D`` (time_embedding_norm "default", no up/down-sampling): ``forward`` is rebound to one
+- ``ResnetBlock2D`` (time_embedding_norm "default", or any other but "scale_shift" without a time-embedding
+  projection, as in the VAE's up blocks, labelled "group"; no up/down-sampling): ``forward`` is rebound to one
   that runs norm1+SiLU as one kernel, adds the time-embedding projection and conv1's bias as a
   per-(batch, channel) bias inside norm2+SiLU, and ends with one bias + shortcut add kernel. diffusers
   reuses ``self.nonlinearity`` on the time embedding, so SiLU is fused here at block level rather than by
@@ -65,9 +66,13 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
 def _resnet_supported(m: nn.Module) -> bool:
     from diffusers.models.resnet import ResnetBlock2D
 
+    if not isinstance(m, ResnetBlock2D):
+        return False
+    # Without a time-embedding projection, every time_embedding_norm but "scale_shift" is norm2 alone
+    # (the VAE decoder's up blocks pass "group"); "default" also adds a raw temb, see fused_resnet_forward.
+    plain_norm2 = m.time_embedding_norm == "default" or (m.time_emb_proj is None and m.time_embedding_norm != "scale_shift")
     return (
-        isinstance(m, ResnetBlock2D)
-        and m.time_embedding_norm == "default"
+        plain_norm2
         and m.upsample is None
         and m.downsample is None
         and isinstance(m.nonlinearity, nn.SiLU)
@@ -101,6 +106,10 @@ def fused_resnet_forward(self, input_tensor: torch.Tensor, temb: torch.Tensor | 
     The convolutions run without their biases (PyTorch adds a conv bias in a separate full-tensor pass):
     conv1's bias joins the time-embedding projection as norm2's per-(batch, channel) bias, and conv2's and
     conv_shortcut's biases, the shortcut add and ``output_scale_factor`` are one ``bias_residual_add``."""
+    if temb is not None and self.time_emb_proj is None and self.time_embedding_norm == "default":
+        from diffusers.models.resnet import ResnetBlock2D  # stock adds the raw temb to h (no block passes one)
+
+        return ResnetBlock2D.forward(self, input_tensor, temb, *args, **kwargs)
     n1, n2 = self.norm1, self.norm2
     input_tensor = _dense(input_tensor)
     h = group_norm(input_tensor, n1.num_groups, n1.weight, n1.bias, n1.eps, activation="silu")
