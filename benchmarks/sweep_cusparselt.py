@@ -163,9 +163,12 @@ def _summary(rows: list[dict]) -> str:
         same = [r for r in rows if (r["model"], r["layer"], r["M"], r["K"], r["N"], r["dtype"]) == key]
         dense = next((r["us"] for r in same if r["backend"] != "cusparselt" and "us" in r), None)
         ok = [r for r in same if r["backend"] == "cusparselt" and "us" in r]
+        if not any(r["backend"] == "cusparselt" for r in same):
+            continue  # the dense fp16 row of a run that swept another dtype only
         if not ok:
             errs = {r.get("error", "")[:60] for r in same if r["backend"] == "cusparselt"}
-            lines.append(f"| {' | '.join(map(str, key))} | {dense} | — | — | errors: {'; '.join(sorted(errs))} | — |")
+            dense_s = "—" if dense is None else f"{dense:.1f}"
+            lines.append(f"| {' | '.join(map(str, key))} | {dense_s} | — | — | errors: {'; '.join(sorted(errs))} | — |")
             continue
         best = min(ok, key=lambda r: r["us"])
         setting = (f"alg {best['alg_id']}, split_k {best['split_k']}/{best['split_k_mode']}, {best['b_layout']}, "
