@@ -330,6 +330,8 @@ SYSTEMS: dict[str, System] = {
                                    "sdfast, OptimizeConfig(cross_kv_once=False)"),
     "sdfast-vae_fp32_attention": System("sdfast-vae_fp32_attention", partial(build_sdfast, vae_tf32=False),
                                         "sdfast, OptimizeConfig(vae_tf32=False)"),
+    "sdfast-no_upsample": System("sdfast-no_upsample", partial(build_sdfast, upsample=False),
+                                 "sdfast, OptimizeConfig(upsample=False)"),
     "sdfast-serial_compile": System("sdfast-serial_compile", partial(build_sdfast, parallel_compile=False),
                                     "sdfast, OptimizeConfig(parallel_compile=False) (warm-up A/B: run it first, on a "
                                     "cold Triton cache)"),

@@ -72,7 +72,7 @@ def optimize(pipe, config: OptimizeConfig | None = None):
     (or None). Calling it again on an optimized pipeline returns it unchanged with the same config (or None);
     with another config it raises ``ValueError``: ``unoptimize`` first to change the config.
     """
-    from .passes import attention, layout, norms
+    from .passes import attention, layout, norms, upsample
 
     if not (hasattr(pipe, "unet") and hasattr(pipe, "vae")):
         raise TypeError(f"optimize expects a diffusers Stable Diffusion pipeline, got {type(pipe).__name__}")
@@ -101,6 +101,8 @@ def optimize(pipe, config: OptimizeConfig | None = None):
         state.counts["norms"] = sum(norms.apply(m) for m in _denoisers(pipe))
     if config.channels_last:
         state.counts["layout"] = sum(layout.apply(m) for m in _denoisers(pipe))
+    if config.upsample:
+        state.counts["upsample"] = sum(upsample.apply(m) for m in _denoisers(pipe))
     if config.cuda_graphs and pipe.unet.device.type == "cuda":
         _install_graphs(pipe, state)
         state.counts["cuda_graphs"] = len(state.graphs.runners)
@@ -112,7 +114,7 @@ def optimize(pipe, config: OptimizeConfig | None = None):
 
 def unoptimize(pipe):
     """Undo ``optimize``: the stock modules, processors, layouts and forwards come back. Returns ``pipe``."""
-    from .passes import attention, layout, norms
+    from .passes import attention, layout, norms, upsample
 
     if not (hasattr(pipe, "unet") and hasattr(pipe, "vae")):
         raise TypeError(f"unoptimize expects a diffusers Stable Diffusion pipeline, got {type(pipe).__name__}")
@@ -125,6 +127,7 @@ def unoptimize(pipe):
         del pipe.check_inputs
         host_timesteps.release(pipe.scheduler)
     for m in _denoisers(pipe):
+        upsample.undo(m)
         layout.undo(m)
         norms.undo(m)
         attention.undo(m)
