@@ -1,4 +1,4 @@
-"""Every cuSPARSELt setting torch exposes, at every SD1.5 / SDXL linear shape, against dense cuBLAS (issue 8).
+"""cuSPARSELt's settings (a staged sweep), at every SD1.5 / SDXL linear shape, against dense cuBLAS (issue 8).
 
     python -m benchmarks.sweep_cusparselt --out DIR [--shapes ff|all] [--dtypes fp16,fp8]
 
@@ -183,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--shapes", default="ff", choices=("ff", "all"))
     p.add_argument("--dtypes", default="fp16,fp8")
+    p.add_argument("--shape-timeout", dest="shape_timeout", type=float, default=120.0,
+                   help="seconds one shape's process may take (a hung setting costs that shape, not the sweep)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: "model,name,M,K,N" in this process
     a = p.parse_args(argv)
     dtypes = a.dtypes.split(",")
@@ -196,9 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     for model, name, m, k, n in _shapes(a.shapes):
         cmd = [sys.executable, "-m", "benchmarks.sweep_cusparselt", "--out", a.out, "--dtypes", a.dtypes,
                "--one", f"{model},{name},{m},{k},{n}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
         try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.shape_timeout)
             got = json.loads(proc.stdout.strip().splitlines()[-1])
+        except subprocess.TimeoutExpired:
+            got = [dict(model=model, layer=name, M=m, K=k, N=n, dtype="?", backend="cusparselt",
+                        error=f"timed out after {a.shape_timeout} s")]
         except (IndexError, json.JSONDecodeError):
             got = [dict(model=model, layer=name, M=m, K=k, N=n, dtype="?", backend="cusparselt",
                         error=f"process rc={proc.returncode}: {proc.stderr.strip()[-300:]}")]

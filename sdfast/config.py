@@ -22,7 +22,8 @@ class OptimizeConfig:
         fastest fp16 convolutions; on CPU it changes nothing numerically.
     upsample: diffusers' ``Upsample2D`` (UNet and VAE decoder up blocks) upsamples on sdfast's nearest-2x kernel
         in the tensor's own layout. Speed: PyTorch's channels_last kernel for it ran at 1/6-1/9 of the H200's
-        memory bandwidth (SDXL's VAE decode: 3.0 ms in three calls). Numerics: identical (a copy).
+        memory bandwidth (SDXL's VAE decode: 3.0 ms in three calls). Numerics: identical (a copy). Inference
+        only (no backward through the kernel).
     cuda_graphs: the UNet step, the text encoder(s) and the VAE decoder replay CUDA graphs, one per input
         signature, over one shared memory pool. Speed: no launch overhead; costs one capture (about a
         second) per new shape, and graph memory. CUDA only.

@@ -23,7 +23,7 @@ from kernels.checks import is_channels_last as _is_channels_last
 from kernels.dispatch import use_triton
 
 TILE_ELEMS = 4096  # elements per program
-INT64_FROM = 2**31 - 1  # output offsets at or above this need 64-bit index math
+INT64_FROM = 2**31 - 1  # element offsets at or above this need 64-bit index math
 
 
 def upsample_nearest2x_ref(x: torch.Tensor) -> torch.Tensor:
@@ -55,6 +55,7 @@ def _upsample_nearest2x_kernel(
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     if INT64:
         p = p.to(tl.int64)
+        c = c.to(tl.int64)  # c * sxc: in NCHW sxc is H*W, so the channel offset alone can pass 2**31
     ow = p % OW
     t = p // OW
     oh = t % OH
@@ -64,6 +65,11 @@ def _upsample_nearest2x_kernel(
     mask = (p < NP)[:, None] & (c < C)[None, :]
     v = tl.load(x_ptr + src[:, None] + c[None, :] * sxc, mask=mask)
     tl.store(y_ptr + dst[:, None] + c[None, :] * syc, v, mask=mask)
+
+
+def _max_offset(t: torch.Tensor) -> int:
+    """The largest element offset ``t`` reaches through its strides."""
+    return sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
 
 
 def _check_input(x) -> None:
@@ -92,7 +98,7 @@ def _upsample_impl(x: torch.Tensor) -> torch.Tensor:
     grid = (triton.cdiv(n_pix, block_p), triton.cdiv(C, block_c))
     _upsample_nearest2x_kernel[grid](
         x, y, C, OH, OW, n_pix, *x.stride(), *y.stride(),
-        BLOCK_P=block_p, BLOCK_C=block_c, INT64=y.numel() + TILE_ELEMS >= INT64_FROM or x.numel() >= INT64_FROM,
+        BLOCK_P=block_p, BLOCK_C=block_c, INT64=max(_max_offset(x), _max_offset(y)) >= INT64_FROM,
         num_warps=4,
     )
     return y
@@ -115,7 +121,8 @@ def upsample_nearest2x(x: torch.Tensor) -> torch.Tensor:
     x: (B, C, H, W), any dtype, NCHW-contiguous or channels_last (other strides are read as they are); the
     output (B, C, 2H, 2W) is in x's memory format (channels_last for a channels_last x, else NCHW).
     Raises ValueError for a tensor that is not 4-D. Runs the PyTorch reference where Triton cannot run
-    (``kernels.dispatch``). Registered as ``torch.ops.sdfast.upsample_nearest2x``.
+    (``kernels.dispatch``). Registered as ``torch.ops.sdfast.upsample_nearest2x`` (inference only: no
+    autograd formula).
     """
     return torch.ops.sdfast.upsample_nearest2x(x)
 

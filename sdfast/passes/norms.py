@@ -101,7 +101,7 @@ def _sum_biases(*biases: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def fused_resnet_forward(self, input_tensor: torch.Tensor, temb: torch.Tensor | None, *args, **kwargs) -> torch.Tensor:
-    """diffusers ``ResnetBlock2D.forward`` (default time-embedding norm) with the norms and adds fused.
+    """diffusers ``ResnetBlock2D.forward`` (see ``_resnet_supported``) with the norms and adds fused.
 
     The convolutions run without their biases (PyTorch adds a conv bias in a separate full-tensor pass):
     conv1's bias joins the time-embedding projection as norm2's per-(batch, channel) bias, and conv2's and

@@ -4,7 +4,8 @@
 for it ran at 1/6 to 1/9 of the H200's memory bandwidth (``kernels.elementwise.upsample``). The rebound forward
 (per instance, reversible with ``undo``) runs ``upsample_nearest2x``, bit-identical, and then the block's conv
 as before. What the kernel does not cover runs diffusers' own forward: a norm before the upsampling, a
-transposed conv, ``interpolate=False``, an ``output_size`` that is not exactly twice the input.
+transposed conv, ``interpolate=False``, an ``output_size`` that is not exactly twice the input, an input that
+is not (B, C, H, W). Inference only: the kernel has no autograd formula.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def fused_upsample_forward(self, hidden_states: torch.Tensor, output_size=None, 
     from diffusers.models.upsampling import Upsample2D
 
     h, w = hidden_states.shape[-2:]
-    if args or kwargs or (output_size is not None and tuple(output_size) != (2 * h, 2 * w)):
+    twice = output_size is None or tuple(output_size) == (2 * h, 2 * w)
+    if args or kwargs or hidden_states.dim() != 4 or not twice:
         return Upsample2D.forward(self, hidden_states, output_size, *args, **kwargs)
     assert hidden_states.shape[1] == self.channels
     hidden_states = upsample_nearest2x(hidden_states)

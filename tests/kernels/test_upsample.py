@@ -39,6 +39,20 @@ def test_every_output_element_is_written(monkeypatch):
     assert torch.equal(upsample_nearest2x(x), upsample_nearest2x_ref(x))
 
 
+@pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
+def test_64bit_index_path(channels_last, monkeypatch):
+    """INT64 is chosen from the largest offset of x and y (not numel: a strided view reaches further); here forced
+    on, so the int64 pixel and channel index math runs (the overflow itself needs a >2**31-element tensor, a GPU
+    test)."""
+    from kernels.elementwise import upsample as mod
+
+    view = torch.empty(2, 3, 4, 5)[..., ::2]  # (2, 3, 4, 3), strides (60, 20, 5, 2): 72 elements
+    assert mod._max_offset(view) == 1 * 60 + 2 * 20 + 3 * 5 + 2 * 2 > view.numel()
+    monkeypatch.setattr(mod, "INT64_FROM", 0)
+    x = _x((2, 24, 5, 3), torch.float16, channels_last)
+    assert torch.equal(upsample_nearest2x(x), upsample_nearest2x_ref(x))
+
+
 def test_strided_view_and_empty_and_errors():
     x = torch.randn(1, 8, 6, 10)[..., ::2]  # neither layout: read through its strides
     assert torch.equal(upsample_nearest2x(x), upsample_nearest2x_ref(x))

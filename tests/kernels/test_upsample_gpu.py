@@ -30,6 +30,20 @@ def test_sd_shapes_bit_identical(shape, dtype, channels_last):
     assert torch.equal(y, F.interpolate(x, scale_factor=2.0, mode="nearest"))
 
 
+@pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
+def test_output_past_2_31_elements(channels_last):
+    """A 4096² VAE decode with channels_last off: (1, 256, 2048, 2048) in, 2**32 elements out. In NCHW the channel
+    offset c * H * W alone passes 2**31 (the review of run 9 found this faulting before c was widened)."""
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    x = torch.randint(0, 255, (1, 256, 2048, 2048), device="cuda", dtype=torch.uint8).contiguous(memory_format=fmt)
+    y = upsample_nearest2x(x)
+    assert y.shape == (1, 256, 4096, 4096) and y.is_contiguous(memory_format=fmt)
+    assert torch.equal(y[:, :, ::2, ::2], x) and torch.equal(y[:, :, 1::2, 1::2], x)
+    assert torch.equal(y[:, -3:, -6:, -6:], F.interpolate(x[:, -3:, -3:, -3:].float(), scale_factor=2.0).to(torch.uint8))
+    del y
+    torch.cuda.empty_cache()
+
+
 def test_cuda_graph_replays_follow_the_input():
     x = torch.randn(1, 512, 64, 64, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
     upsample_nearest2x(x)
