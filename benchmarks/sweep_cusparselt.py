@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import subprocess
 import sys
@@ -101,8 +102,9 @@ def _sweep_shape(model: str, name: str, m: int, k: int, n: int, dtypes: list[str
             xs, scale_kw = x8, dict(out_dtype=torch.bfloat16)
             ref = ref / (sx * sw)
         # Stage 1: the four operand layouts at algorithm 0; stage 2: every algorithm and split-K in the best one.
-        layouts = [(bl, tr) for bl in ("xT_view", "xT_copy") for tr in (True, False)]
-        stage1 = [_run_setting(base, dt, packed, xs, scale_kw, ref, dense, dense_us, 0, 1, -1, bl, tr) for bl, tr in layouts]
+        operands = {"xT_view": xs.t(), "xT_copy": xs.t().contiguous()}  # the dense operand, made once per dtype
+        run = functools.partial(_run_setting, dict(base, dtype=dt), packed, operands, scale_kw, ref, dense, dense_us)
+        stage1 = [run(0, 1, -1, bl, tr) for bl in operands for tr in (True, False)]
         rows.extend(stage1)
         timed = [r for r in stage1 if "us" in r]
         if not timed:
@@ -111,7 +113,7 @@ def _sweep_shape(model: str, name: str, m: int, k: int, n: int, dtypes: list[str
         layout = (best["b_layout"], best["transpose_result"])
         by_alg = [best]
         for alg in range(1, MAX_ALG_ID + 1):  # until the library rejects the id
-            row = _run_setting(base, dt, packed, xs, scale_kw, ref, dense, dense_us, alg, 1, -1, *layout)
+            row = run(alg, 1, -1, *layout)
             rows.append(row)
             if "error" in row and "wrong result" not in row["error"]:
                 break
@@ -119,23 +121,23 @@ def _sweep_shape(model: str, name: str, m: int, k: int, n: int, dtypes: list[str
                 by_alg.append(row)
         for top in sorted(by_alg, key=lambda r: r["us"])[:3]:  # split-K for the three fastest algorithms
             for split_k, mode in SPLITS[1:]:
-                rows.append(_run_setting(base, dt, packed, xs, scale_kw, ref, dense, dense_us, top["alg_id"], split_k,
-                                         mode, *layout))
+                rows.append(run(top["alg_id"], split_k, mode, *layout))
     return rows
 
 
-def _run_setting(base, dt, packed, xs, scale_kw, ref, dense, dense_us, alg, split_k, mode, b_layout, transpose_result):
-    """One timed, checked ``torch._cslt_sparse_mm`` setting as a row (``error`` set when it fails)."""
+def _run_setting(base, packed, operands, scale_kw, ref, dense, dense_us, alg, split_k, mode, b_layout, transpose_result):
+    """One timed, checked ``torch._cslt_sparse_mm`` setting as a row (``error`` set when it fails); ``operands``
+    maps each ``b_layout`` name to the dense operand in that layout."""
     import torch
 
-    b = xs.t() if b_layout == "xT_view" else xs.t().contiguous()
+    b = operands[b_layout]
     kw = dict(scale_kw, transpose_result=transpose_result, alg_id=alg, split_k=split_k, split_k_mode=mode)
-    row = dict(base, dtype=dt, backend="cusparselt", alg_id=alg, split_k=split_k, split_k_mode=mode,
+    row = dict(base, backend="cusparselt", alg_id=alg, split_k=split_k, split_k_mode=mode,
                b_layout=b_layout, transpose_result=transpose_result)
     try:
         y = torch._cslt_sparse_mm(packed, b, **kw)
         row["rel_err"] = _rel_err(y if transpose_result else y.t(), ref)
-        if row["rel_err"] > (2e-2 if dt == "fp16" else 6e-2):
+        if row["rel_err"] > (2e-2 if base["dtype"] == "fp16" else 6e-2):
             raise RuntimeError(f"wrong result: max rel err {row['rel_err']:.3g}")
         row["us"] = _time_us(lambda: torch._cslt_sparse_mm(packed, b, **kw))
         row["speedup_vs_dense_same_dtype"] = dense / row["us"]

@@ -48,7 +48,7 @@ def apply(model: nn.Module) -> int:
     """Rebind the forward of every supported ``Upsample2D`` in ``model``. Returns how many."""
     changed = 0
     for m in model.modules():
-        if _supported(m) and not getattr(m, "_sdfast_upsample", False) and "forward" not in m.__dict__:
+        if _supported(m) and "forward" not in m.__dict__:  # not ours already, nor a forward someone else set
             m.forward = types.MethodType(fused_upsample_forward, m)
             m._sdfast_upsample = True
             changed += 1
