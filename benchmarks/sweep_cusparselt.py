@@ -1,6 +1,6 @@
 """cuSPARSELt's settings (a staged sweep), at every SD1.5 / SDXL linear shape, against dense cuBLAS (issue 8).
 
-    python -m benchmarks.sweep_cusparselt --out DIR [--shapes ff|all] [--dtypes fp16,fp8]
+    python -m benchmarks.sweep_cusparselt --out DIR [--shapes ff|all] [--dtypes fp16,fp8] [--quick]
 
 cuSPARSELt's own search (``cusparseLtMatmulSearch``) broke the CUDA context on the H200 (run 3), so this
 walks the settings by hand, each timed in a CUDA graph (``triton.testing.do_bench_cudagraph``, median):
@@ -67,7 +67,7 @@ def _rel_err(y, ref) -> float:
     return float((y.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-6))
 
 
-def _sweep_shape(model: str, name: str, m: int, k: int, n: int, dtypes: list[str]) -> list[dict]:
+def _sweep_shape(model: str, name: str, m: int, k: int, n: int, dtypes: list[str], quick: bool = False) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
@@ -108,6 +108,8 @@ def _sweep_shape(model: str, name: str, m: int, k: int, n: int, dtypes: list[str
         rows.extend(stage1)
         timed = [r for r in stage1 if "us" in r]
         if not timed:
+            continue
+        if quick:
             continue
         best = min(timed, key=lambda r: r["us"])
         layout = (best["b_layout"], best["transpose_result"])
@@ -151,8 +153,13 @@ def _env() -> dict:
     import torch
     import triton
 
+    from kernels.gemm.sparse24 import _loaded_library, cusparselt_runtime_version
+
     return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
-                triton=triton.__version__, cusparselt=getattr(torch.backends.cusparselt, "version", lambda: None)(),
+                triton=triton.__version__,
+                cusparselt_built_with=getattr(torch.backends.cusparselt, "version", lambda: None)(),
+                cusparselt_loaded=".".join(map(str, cusparselt_runtime_version() or ())) or None,
+                cusparselt_path=_loaded_library("libcusparseLt.so"),
                 date=datetime.datetime.now().isoformat(timespec="seconds"))
 
 
@@ -185,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--shapes", default="ff", choices=("ff", "all"))
     p.add_argument("--dtypes", default="fp16,fp8")
+    p.add_argument("--quick", action="store_true", help="stage 1 only: the four layouts at algorithm 0")
     p.add_argument("--shape-timeout", dest="shape_timeout", type=float, default=120.0,
                    help="seconds one shape's process may take (a hung setting costs that shape, not the sweep)")
     p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: "model,name,M,K,N" in this process
@@ -192,14 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = a.dtypes.split(",")
     if a.one:
         model, name, m, k, n = a.one.split(",")
-        print(json.dumps(_sweep_shape(model, name, int(m), int(k), int(n), dtypes)))
+        print(json.dumps(_sweep_shape(model, name, int(m), int(k), int(n), dtypes, a.quick)))
         return 0
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     for model, name, m, k, n in _shapes(a.shapes):
         cmd = [sys.executable, "-m", "benchmarks.sweep_cusparselt", "--out", a.out, "--dtypes", a.dtypes,
-               "--one", f"{model},{name},{m},{k},{n}"]
+               "--one", f"{model},{name},{m},{k},{n}"] + (["--quick"] if a.quick else [])
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=a.shape_timeout)
             got = json.loads(proc.stdout.strip().splitlines()[-1])
