@@ -36,10 +36,6 @@ KNOBS = {
     "max_inline_partials": [0, 256, 1 << 30],
     "onepass_max_elems": [16384, 32768, 65536],
     "l2_chunk_bytes": [8 << 20, 16 << 20, 32 << 20, 1 << 40],
-    # the one-launch "sync" path (programs wait for each other's statistics) where the grid fits the SMs
-    "sync": [True, False],
-    "sync_max_elems": [16384, 32768, 65536],
-    "sync_warps": [None, 8, 16, 32],
 }
 
 
@@ -103,13 +99,11 @@ def tune_shape(shape, layout: str, deadline: float) -> list[dict]:
 
 
 def _plan(gn, shape, layout, tuning):
-    import torch
-
     saved = dict(gn._TUNING)
     gn._TUNING.update(tuning)
     try:
         B, C, H, W = shape
-        return gn.group_norm_plan(B, C, H * W, 32, layout == "nhwc", 2, False, gn._sm_count(torch.device("cuda")))
+        return gn.group_norm_plan(B, C, H * W, 32, layout == "nhwc", 2, False)
     finally:
         gn._TUNING.clear()
         gn._TUNING.update(saved)

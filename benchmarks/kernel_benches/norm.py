@@ -92,7 +92,7 @@ def _make(case: dict, device="cuda", dtype=None):
     import torch.nn.functional as F
 
     from kernels.norm import geglu, group_norm, layer_norm
-    from kernels.norm.group_norm import _sm_count, group_norm_plan
+    from kernels.norm.group_norm import group_norm_plan
 
     dtype = dtype or torch.float16
     g = torch.Generator(device=device).manual_seed(0)
@@ -110,11 +110,10 @@ def _make(case: dict, device="cuda", dtype=None):
         w, b = rnd(C), rnd(C)
         act = None if op == "group_norm" else "silu"
         n = x.numel()
-        plan = group_norm_plan(B, C, H * W, 32, cl, e, op.startswith("bias_res"), _sm_count(x.device))
+        plan = group_norm_plan(B, C, H * W, 32, cl, e, op.startswith("bias_res"))
         config = (f"{plan.path} BC={plan.BLOCK_C} GPT={plan.GPT} BHW={plan.BLOCK_HW}"
                   + (f" S={plan.S}{' fin' if plan.finalize else ''} chunk={plan.chunk_ct}/{plan.n_ct}"
-                     if plan.path == "twopass" else "")
-                  + (f" S={plan.S} warps={plan.num_warps}" if plan.path == "sync" else ""))
+                     if plan.path == "twopass" else ""))
         if op.startswith("bias_res"):
             cb, r = rnd(B, C), rnd(B, C, H, W).contiguous(memory_format=fmt)
 

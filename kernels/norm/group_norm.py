@@ -41,7 +41,6 @@ Method: Wu & He 2018 (GroupNorm); Chan, Golub & LeVeque 1979 (pairwise variance 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Optional
 
 import torch
@@ -51,7 +50,7 @@ import triton.language as tl
 
 from kernels.checks import check_like
 from kernels.checks import is_channels_last as _is_channels_last
-from kernels.dispatch import interpret_mode, use_triton
+from kernels.dispatch import use_triton
 
 ACTIVATIONS = (None, "silu")
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -81,12 +80,6 @@ _TUNING = {
     "nhwc_block_c": 64,  # channels per "nhwc_tiles" tile (power of two; capped at C rounded up to one)
     "nhwc_onepass": True,  # channels_last shapes small enough for "onepass" use it (False: two-pass route)
     "nhwc_finalize_elems": 4096,  # partials per loop iteration of the "nhwc_tiles" finalize kernel
-    # "sync": one launch that splits H*W over programs which wait for each other's statistics; only where
-    # the grid fits in one program per SM and a program's tile fits in registers.
-    "sync": True,
-    "sync_max_elems": 32768,
-    "sync_warps": None,  # warps per "sync" program (None: about 32 elements per thread, at most 32 warps)
-    "sync_sm_count": None,  # tests: plan as if the GPU had this many SMs (None: the device's count, 0 on CPU)
 }
 
 
@@ -259,115 +252,6 @@ def _gn_onepass_kernel(
     bias2 = tl.load(b_ptr + c2, mask=cmask2, other=0.0).to(tl.float32) if HAS_B else 0.0
     y = _bias_act(d * tl.expand_dims(a_c, HW_AXIS), bias2, HAS_B, SILU)
     tl.store(y_ptr + b64 * sxb + x_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _gn_sync_kernel(
-    x_ptr,  # (B, C, H, W) input, strides (sxb, sxc, sxhw)
-    r_ptr,  # (B, C, H, W) residual, strides (srb, src, srhw); unused without HAS_RES
-    cb_ptr,  # (B or 1, C) channel bias, strides (scbb, scbc); unused without HAS_CB
-    w_ptr,  # (C,) weight; unused without HAS_W
-    b_ptr,  # (C,) bias; unused without HAS_B
-    y_ptr,  # (B, C, H, W) output, x's strides
-    pre_ptr,  # (B, C, H, W) pre-norm sum output, x's strides; unused without WRITE_PRE
-    part_ptr,  # (2, B, G, S) fp32: per-split group mean ([0]) and M2 ([1])
-    cnt_ptr,  # (B * n_ct,) int64 arrival counters, never reset (PHASE 0 only)
-    HW,
-    G,
-    S,  # H*W splits: cdiv(HW, BLOCK_HW)
-    part_stride,  # B * G * S
-    eps,
-    sxb,
-    sxc,
-    sxhw,
-    srb,
-    src,
-    srhw,
-    scbb,
-    scbc,
-    Cg: tl.constexpr,
-    GPT: tl.constexpr,
-    BLOCK_C: tl.constexpr,  # >= GPT * Cg
-    BLOCK_HW: tl.constexpr,  # H*W positions per program (its split)
-    GPT_P2: tl.constexpr,
-    S_P2: tl.constexpr,
-    HW_AXIS: tl.constexpr,  # 1: NCHW tile, 0: NHWC tile
-    HAS_CB: tl.constexpr,
-    HAS_RES: tl.constexpr,
-    HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr,
-    WRITE_PRE: tl.constexpr,
-    SILU: tl.constexpr,
-    PHASE: tl.constexpr,  # 0: statistics, grid wait, normalize (GPU); 1: statistics only; 2: normalize only
-):
-    ct = tl.program_id(0)
-    s = tl.program_id(1)
-    b = tl.program_id(2)
-    b64 = b.to(tl.int64)
-    cl = tl.arange(0, BLOCK_C)
-    cmask = cl < GPT * Cg
-    c = ct * (GPT * Cg) + cl
-    c2 = tl.expand_dims(c, HW_AXIS)
-    cmask2 = tl.expand_dims(cmask, HW_AXIS)
-    hw2 = tl.expand_dims(s * BLOCK_HW + tl.arange(0, BLOCK_HW), 1 - HW_AXIS)
-    mask = cmask2 & (hw2 < HW)
-    x_offs = c2 * sxc + hw2 * sxhw
-    cb2 = tl.load(cb_ptr + b * scbb + c2 * scbc, mask=cmask2, other=0.0).to(tl.float32) if HAS_CB else 0.0
-    pre = _load_pre(x_ptr + b64 * sxb + x_offs, r_ptr + b64 * srb, c2 * src, hw2, srhw, mask, cb2, HAS_CB, HAS_RES)
-    # Held in x's dtype across the wait (half the registers of fp32 for fp16/bf16): exact, since the pre-norm
-    # sum is rounded to x's dtype anyway and without adds it is x itself.
-    pre_x = tl.where(mask, pre, 0.0).to(y_ptr.dtype.element_ty)
-    j = tl.arange(0, GPT_P2)
-    onehot = ((cl // Cg)[:, None] == j[None, :]) & cmask[:, None]
-    p0 = (b * G + ct * GPT + j) * S  # first partial of each local group
-    if PHASE != 2:
-        if WRITE_PRE:
-            tl.store(pre_ptr + b64 * sxb + x_offs, pre_x, mask=mask)
-        # This split's group mean and M2 in one pass over the registers: per-channel sums shifted by the
-        # channel's first value in the split (no cancellation), combined per group (Chan).
-        n_hw = tl.minimum(HW - s * BLOCK_HW, BLOCK_HW).to(tl.float32)
-        first = tl.where(tl.expand_dims(tl.arange(0, BLOCK_HW) == 0, 1 - HW_AXIS), pre_x.to(tl.float32), 0.0)
-        shift = tl.sum(first, axis=HW_AXIS)
-        d = tl.where(mask, pre_x.to(tl.float32) - tl.expand_dims(shift, HW_AXIS), 0.0)
-        s1 = tl.sum(d, axis=HW_AXIS)
-        mean_c = shift + s1 / n_hw
-        m2_c = tl.maximum(tl.sum(d * d, axis=HW_AXIS) - s1 * s1 / n_hw, 0.0)
-        mean_s = tl.sum(tl.where(onehot, mean_c[:, None], 0.0), axis=0) / Cg
-        dev = mean_c[:, None] - mean_s[None, :]
-        m2_s = tl.sum(tl.where(onehot, m2_c[:, None] + n_hw * dev * dev, 0.0), axis=0)
-        tl.store(part_ptr + p0 + s, mean_s, mask=j < GPT)
-        tl.store(part_ptr + part_stride + p0 + s, m2_s, mask=j < GPT)
-    if PHASE == 0:
-        # Wait for the S programs of this (batch, channel tile). The launcher makes the grid no larger than
-        # the GPU's SM count, one program per SM, so every program is resident and the wait ends. The
-        # counter only grows: this call's S arrivals end at the next multiple of S.
-        tl.debug_barrier()
-        cnt = cnt_ptr + b * tl.num_programs(0) + ct
-        arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-        target = (arrived // S + 1) * S
-        while tl.atomic_add(cnt, 0, sem="acquire", scope="gpu") < target:
-            pass
-        tl.debug_barrier()
-    if PHASE != 1:
-        # The group statistics from the S splits (Chan, as in _gn_apply_kernel); .cg: not from L1.
-        sidx = tl.arange(0, S_P2)
-        pmask = (j < GPT)[:, None] & (sidx < S)[None, :]
-        pidx = p0[:, None] + sidx[None, :]
-        pmean = tl.load(part_ptr + pidx, mask=pmask, other=0.0, cache_modifier=".cg")
-        pm2 = tl.load(part_ptr + part_stride + pidx, mask=pmask, other=0.0, cache_modifier=".cg")
-        n_ss = tl.where(sidx < S, tl.minimum(HW - sidx * BLOCK_HW, BLOCK_HW), 0).to(tl.float32)
-        mean_g = tl.sum(pmean * n_ss[None, :], axis=1) / (HW * 1.0)
-        dev = tl.where(pmask, pmean - mean_g[:, None], 0.0)
-        m2_g = tl.sum(pm2, axis=1) + Cg * tl.sum(n_ss[None, :] * dev * dev, axis=1)
-        rstd_g = 1.0 / tl.sqrt(tl.maximum(m2_g / (Cg * HW * 1.0), 0.0) + eps)
-        mean_c = tl.sum(tl.where(onehot, mean_g[None, :], 0.0), axis=1)
-        a_c = tl.sum(tl.where(onehot, rstd_g[None, :], 0.0), axis=1)
-        if HAS_W:
-            a_c = a_c * tl.load(w_ptr + c, mask=cmask, other=0.0).to(tl.float32)
-        bias2 = tl.load(b_ptr + c2, mask=cmask2, other=0.0).to(tl.float32) if HAS_B else 0.0
-        pre = pre_x.to(tl.float32)
-        y = _bias_act((pre - tl.expand_dims(mean_c, HW_AXIS)) * tl.expand_dims(a_c, HW_AXIS), bias2, HAS_B, SILU)
-        tl.store(y_ptr + b64 * sxb + x_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -805,7 +689,7 @@ def _num_warps(elems: int) -> int:
 class GroupNormPlan:
     """How one GroupNorm call is tiled (see the module docstring); from :func:`group_norm_plan`."""
 
-    path: str  # "onepass", "sync", "twopass" or "nhwc_tiles"
+    path: str  # "onepass", "twopass" or "nhwc_tiles"
     channels_last: bool
     BLOCK_C: int  # channels per tile row/column block (power of two)
     GPT: int  # whole groups per channel tile (0 for "nhwc_tiles": its tiles ignore the groups)
@@ -848,10 +732,9 @@ def _channel_tile(Cg: int, G: int, channels_last: bool, elem_size: int, bytes_pe
 
 
 def group_norm_plan(
-    B: int, C: int, HW: int, num_groups: int, channels_last: bool, elem_size: int, has_res: bool, sm_count: int = 0
+    B: int, C: int, HW: int, num_groups: int, channels_last: bool, elem_size: int, has_res: bool
 ) -> GroupNormPlan:
-    """The tiling for one GroupNorm call on an H200-class GPU (pure function of the shapes and, for the
-    "sync" path, of the GPU's SM count; 0 leaves that path out)."""
+    """The tiling for one GroupNorm call on an H200-class GPU (pure function of the shapes)."""
     T = _TUNING
     G = num_groups
     Cg = C // G
@@ -865,9 +748,6 @@ def group_norm_plan(
     onepass_ok = T["nhwc_onepass"] or not channels_last
     if onepass_ok and n_cb == 1 and bc * hw_p2 <= T["onepass_max_elems"]:
         return GroupNormPlan("onepass", channels_last, bc, gpt, 1, n_ct, hw_p2, num_warps=_num_warps(bc * hw_p2))
-    sync = _sync_plan(B, HW, bc, gpt, n_ct, channels_last, sm_count) if T["sync"] and n_cb == 1 else None
-    if sync is not None:
-        return sync
     if channels_last and T["nhwc_channel_tiles"]:
         return _nhwc_tiles_plan(B, C, HW, bytes_per_channel)
     block_hw = max(1, min(hw_p2, T["tile_elems"] // bc))
@@ -895,23 +775,6 @@ def group_norm_plan(
         HWP=iters * block_hw, chunk_ct=chunk, apply_warps=T["apply_warps"],
         num_warps=T["stats_warps_large"] if C * bytes_per_channel >= T["large_bytes"] else T["stats_warps"],
     )
-
-
-def _sync_plan(B: int, HW: int, bc: int, gpt: int, n_ct: int, channels_last: bool, sm_count: int):
-    """The "sync" plan, or None: H*W split into the fewest power-of-two blocks that give at most ``sm_count``
-    programs (every program resident, so their wait for each other ends), each tile within
-    ``sync_max_elems`` registers' worth of elements."""
-    pairs = B * n_ct
-    if sm_count <= 0 or pairs > sm_count:
-        return None
-    bh = 16
-    while bh < HW and pairs * -(-HW // bh) > sm_count:
-        bh *= 2
-    bh = min(bh, _p2(HW))
-    if bc * bh > _TUNING["sync_max_elems"]:
-        return None
-    warps = _TUNING["sync_warps"] or min(32, max(4, bc * bh // 1024))
-    return GroupNormPlan("sync", channels_last, bc, gpt, 1, n_ct, bh, S=-(-HW // bh), HWS=bh, num_warps=warps)
 
 
 def _nhwc_tiles_plan(B: int, C: int, HW: int, bytes_per_channel: int) -> GroupNormPlan:
@@ -990,33 +853,6 @@ def _hw_stride(t: torch.Tensor) -> int:
     return t.stride(2) if t.shape[3] == 1 else t.stride(3)
 
 
-def _sm_count(device: torch.device) -> int:
-    """SMs the "sync" path may count on: the tuning override, else the CUDA device's count (0 elsewhere)."""
-    forced = _TUNING["sync_sm_count"]
-    if forced is not None:
-        return forced
-    return _device_sm_count(device.index if device.index is not None else torch.cuda.current_device()) if device.type == "cuda" else 0
-
-
-@functools.lru_cache(maxsize=None)
-def _device_sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-# Arrival counters of the "sync" path, one set per (device, stream, programs, splits): zeroed once, then only
-# incremented (int64: no wrap), so consecutive calls, graph replays included, need no reset. Calls that could
-# run at the same time on one set would mix arrivals; they are on different streams, hence different sets.
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-
-
-def _arrival_counters(device: torch.device, n: int, splits: int) -> torch.Tensor:
-    key = (device, torch.cuda.current_stream(device).cuda_stream, n, splits)
-    cnt = _COUNTERS.get(key)
-    if cnt is None:
-        cnt = _COUNTERS[key] = torch.zeros(n, dtype=torch.int64, device=device)
-    return cnt
-
-
 def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, activation, return_sum):
     _check_inputs(x, num_groups, weight, bias, channel_bias, residual, activation)
     has_add = channel_bias is not None or residual is not None
@@ -1044,7 +880,7 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
         raise NotImplementedError(f"group_norm: C*H*W = {C * HW} per batch item needs 64-bit offsets (max 2**31 - 1)")
     cl = _is_channels_last(x)
     hw_axis = 0 if cl else 1
-    plan = group_norm_plan(B, C, HW, G, cl, x.element_size(), residual is not None, _sm_count(x.device))
+    plan = group_norm_plan(B, C, HW, G, cl, x.element_size(), residual is not None)
     w = weight.contiguous() if weight is not None else x
     bs = bias.contiguous() if bias is not None else x
     r = residual if residual is not None else x
@@ -1067,24 +903,6 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
             HAS_W=weight is not None, HAS_B=bias is not None, WRITE_PRE=write_pre, SILU=silu,
             num_warps=plan.num_warps,
         )
-        return y, pre
-
-    if plan.path == "sync":
-        S = plan.S
-        part = torch.empty((2, B, G, S), dtype=torch.float32, device=x.device)
-        grid = (plan.n_ct, S, B)
-        args = (x, r, cb, w, bs, y, pre if write_pre else x, part)
-        meta = dict(
-            Cg=Cg, GPT=plan.GPT, BLOCK_C=plan.BLOCK_C, BLOCK_HW=plan.BLOCK_HW, GPT_P2=_p2(plan.GPT), S_P2=_p2(S),
-            HW_AXIS=hw_axis, HAS_CB=channel_bias is not None, HAS_RES=residual is not None,
-            HAS_W=weight is not None, HAS_B=bias is not None, WRITE_PRE=write_pre, SILU=silu, num_warps=plan.num_warps,
-        )
-        rest = (HW, G, S, B * G * S, float(eps), *xs, *rs, scbb, scbc)
-        if interpret_mode():  # the interpreter runs programs one after another: no program could wait for another
-            _gn_sync_kernel[grid](*args, x, *rest, PHASE=1, **meta)
-            _gn_sync_kernel[grid](*args, x, *rest, PHASE=2, **meta)
-        else:
-            _gn_sync_kernel[grid](*args, _arrival_counters(x.device, B * plan.n_ct, S), *rest, PHASE=0, **meta)
         return y, pre
 
     # After the statistics pass with WRITE_PRE, the apply pass reads the stored sum instead.

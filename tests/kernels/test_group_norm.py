@@ -32,8 +32,6 @@ PATHS = {
     # + the separate finalize kernel and one launch per channel tile (L2 chunking)
     "finalize": {"onepass_max_elems": 0, "tile_elems": 256, "force_splits": 3, "max_inline_partials": 0,
                  "l2_chunk_bytes": 1, "nhwc_channel_tiles": False},
-    # one launch, H*W split over programs that wait for each other (here: its two interpreter launches)
-    "sync": {"onepass_max_elems": 0, "sync_sm_count": 64},
 }
 
 
@@ -93,9 +91,8 @@ SD_SHAPES = [(1, 320, 9, 7), (3, 640, 5, 5), (1, 960, 4, 3), (1, 1280, 3, 3)]
 
 @pytest.mark.parametrize(
     "dtype,atol,path",
-    [(torch.float32, 1e-5, "onepass"), (torch.float16, 2e-3, "onepass"), (torch.float16, 2e-3, "twopass"),
-     (torch.float32, 1e-5, "sync"), (torch.float16, 2e-3, "sync")],
-    ids=["fp32-onepass", "fp16-onepass", "fp16-twopass", "fp32-sync", "fp16-sync"],
+    [(torch.float32, 1e-5, "onepass"), (torch.float16, 2e-3, "onepass"), (torch.float16, 2e-3, "twopass")],
+    ids=["fp32-onepass", "fp16-onepass", "fp16-twopass"],
     indirect=["path"],
 )
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
@@ -103,8 +100,7 @@ SD_SHAPES = [(1, 320, 9, 7), (3, 640, 5, 5), (1, 960, 4, 3), (1, 1280, 3, 3)]
 def test_sd_channels_all_fusions(shape, channels_last, dtype, atol, path):
     """bias (B, C) + residual + SiLU + return_sum, the full ResNet-block pattern."""
     x, w, b, cb, r = _inputs(*shape, dtype, channels_last, cb="BC", res=True)
-    plan = gn_mod.group_norm_plan(shape[0], shape[1], shape[2] * shape[3], 32, channels_last, x.element_size(), True,
-                                  gn_mod._sm_count(x.device))
+    plan = gn_mod.group_norm_plan(shape[0], shape[1], shape[2] * shape[3], 32, channels_last, x.element_size(), True)
     assert plan.path == path
     _check(x, 32, w, b, cb, r, "silu", True, atol)
 
@@ -131,7 +127,7 @@ def test_fusion_variants(fusion, activation, return_sum, channels_last, path):
         assert out[1] is x  # nothing added: the sum is x itself, no copy
 
 
-@pytest.mark.parametrize("path", ["onepass", "split", "sync"], indirect=True)
+@pytest.mark.parametrize("path", ["onepass", "split"], indirect=True)
 @pytest.mark.parametrize("fusion", list(FUSIONS))
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 def test_fusion_variants_other_paths(fusion, channels_last, path):
@@ -177,7 +173,7 @@ def test_group_wider_than_channel_block(channels_last, path, monkeypatch):
 
 
 @pytest.mark.parametrize("x_cl,r_cl", [(False, True), (True, False)], ids=["x_nchw-r_nhwc", "x_nhwc-r_nchw"])
-@pytest.mark.parametrize("path", ["onepass", "twopass", "sync"], indirect=True)
+@pytest.mark.parametrize("path", ["onepass", "twopass"], indirect=True)
 def test_residual_in_the_other_layout(x_cl, r_cl, path):
     x, w, b, cb, r = _inputs(2, 80, 5, 6, torch.float16, x_cl, res=True, res_channels_last=r_cl)
     assert gn_mod._is_channels_last(r) == r_cl
@@ -192,7 +188,7 @@ def test_no_affine(channels_last, path):
     _check(x, 8, None, None, cb, None, "silu", False, 2e-3)
 
 
-@pytest.mark.parametrize("path", ["onepass", "split", "sync"], indirect=True)
+@pytest.mark.parametrize("path", ["onepass", "split"], indirect=True)
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 def test_large_mean_small_std(channels_last, path):
     """fp32 statistics must not cancel: mean 100, std 0.01 (a sum/sum-of-squares kernel gets NaN or
@@ -279,7 +275,7 @@ def test_custom_op_fake_and_opcheck():
 
 
 @pytest.mark.parametrize("token_shape", ["B,C,L,1", "B,C,1,L"])
-@pytest.mark.parametrize("path", ["onepass", "twopass", "sync"], indirect=True)
+@pytest.mark.parametrize("path", ["onepass", "twopass"], indirect=True)
 def test_token_layout_with_a_size_one_spatial_dim(token_shape, path):
     """A (B, L, C) token tensor (the transformer block's layout) seen as (B, C, L, 1) or (B, C, 1, L) counts
     as channels_last for PyTorch whatever the size-1 dim's stride is; the kernel must step over the
@@ -301,41 +297,3 @@ def test_plan_defaults_measured_on_the_h200(tiles, expected, monkeypatch):
     assert big.path == expected and big.chunk_ct == big.n_ct and big.num_warps == 2
     small = gn_mod.group_norm_plan(2, 320, 64 * 64, 32, True, 2, False)  # SD1.5 64², 5 MB
     assert small.path == expected and small.num_warps == 4
-
-
-@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
-def test_sync_plan_fits_one_program_per_sm(channels_last):
-    """The "sync" path's programs wait for each other, so its grid must never exceed the SM count; where
-    it would, or a tile would not fit, the plan is another path. Without an SM count there is no sync."""
-    plan = gn_mod.group_norm_plan(2, 320, 64 * 64, 32, channels_last, 2, False, 132)  # SD1.5 64², H200
-    assert plan.path == "sync"
-    assert plan.n_ct * plan.S * 2 <= 132 and plan.S * plan.BLOCK_HW >= 64 * 64
-    assert plan.BLOCK_C * plan.BLOCK_HW <= gn_mod._TUNING["sync_max_elems"]
-    assert gn_mod.group_norm_plan(2, 320, 64 * 64, 32, channels_last, 2, False).path != "sync"
-    assert gn_mod.group_norm_plan(2, 320, 64 * 64, 32, channels_last, 2, False, 8).path != "sync"
-    assert gn_mod.group_norm_plan(1, 256, 512 * 512, 32, channels_last, 2, False, 132).path != "sync"  # VAE 512²
-    for B, C, HW, sms in [(2, 320, 63, 16), (3, 640, 4096, 132), (1, 512, 4096, 132), (2, 1280, 1024, 132)]:
-        p = gn_mod.group_norm_plan(B, C, HW, 32, channels_last, 2, False, sms)
-        if p.path == "sync":
-            assert p.n_ct * p.S * B <= sms and (p.S - 1) * p.BLOCK_HW < HW <= p.S * p.BLOCK_HW
-
-
-def test_sync_interpreter_runs_two_phases(monkeypatch):
-    """Under the interpreter the sync kernel runs as a statistics launch and a normalize launch (a program
-    there cannot wait for another); the GPU runs one launch with PHASE 0 (tests/kernels/test_norm_gpu.py)."""
-    monkeypatch.setitem(gn_mod._TUNING, "onepass_max_elems", 0)
-    monkeypatch.setitem(gn_mod._TUNING, "sync_sm_count", 64)
-    phases = []
-    real = gn_mod._gn_sync_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                phases.append((grid, kw["PHASE"]))
-                return real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(gn_mod, "_gn_sync_kernel", Spy())
-    x, w, b, cb, r = _inputs(2, 80, 9, 7, torch.float16, False, cb="BC", res=True)
-    _check(x, 8, w, b, cb, r, "silu", True, 2e-3)
-    assert [p for _, p in phases] == [1, 2] and phases[0][0] == phases[1][0] and phases[0][0][1] > 1
