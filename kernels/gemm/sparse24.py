@@ -110,7 +110,6 @@ __all__ = [
     "CusparseltPlan",
     "cusparselt_available",
     "cusparselt_runtime_version",
-    "cusparselt_slow_on_this_gpu",
     "backend_supports",
     "cusparselt_search",
     "cusparselt_search_enabled",
@@ -653,11 +652,6 @@ def cusparselt_available() -> bool:
     return bool(getattr(torch._C, "_has_cusparselt", False))
 
 
-# cuSPARSELt's release notes for v0.8.1: "The performance regressions on H100 and L4 GPUs introduced in v0.8.0
-# are fixed." torch 2.11's CUDA 13.0 wheels depend on 0.8.0.
-_SLOW_ON_HOPPER = {(0, 8, 0)}
-
-
 def _loaded_library(soname_prefix: str) -> str | None:
     """Path of the shared library this process has mapped whose file name starts with ``soname_prefix``."""
     try:
@@ -695,18 +689,6 @@ def cusparselt_runtime_version() -> tuple[int, int, int] | None:
             return None
         out.append(v.value)
     return tuple(out)
-
-
-def cusparselt_slow_on_this_gpu() -> str:
-    """A warning text when the loaded cuSPARSELt is a release NVIDIA lists as slow on this GPU, else ''."""
-    version = cusparselt_runtime_version()
-    if version not in _SLOW_ON_HOPPER or not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
-        return ""
-    return (
-        f"cuSPARSELt {'.'.join(map(str, version))} is loaded: NVIDIA's release notes list performance regressions "
-        "on Hopper GPUs in it, fixed in 0.8.1, so most 2:4 layers will measure slower than dense and stay dense. "
-        "Upgrade the library torch loads: pip install -U 'nvidia-cusparselt-cu13>=0.8.1' (CUDA 12: -cu12)"
-    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -1149,7 +1131,6 @@ class SparseLinear(nn.Module):
             try:
                 self._backend_data(name)
                 if name == "cusparselt":
-                    _warn_once(cusparselt_slow_on_this_gpu())
                     (packed,) = self._data[name]
                     cands["cusparselt:alg0"] = _Choice("cusparselt", plan=CusparseltPlan())
                     plan = cusparselt_search(packed, _pad_rows(x2d, 8), b) if cusparselt_search_enabled() else CusparseltPlan()
@@ -1237,13 +1218,6 @@ class SparseLinear(nn.Module):
 
 
 _logged_errors: set[tuple[str, str]] = set()
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message and message not in _warned:
-        _warned.add(message)
-        log.warning("SparseLinear: %s", message)
 
 
 def _log_backend_error(name: str, e: BaseException) -> None:

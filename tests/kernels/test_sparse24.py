@@ -2,6 +2,8 @@
 format, torch's CUTLASS format, the Triton sparse24_linear kernel (interpreter), SparseLinear on CPU."""
 
 import logging
+import os
+
 import pytest
 import torch
 import torch.nn as nn
@@ -690,3 +692,25 @@ def test_sparsegpt_block_rejects_bad_shapes():
 
     with pytest.raises(ValueError, match="nb % 4"):
         sparsegpt_block(torch.zeros(4, 6), torch.eye(6), torch.zeros(4))
+
+
+def test_cusparselt_runtime_version_reads_the_loaded_library(monkeypatch):
+    """The version comes from the library the process runs (torch reports the one it was built with): None
+    without cuSPARSELt, else asked of the copy the global scope gives, or of the mapped copy."""
+    assert s24._loaded_library("libc.so") is not None or not os.path.exists("/proc/self/maps")
+    assert s24._loaded_library("libnot-a-library-sdfast") is None
+    s24.cusparselt_runtime_version.cache_clear()
+    monkeypatch.setattr(s24, "cusparselt_available", lambda: False)
+    assert s24.cusparselt_runtime_version() is None
+
+    class FakeLib:  # cusparseLtGetProperty(type, int*) -> status, version 0.8.1
+        @staticmethod
+        def cusparseLtGetProperty(prop, ref):
+            ref._obj.value = (0, 8, 1)[prop]
+            return 0
+
+    s24.cusparselt_runtime_version.cache_clear()
+    monkeypatch.setattr(s24, "cusparselt_available", lambda: True)
+    monkeypatch.setattr(s24.ctypes, "CDLL", lambda path: FakeLib())
+    assert s24.cusparselt_runtime_version() == (0, 8, 1)
+    s24.cusparselt_runtime_version.cache_clear()
