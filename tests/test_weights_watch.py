@@ -128,3 +128,21 @@ def test_transformers_output_capturing_hooks_do_not_make_the_text_encoder_eager(
     assert not WeightsWatch(m).hooked
     m[0].register_forward_hook(lambda mod, a, out: out)
     assert WeightsWatch(m).hooked
+
+
+def test_transformers_output_capturing_hooks_installed_after_the_snapshot_change_nothing():
+    """The graph runner snapshots a text encoder before its first (capture) call, and transformers installs its
+    output-capturing hooks during that call. Those hooks must not count as a change: they did, and every text
+    encoder's graph was captured a second time at the next pipeline call (on the H200, about 25 + 50 ms once for
+    SDXL's two encoders, run 10). A hook of the user's still does."""
+    import sdfast
+
+    engine = sdfast.load("random:tiny-xl", optimize=False)
+    te = engine.pipe.text_encoder_2
+    watch = WeightsWatch(te)
+    assert not any(m._forward_hooks for m in te.modules())  # nothing installed yet
+    engine.txt2img("a cat", num_inference_steps=1, width=64, height=64, seed=0)
+    assert any(m._forward_hooks for m in te.modules())  # transformers' hooks, from the first call
+    assert not watch.changed()
+    te.text_model.encoder.layers[0].register_forward_hook(lambda mod, a, out: out)
+    assert watch.changed() and watch.hooked

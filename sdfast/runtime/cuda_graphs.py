@@ -61,14 +61,21 @@ def _python_state(mods: list) -> tuple:
     """What changes a forward in Python, for every module but the root (whose hooks and forward run outside the
     graph: the graph runner is its forward): forward hooks and pre-hooks, a forward replaced on the instance,
     an attention processor (diffusers' ``set_attn_processor``), FreeU's factors (``enable_freeu``); and the
-    global module hooks. Objects compare by identity, numbers by value."""
+    global module hooks. Objects compare by identity, numbers by value. Hooks a graph reproduces
+    (``_needs_python_each_call``) are left out: transformers installs them during the first call, which is the
+    capture, so counting them recaptured every text encoder at the next call."""
     per_module = tuple(
-        (tuple(m._forward_hooks), tuple(m._forward_pre_hooks), d.get("forward"), d.get("processor"),
+        (_hook_ids(m._forward_hooks), _hook_ids(m._forward_pre_hooks), d.get("forward"), d.get("processor"),
          d.get("s1"), d.get("s2"), d.get("b1"), d.get("b2"))
         for m in mods[1:]
         for d in (m.__dict__,)
     )
     return per_module, tuple(nn_module._global_forward_hooks), tuple(nn_module._global_forward_pre_hooks)
+
+
+def _hook_ids(hooks: dict) -> tuple:
+    """The handle ids of the hooks in a module's hook dict that a graph replay would skip."""
+    return tuple(k for k, h in hooks.items() if _needs_python_each_call(h))
 
 
 def _needs_python_each_call(hook) -> bool:
