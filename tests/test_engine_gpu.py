@@ -170,3 +170,16 @@ def test_sdxl_parity():
     del fast
     _free()
     assert p >= 35
+
+
+def test_pixels_from_the_gpu_match_the_cpu_path():
+    """The GPU path of ``_to_uint8`` (non-blocking copies into pinned memory, one wait) gives the CPU path's
+    bytes and finite flag, and its arrays outlive the next call (each owns its pinned block)."""
+    from sdfast.engine import _to_uint8
+
+    x = torch.rand(2, 3, 64, 48, generator=torch.Generator().manual_seed(0)).half()
+    cpu_pixels, cpu_finite = _to_uint8(x)
+    gpu_pixels, gpu_finite = _to_uint8(x.cuda())
+    again, _ = _to_uint8(torch.zeros_like(x).cuda())
+    assert gpu_finite and cpu_finite and np.array_equal(gpu_pixels, cpu_pixels) and not again.any()
+    assert not _to_uint8(x.cuda().masked_fill(x.cuda() > 0.9, float("nan")))[1]

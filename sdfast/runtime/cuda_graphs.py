@@ -57,20 +57,29 @@ def _adapter_state(name: str, m: torch.nn.Module) -> tuple:
     )
 
 
+# Instance attributes that change what a forward does in Python: a replaced forward, diffusers' attention
+# processor, FreeU's factors.
+_PYTHON_ATTRS = frozenset(("forward", "processor", "s1", "s2", "b1", "b2"))
+
+
 def _python_state(mods: list) -> tuple:
     """What changes a forward in Python, for every module but the root (whose hooks and forward run outside the
     graph: the graph runner is its forward): forward hooks and pre-hooks, a forward replaced on the instance,
     an attention processor (diffusers' ``set_attn_processor``), FreeU's factors (``enable_freeu``); and the
     global module hooks. Objects compare by identity, numbers by value. Hooks a graph reproduces
     (``_needs_python_each_call``) are left out: transformers installs them during the first call, which is the
-    capture, so counting them recaptured every text encoder at the next call."""
-    per_module = tuple(
-        (_hook_ids(m._forward_hooks), _hook_ids(m._forward_pre_hooks), d.get("forward"), d.get("processor"),
-         d.get("s1"), d.get("s2"), d.get("b1"), d.get("b2"))
-        for m in mods[1:]
-        for d in (m.__dict__,)
-    )
-    return per_module, tuple(nn_module._global_forward_hooks), tuple(nn_module._global_forward_pre_hooks)
+    capture, so counting them recaptured every text encoder at the next call. Only the modules that have any of
+    it are listed, by position (this runs before every pipeline call over every module: SDXL's UNet has 2,600)."""
+    per_module = []
+    for i in range(1, len(mods)):
+        d = mods[i].__dict__
+        attrs = d.keys() & _PYTHON_ATTRS  # iterates the six names, not the module's attributes
+        post, pre = d["_forward_hooks"], d["_forward_pre_hooks"]
+        if attrs or post or pre:
+            post, pre = _hook_ids(post), _hook_ids(pre)
+            if attrs or post or pre:
+                per_module.append((i, post, pre, tuple((k, d[k]) for k in sorted(attrs))))
+    return tuple(per_module), tuple(nn_module._global_forward_hooks), tuple(nn_module._global_forward_pre_hooks)
 
 
 def _hook_ids(hooks: dict) -> tuple:
