@@ -30,8 +30,8 @@ def _to_uint8(images: torch.Tensor) -> tuple[np.ndarray, bool]:
     x = images.permute(0, 2, 3, 1).float()
     finite = torch.isfinite(x).all()
     pixels = (x * 255).round().to(torch.uint8)
-    if not pixels.is_cuda:
-        return pixels.numpy(), bool(finite)
+    if pixels.device.type != "cuda":
+        return pixels.cpu().numpy(), bool(finite)
     host, finite = pixels.to("cpu", non_blocking=True), finite.to("cpu", non_blocking=True)
     torch.cuda.current_stream(pixels.device).synchronize()
     return host.numpy(), bool(finite)

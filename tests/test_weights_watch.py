@@ -79,6 +79,9 @@ def test_python_side_forward_changes_below_the_root_are_changes():
     assert watch.changed() and not watch.changed()
     m[2].s1 = 1.1
     assert watch.changed()
+    for factor in ("s2", "b1", "b2"):
+        setattr(m[2], factor, 0.5)
+        assert watch.changed() and not watch.changed()
     g = torch.nn.modules.module.register_module_forward_hook(lambda mod, a, out: out)
     try:
         assert watch.changed()
@@ -144,5 +147,6 @@ def test_transformers_output_capturing_hooks_installed_after_the_snapshot_change
     engine.txt2img("a cat", num_inference_steps=1, width=64, height=64, seed=0)
     assert any(m._forward_hooks for m in te.modules())  # transformers' hooks, from the first call
     assert not watch.changed()
-    te.text_model.encoder.layers[0].register_forward_hook(lambda mod, a, out: out)
+    layer = next(m for m in te.modules() if m._forward_hooks)  # a module that has transformers' hook
+    layer.register_forward_hook(lambda mod, a, out: out)
     assert watch.changed() and watch.hooked

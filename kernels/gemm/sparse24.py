@@ -652,34 +652,39 @@ def cusparselt_available() -> bool:
     return bool(getattr(torch._C, "_has_cusparselt", False))
 
 
-def _loaded_library(soname_prefix: str) -> str | None:
-    """Path of the shared library this process has mapped whose file name starts with ``soname_prefix``."""
+def _loaded_libraries(soname_prefix: str) -> list[str]:
+    """Paths of the shared libraries this process has mapped whose file name starts with ``soname_prefix``, in
+    the order of /proc/self/maps (empty where there is no such file)."""
+    found: list[str] = []
     try:
-        with open("/proc/self/maps") as f:
+        with open("/proc/self/maps", errors="surrogateescape") as f:
             for line in f:
-                path = line.rstrip("\n").split(" ")[-1]
-                if os.path.basename(path).startswith(soname_prefix):
-                    return path
+                fields = line.rstrip("\n").split(maxsplit=5)
+                path = fields[5].removesuffix(" (deleted)") if len(fields) == 6 else ""
+                if os.path.basename(path).startswith(soname_prefix) and path not in found:
+                    found.append(path)
     except OSError:  # not Linux
         pass
-    return None
+    return found
 
 
 @functools.lru_cache(maxsize=None)
 def cusparselt_runtime_version() -> tuple[int, int, int] | None:
     """(major, minor, patch) of the cuSPARSELt library this process runs, asked of the loaded library itself
     (``cusparseLtGetProperty``); ``torch.backends.cusparselt.version()`` gives the version torch was built with.
-    None when torch has no cuSPARSELt or the library is not loaded (e.g. a CPU build)."""
+    None when torch has no cuSPARSELt or the library is not loaded (e.g. a CPU build); cached, like the library.
+    Two copies can be mapped (an ``LD_PRELOAD``: ``_loaded_libraries`` lists them); the global scope's answer is the
+    one torch's calls bind to (checked with ``LD_DEBUG=bindings`` on the H200, run 10)."""
     if not cusparselt_available():
         return None
     try:  # the definition the process's global scope gives (an LD_PRELOADed copy first): what torch binds to
         get_property = ctypes.CDLL(None).cusparseLtGetProperty
-    except AttributeError:  # loaded locally (not in the global scope): ask the mapped copy
-        path = _loaded_library("libcusparseLt.so")
-        if path is None:
+    except (AttributeError, TypeError, OSError):  # loaded locally (not in the global scope), or no dlopen(NULL)
+        paths = _loaded_libraries("libcusparseLt.so")
+        if not paths:
             return None
         try:
-            get_property = ctypes.CDLL(path).cusparseLtGetProperty  # dlopen of a loaded path loads nothing
+            get_property = ctypes.CDLL(paths[0]).cusparseLtGetProperty  # dlopen of a loaded path loads nothing
         except (OSError, AttributeError):
             return None
     out = []

@@ -696,21 +696,43 @@ def test_sparsegpt_block_rejects_bad_shapes():
 
 def test_cusparselt_runtime_version_reads_the_loaded_library(monkeypatch):
     """The version comes from the library the process runs (torch reports the one it was built with): None
-    without cuSPARSELt, else asked of the copy the global scope gives, or of the mapped copy."""
-    assert s24._loaded_library("libc.so") is not None or not os.path.exists("/proc/self/maps")
-    assert s24._loaded_library("libnot-a-library-sdfast") is None
-    s24.cusparselt_runtime_version.cache_clear()
+    without cuSPARSELt, else asked of the copy the global scope gives, else of the first mapped copy; a failing
+    status gives None."""
+    if os.path.exists("/proc/self/maps"):
+        assert any(os.path.basename(p).startswith("libc.so") for p in s24._loaded_libraries("libc.so"))
+    assert s24._loaded_libraries("libnot-a-library-sdfast") == []
+
+    def fake_lib(version, status=0, has_symbol=True):
+        class Lib:
+            pass
+
+        def get_property(prop, ref):
+            ref._obj.value = version[prop]
+            return status
+
+        lib = Lib()
+        if has_symbol:
+            lib.cusparseLtGetProperty = get_property
+        return lib
+
     monkeypatch.setattr(s24, "cusparselt_available", lambda: False)
-    assert s24.cusparselt_runtime_version() is None
-
-    class FakeLib:  # cusparseLtGetProperty(type, int*) -> status, version 0.8.1
-        @staticmethod
-        def cusparseLtGetProperty(prop, ref):
-            ref._obj.value = (0, 8, 1)[prop]
-            return 0
-
     s24.cusparselt_runtime_version.cache_clear()
+    assert s24.cusparselt_runtime_version() is None
     monkeypatch.setattr(s24, "cusparselt_available", lambda: True)
-    monkeypatch.setattr(s24.ctypes, "CDLL", lambda path: FakeLib())
-    assert s24.cusparselt_runtime_version() == (0, 8, 1)
+    opened = []
+
+    def cdll(path):
+        opened.append(path)
+        return fake_lib((0, 8, 1)) if path is None else fake_lib((0, 8, 0))
+
+    monkeypatch.setattr(s24.ctypes, "CDLL", cdll)
+    s24.cusparselt_runtime_version.cache_clear()
+    assert s24.cusparselt_runtime_version() == (0, 8, 1) and opened == [None]  # the global scope's copy
+    monkeypatch.setattr(s24.ctypes, "CDLL", lambda path: fake_lib((0, 8, 0), has_symbol=path is not None))
+    monkeypatch.setattr(s24, "_loaded_libraries", lambda prefix: ["/x/libcusparseLt.so.0"])
+    s24.cusparselt_runtime_version.cache_clear()
+    assert s24.cusparselt_runtime_version() == (0, 8, 0)  # not in the global scope: the mapped copy
+    monkeypatch.setattr(s24.ctypes, "CDLL", lambda path: fake_lib((0, 8, 0), status=7))
+    s24.cusparselt_runtime_version.cache_clear()
+    assert s24.cusparselt_runtime_version() is None
     s24.cusparselt_runtime_version.cache_clear()
