@@ -20,10 +20,10 @@ import math
 import torch
 from torch import nn
 
-from kernels.gemm.int8_outlier import int8_outlier_linear
-from kernels.gemm.w4a16 import dequantize_w4, pack_int4, quantize_int4_groups, w4a16_linear
 from kernels.dispatch import log_fallback
 from kernels.gemm.fp8_static import fp8_linear, quantize_static
+from kernels.gemm.int8_outlier import int8_outlier_linear
+from kernels.gemm.w4a16 import dequantize_w4, pack_int4, quantize_int4_groups, w4a16_linear
 from kernels.gemm.w8a8 import (
     FP8_QMAX,
     dequantize_weight,

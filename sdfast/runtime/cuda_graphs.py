@@ -75,17 +75,16 @@ def _python_state(mods: list) -> tuple:
     for i in range(1, len(mods)):
         d = mods[i].__dict__
         attrs = d.keys() & _PYTHON_ATTRS  # iterates the six names, not the module's attributes
-        post, pre = d["_forward_hooks"], d["_forward_pre_hooks"]
+        post, pre = _hook_ids(d["_forward_hooks"]), _hook_ids(d["_forward_pre_hooks"])
         if attrs or post or pre:
-            post, pre = _hook_ids(post), _hook_ids(pre)
-            if attrs or post or pre:
-                per_module.append((i, post, pre, tuple((k, d[k]) for k in sorted(attrs))))
-    return tuple(per_module), tuple(nn_module._global_forward_hooks), tuple(nn_module._global_forward_pre_hooks)
+            per_module.append((i, post, pre, tuple((k, d[k]) for k in sorted(attrs))))
+    return (tuple(per_module), _hook_ids(nn_module._global_forward_hooks),
+            _hook_ids(nn_module._global_forward_pre_hooks))
 
 
 def _hook_ids(hooks: dict) -> tuple:
-    """The handle ids of the hooks in a module's hook dict that a graph replay would skip."""
-    return tuple(k for k, h in hooks.items() if _needs_python_each_call(h))
+    """The handle ids of the hooks in a hook dict that a graph replay would skip (empty dicts: no work)."""
+    return tuple(k for k, h in hooks.items() if _needs_python_each_call(h)) if hooks else ()
 
 
 def _needs_python_each_call(hook) -> bool:
@@ -123,11 +122,10 @@ class WeightsWatch:
         self.tuners = [(n, m) for n, m in self.module.named_modules() if _is_tuner_layer(m)]
         self.state = self._state()
         # Hooks below the root need Python at every call (e.g. a calibration collecting activations): a graph
-        # replay would skip them, so the runner runs such a module eagerly (``GraphedForward``).
-        hooks = [*nn_module._global_forward_hooks.values(), *nn_module._global_forward_pre_hooks.values()]
-        for m in self.modules[1:]:
-            hooks += [*m._forward_hooks.values(), *m._forward_pre_hooks.values()]
-        self.hooked = any(_needs_python_each_call(h) for h in hooks)
+        # replay would skip them, so the runner runs such a module eagerly (``GraphedForward``). The state's
+        # Python part lists exactly those hooks.
+        per_module, global_post, global_pre = self.state[3]
+        self.hooked = bool(global_post or global_pre or any(post or pre for _, post, pre, _ in per_module))
 
     def _state(self) -> tuple:
         mods = self.modules
