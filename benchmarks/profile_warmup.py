@@ -5,8 +5,11 @@
 ``--cold`` points Triton at an empty cache directory (``TRITON_CACHE_DIR``), so every kernel compiles, as
 on a machine that never ran sdfast; without it the user's cache is used. Prints the wall time of the load
 and of the first image, the time spent compiling Triton kernels, in SDPA calls (mostly the attention
-dispatcher's measurements) and in CUDA-graph capture, and the top functions by cumulative time (``--second-size``: of the first image at a second size only; ``--warm``: of a warm 50-step image, the host
-work per image); writes ``DIR/warmup.pstats`` and ``DIR/warmup.txt``.
+dispatcher's measurements), in CUDA-graph capture and in Triton's autotuner, and the top functions by cumulative
+time (``--second-size``: of the first image at a second size only; ``--warm``: of a warm 50-step image, the
+host work per image); with ``--cold``, also the Triton kernels compiled in the profiled part, by name. Writes
+``DIR/warmup.pstats``, ``DIR/warmup.txt`` and ``DIR/warmup.log`` (sdfast's INFO log: attention choices,
+ahead-of-time compile counts).
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import logging
 import os
 import pstats
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 # (label, [(file suffix, function)]): cumulative times summed. Only functions that run start to end in Python
@@ -28,7 +33,14 @@ PHASES = [
     ("triton launcher builds (C compiler)", [("triton/runtime/build.py", "compile_module_from_src")]),
     ("SDPA calls (dispatcher measurement, warm-up)", [("~", "<built-in method torch._C._nn.scaled_dot_product_attention>")]),
     ("cuda graph capture", [("sdfast/runtime/cuda_graphs.py", "_capture")]),
+    ("triton autotuning (timing configs)", [("triton/runtime/autotuner.py", "benchmark")]),
 ]
+
+
+def compiled_kernels(cache_dir: str) -> Counter:
+    """Kernel name -> number of compiled specializations in a Triton cache directory (one ``<name>.cubin``
+    per compilation)."""
+    return Counter(p.stem for p in Path(cache_dir).rglob("*.cubin"))
 
 
 def phase_seconds(stats: pstats.Stats, keys) -> float:
@@ -51,6 +63,11 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     if args.cold:
         os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton-cold-")
+    # sdfast's INFO lines (attention choices, precompile counts) go to DIR/warmup.log
+    handler = logging.FileHandler(args.out / "warmup.log", mode="w")
+    handler.setFormatter(logging.Formatter("%(relativeCreated)8.0f ms %(name)s: %(message)s"))
+    logging.getLogger("sdfast").addHandler(handler)
+    logging.getLogger("sdfast").setLevel(logging.INFO)
 
     import torch
 
@@ -67,6 +84,8 @@ def main(argv=None) -> int:
     total = time.perf_counter() - t0
     lines = [f"model {args.model}, cold Triton cache: {args.cold}",
              f"load + optimize {t_load:.1f} s; first image (2 steps) {total - t_load:.1f} s; total {total:.1f} s"]
+    cache_dir = os.environ.get("TRITON_CACHE_DIR")
+    before = compiled_kernels(cache_dir) if args.cold else Counter()
     if args.second_size:
         w, h = first[0].size
         t1 = time.perf_counter()
@@ -92,6 +111,10 @@ def main(argv=None) -> int:
     lines.append("")
     for label, keys in PHASES:
         lines.append(f"{label:45s} {phase_seconds(stats, keys):7.1f} s")
+    if args.cold:
+        new = compiled_kernels(cache_dir) - before
+        lines.append(f"\nTriton kernels compiled in the profiled part: {sum(new.values())}")
+        lines += [f"  {n:4d}  {name}" for name, n in new.most_common()]
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(45)
     text = "\n".join(lines) + "\n\n" + buf.getvalue()

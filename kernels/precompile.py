@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 log = logging.getLogger("sdfast.kernels")
@@ -46,6 +47,7 @@ class _Session:
         self.workers = workers
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sdfast-precompile")
         self.futures: dict[tuple, Future] = {}
+        self.names: Counter = Counter()  # kernel name -> specializations queued (for the log)
         self.owner = threading.get_ident()
 
     def hook(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 - Triton's names
@@ -55,6 +57,7 @@ class _Session:
         ident = (id(jit), key)
         if ident not in self.futures:
             self.futures[ident] = self.pool.submit(_compile, jit, compile["specialization_data"], compile["device"])
+            self.names[getattr(jit, "__name__", "?")] += 1
         return True  # skip this launch
 
     def finish(self) -> tuple[int, int]:
@@ -132,5 +135,6 @@ def _run_session(triton, fn, args, kwargs, workers: int, label: str) -> None:
         n, failed = session.finish()  # before the hook goes: the pool's compiles call it (as manual warm-ups)
         triton.knobs.runtime.jit_cache_hook = previous
     if n:
-        log.info("sdfast precompile: %s: %d Triton kernels compiled in %.1f s on %d threads (%d failed)",
-                 label, n, time.perf_counter() - t0, session.workers, failed)
+        log.info("sdfast precompile: %s: %d Triton kernels compiled in %.1f s on %d threads (%d failed): %s",
+                 label, n, time.perf_counter() - t0, session.workers, failed,
+                 ", ".join(f"{name} x{k}" for name, k in session.names.most_common()))

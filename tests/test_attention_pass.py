@@ -444,6 +444,41 @@ def test_dispatcher_skips_a_much_slower_backend_after_a_probe_on_a_query_slice(c
     assert full_calls and "slow" in d2.timings()[key]
 
 
+def test_dispatcher_measures_a_new_length_in_a_measured_bucket_on_the_near_best_backends_only(caplog):
+    """Another image size gives keys whose lengths fall in the power-of-two buckets of keys already measured:
+    only the backends within mate_factor of that key's best are checked and timed; another bucket, or another
+    head count, measures every candidate."""
+    calls = []
+
+    def spied(name):
+        def run(q, k, v, attn_mask, scale, upcast):
+            calls.append((name, q.shape[2]))
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+        return run
+
+    backends = {name: spied(name) for name in ("fast", "near", "slow")}
+    d = ap.AttentionDispatcher(candidates=tuple(backends), extra_backends=backends, measure_cpu=True)
+    q, k, v = _qkv(B=1, H=2, Lq=64, Lk=16)
+    d(q, k, v)
+    key = d.key_for(q, k, None, False)
+    assert set(d.timings()[key]) == {"fast", "near", "slow"}
+    d._timings[key] = {"fast": 10.0, "near": 12.0, "slow": 40.0}  # CPU timings are noise: pin them (µs)
+    calls.clear()
+    q2, k2, v2 = _qkv(B=1, H=2, Lq=80, Lk=16)  # 80 queries: the bucket of 64
+    with caplog.at_level(logging.INFO, logger="sdfast.attention"):
+        out = d(q2, k2, v2)
+    key2 = d.key_for(q2, k2, None, False)
+    assert set(d.timings()[key2]) == {"fast", "near"} and ("slow", 80) not in calls
+    assert "the backends within" in caplog.text
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q2, k2, v2))
+    q3, k3, v3 = _qkv(B=1, H=2, Lq=128, Lk=16)  # another bucket
+    d(q3, k3, v3)
+    assert set(d.timings()[d.key_for(q3, k3, None, False)]) == {"fast", "near", "slow"}
+    q4, k4, v4 = _qkv(B=1, H=3, Lq=80, Lk=16)  # another head count
+    d(q4, k4, v4)
+    assert set(d.timings()[d.key_for(q4, k4, None, False)]) == {"fast", "near", "slow"}
+
+
 @pytest.mark.parametrize("mask", [None, "bool", "float"])
 def test_tf32_backend_is_chunked_fp32_math_on_the_cpu(monkeypatch, mask):
     monkeypatch.setattr(ap, "_SCORE_CHUNK_ELEMS", 2 * 3 * 37 * 7)  # 7 query rows per chunk: 6 chunks, the last short

@@ -152,8 +152,11 @@ def group_norm_ref(
 # --------------------------------------------------------------------------------------------
 # Tile orientation: HW_AXIS = 1 for NCHW tiles (BLOCK_C, BLOCK_HW), each row a contiguous H*W run;
 # HW_AXIS = 0 for NHWC tiles (BLOCK_HW, BLOCK_C), channels contiguous. Per-channel vectors are
-# broadcast with tl.expand_dims(v, HW_AXIS) and reduced with tl.sum(t, axis=HW_AXIS). Loop trip
-# counts are constexpr (the Triton interpreter cannot loop to a runtime bound under numpy 2).
+# broadcast with tl.expand_dims(v, HW_AXIS) and reduced with tl.sum(t, axis=HW_AXIS). Loops over H*W
+# blocks (ITERS) and split blocks (N_S) have runtime trip counts, excluded from Triton's integer
+# specialization along with the size arguments (``do_not_specialize``), so that another image size runs
+# the kernels compiled for the first (SD1.5 at 640x512 after 512x512 compiled 20 new variants before);
+# they are ``while`` loops because the Triton interpreter cannot ``range()`` a runtime bound under numpy 2.
 # The two helpers below are inlined by Triton. ``_load_pre`` adds the last term of the residual's address
 # (``hw2 * srhw``) after x's load; the callers' base and channel terms are computed before the call. Compiled for
 # sm_90, 174 of 216 variants keep their SASS instruction count; the one-pass kernel with a residual has 0-2 %
@@ -254,7 +257,7 @@ def _gn_onepass_kernel(
     tl.store(y_ptr + b64 * sxb + x_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['ITERS'])
 def _gn_stats_kernel(
     x_ptr,  # (B, C, H, W) input, strides (sxb, sxc, sxhw)
     r_ptr,  # (B, C, H, W) residual; unused without HAS_RES
@@ -278,7 +281,7 @@ def _gn_stats_kernel(
     Cg: tl.constexpr,
     GPT: tl.constexpr,  # groups per channel tile (1 when a group spans several BLOCK_C sub-blocks)
     N_CB: tl.constexpr,  # channel sub-blocks per tile: cdiv(GPT * Cg, BLOCK_C)
-    ITERS: tl.constexpr,  # BLOCK_HW blocks per split
+    ITERS,  # BLOCK_HW blocks per split (a runtime loop bound: no recompilation per image size)
     BLOCK_C: tl.constexpr,
     BLOCK_HW: tl.constexpr,
     GPT_P2: tl.constexpr,
@@ -319,7 +322,8 @@ def _gn_stats_kernel(
         else:
             acc1 = tl.zeros((BLOCK_HW, BLOCK_C), dtype=tl.float32)
         acc2 = acc1
-        for it in range(ITERS):
+        it = 0
+        while it < ITERS:
             hw2 = tl.expand_dims(hw_lo + it * BLOCK_HW + hw_r, 1 - HW_AXIS)
             mask = cmask2 & (hw2 < hw_hi)
             pre = _load_pre(x_b + x_c + hw2 * sxhw, r_b, r_c, hw2, srhw, mask, cb2, HAS_CB, HAS_RES)
@@ -328,6 +332,7 @@ def _gn_stats_kernel(
             d = tl.where(mask, pre - shift2, 0.0)
             acc1 += d
             acc2 += d * d
+            it += 1
         s1 = tl.sum(acc1, axis=HW_AXIS)
         s2 = tl.sum(acc2, axis=HW_AXIS)
         mean_c = tl.sum(shift2, axis=HW_AXIS) + s1 / n_hw
@@ -387,7 +392,7 @@ def _gn_finalize_kernel(
     tl.store(out_m2_ptr + row, m2, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['ITERS'])
 def _gn_apply_kernel(
     x_ptr,  # (B, C, H, W) input (or the stored pre-norm sum), strides (sxb, sxc, sxhw)
     r_ptr,  # (B, C, H, W) residual; unused without HAS_RES
@@ -417,7 +422,7 @@ def _gn_apply_kernel(
     Cg: tl.constexpr,
     GPT: tl.constexpr,
     N_CB: tl.constexpr,
-    ITERS: tl.constexpr,  # BLOCK_HW blocks per program
+    ITERS,  # BLOCK_HW blocks per program (runtime, as in the statistics kernels)
     BLOCK_C: tl.constexpr,
     BLOCK_HW: tl.constexpr,
     GPT_P2: tl.constexpr,
@@ -471,12 +476,14 @@ def _gn_apply_kernel(
         x_c = c2 * sxc
         r_c = c2 * src
         y_c = c2 * syc
-        for it in range(ITERS):
+        it = 0
+        while it < ITERS:
             hw2 = tl.expand_dims(hw_r + it * BLOCK_HW, 1 - HW_AXIS)
             mask = cmask2 & (hw2 < HW)
             pre = _load_pre(x_b + x_c + hw2 * sxhw, r_b, r_c, hw2, srhw, mask, cb2, HAS_CB, HAS_RES)
             y = _bias_act((pre - mean2) * a2, bias2, HAS_B, SILU)
             tl.store(y_b + y_c + hw2 * syhw, y.to(y_ptr.dtype.element_ty), mask=mask)
+            it += 1
 
 
 # NHWC channel-tile path ("nhwc_tiles"): channel tiles of BLOCK_C channels starting at multiples of
@@ -485,7 +492,7 @@ def _gn_apply_kernel(
 # so the apply kernel has no group logic. Tiles are (BLOCK_HW, BLOCK_C), channels along axis 1.
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['HW', 'S', 'HWS', 'ITERS'])
 def _gn_nhwc_stats_kernel(
     x_ptr,  # (B, C, H, W) channels_last input, strides (sxb, sxc, sxhw)
     r_ptr,  # (B, C, H, W) residual (either layout), strides (srb, src, srhw); unused without HAS_RES
@@ -505,7 +512,7 @@ def _gn_nhwc_stats_kernel(
     srhw,
     scbb,
     scbc,
-    ITERS: tl.constexpr,  # BLOCK_HW blocks per split
+    ITERS,  # BLOCK_HW blocks per split (a runtime loop bound: no recompilation per image size)
     BLOCK_C: tl.constexpr,  # channels per tile (power of two)
     BLOCK_HW: tl.constexpr,
     HAS_CB: tl.constexpr,
@@ -536,7 +543,8 @@ def _gn_nhwc_stats_kernel(
     hw_r = tl.arange(0, BLOCK_HW)
     acc1 = tl.zeros((BLOCK_HW, BLOCK_C), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_HW, BLOCK_C), dtype=tl.float32)
-    for it in range(ITERS):
+    it = 0
+    while it < ITERS:
         hw2 = (hw_lo + it * BLOCK_HW + hw_r)[:, None]
         mask = (hw2 < hw_hi) & cmask2
         pre = _load_pre(x_b + x_c + hw2 * sxhw, r_b, r_c, hw2, srhw, mask, cb2, HAS_CB, HAS_RES)
@@ -545,6 +553,7 @@ def _gn_nhwc_stats_kernel(
         d = tl.where(mask, pre - shift2, 0.0)
         acc1 += d
         acc2 += d * d
+        it += 1
     s1 = tl.sum(acc1, axis=0)
     s2 = tl.sum(acc2, axis=0)
     p = (b64 * S + s) * C + c
@@ -552,7 +561,7 @@ def _gn_nhwc_stats_kernel(
     tl.store(m2_ptr + p, tl.maximum(s2 - s1 * s1 / n_hw, 0.0), mask=cmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['HW', 'S', 'HWS', 'N_S'])
 def _gn_nhwc_finalize_kernel(
     mean_ptr,  # (B, S, C) fp32 per-channel partial means
     m2_ptr,  # (B, S, C) fp32 per-channel partial M2
@@ -565,7 +574,7 @@ def _gn_nhwc_finalize_kernel(
     S,
     HWS,
     eps,
-    N_S: tl.constexpr,  # BLOCK_S blocks of splits: cdiv(S, BLOCK_S)
+    N_S,  # BLOCK_S blocks of splits: cdiv(S, BLOCK_S) (runtime)
     N_CG: tl.constexpr,  # BLOCK_CG blocks of the group's channels: cdiv(Cg, BLOCK_CG)
     BLOCK_S: tl.constexpr,
     BLOCK_CG: tl.constexpr,
@@ -582,7 +591,8 @@ def _gn_nhwc_finalize_kernel(
     # summed as deviations from one partial mean (m_ref) so a large common offset does not round away.
     m_ref = tl.load(mean_ptr + p_b)
     acc = tl.zeros((BLOCK_S, BLOCK_CG), dtype=tl.float32)
-    for i in range(N_S):
+    i = 0
+    while i < N_S:
         sidx = i * BLOCK_S + si
         n_s = tl.where(sidx < S, tl.minimum(HWS, HW - sidx * HWS), 0).to(tl.float32)
         for j in range(N_CG):
@@ -590,9 +600,11 @@ def _gn_nhwc_finalize_kernel(
             m = (sidx < S)[:, None] & (cidx < Cg)[None, :]
             pm = tl.load(mean_ptr + p_b + sidx[:, None] * C + cidx[None, :], mask=m, other=0.0)
             acc += tl.where(m, n_s[:, None] * (pm - m_ref), 0.0)
+        i += 1
     mean_g = m_ref + tl.sum(tl.sum(acc, axis=1), axis=0) / n_g
     acc = tl.zeros((BLOCK_S, BLOCK_CG), dtype=tl.float32)
-    for i in range(N_S):
+    i = 0
+    while i < N_S:
         sidx = i * BLOCK_S + si
         n_s = tl.where(sidx < S, tl.minimum(HWS, HW - sidx * HWS), 0).to(tl.float32)
         for j in range(N_CG):
@@ -603,6 +615,7 @@ def _gn_nhwc_finalize_kernel(
             pm2 = tl.load(m2_ptr + offs, mask=m, other=0.0)
             dev = pm - mean_g
             acc += tl.where(m, pm2 + n_s[:, None] * dev * dev, 0.0)
+        i += 1
     m2_g = tl.sum(tl.sum(acc, axis=1), axis=0)
     rstd_g = 1.0 / tl.sqrt(tl.maximum(m2_g / n_g, 0.0) + eps)
     for j in range(N_CG):
@@ -616,7 +629,7 @@ def _gn_nhwc_finalize_kernel(
         tl.store(scale_c_ptr + b64 * C + c, scale, mask=cm)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['HW', 'ITERS'])
 def _gn_nhwc_apply_kernel(
     x_ptr,  # (B, C, H, W) channels_last input (or the stored pre-norm sum), strides (sxb, sxc, sxhw)
     r_ptr,  # (B, C, H, W) residual (either layout), strides (srb, src, srhw); unused without HAS_RES
@@ -638,7 +651,7 @@ def _gn_nhwc_apply_kernel(
     syb,
     syc,
     syhw,
-    ITERS: tl.constexpr,  # BLOCK_HW blocks per program
+    ITERS,  # BLOCK_HW blocks per program (runtime, as in the statistics kernels)
     BLOCK_C: tl.constexpr,
     BLOCK_HW: tl.constexpr,
     HAS_CB: tl.constexpr,
@@ -666,12 +679,14 @@ def _gn_nhwc_apply_kernel(
     r_c = c2 * src
     y_c = c2 * syc
     hw_r = t * (ITERS * BLOCK_HW) + tl.arange(0, BLOCK_HW)
-    for it in range(ITERS):
+    it = 0
+    while it < ITERS:
         hw2 = (hw_r + it * BLOCK_HW)[:, None]
         mask = (hw2 < HW) & cmask2
         pre = _load_pre(x_b + x_c + hw2 * sxhw, r_b, r_c, hw2, srhw, mask, cb2, HAS_CB, HAS_RES)
         y = _bias_act((pre - mean2) * a2, bias2, HAS_B, SILU)
         tl.store(y_b + y_c + hw2 * syhw, y.to(y_ptr.dtype.element_ty), mask=mask)
+        it += 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -801,6 +816,12 @@ def _nhwc_tiles_plan(B: int, C: int, HW: int, bytes_per_channel: int) -> GroupNo
     )
 
 
+def _finalize_block_s(block_cg: int) -> int:
+    """Splits per loop iteration of the "nhwc_tiles" finalize kernel: a function of the group width only, so
+    that another image size (another split count S) runs the kernel already compiled, not a new one."""
+    return max(1, min(64, _TUNING["nhwc_finalize_elems"] // block_cg))
+
+
 # --------------------------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------------------------
@@ -919,7 +940,7 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
             num_warps=plan.num_warps,
         )
         block_cg = min(_p2(Cg), 256)
-        block_s = max(1, min(_p2(S), _TUNING["nhwc_finalize_elems"] // block_cg))
+        block_s = _finalize_block_s(block_cg)
         _gn_nhwc_finalize_kernel[(G, B)](
             part[0], part[1], w, chan[0], chan[1],
             C, Cg, HW, S, HWS, float(eps),

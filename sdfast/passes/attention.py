@@ -348,6 +348,16 @@ def _dry_rows(lq: int) -> int:
     return lq if lq <= 256 else 128 + lq % 128
 
 
+def _length_bucket(n: int) -> int:
+    """The largest power of two <= n (at least 16): lengths that one kernel config and one backend choice suit."""
+    return max(16, 1 << (max(int(n), 1).bit_length() - 1))
+
+
+def _bucket(key: AttentionKey) -> AttentionKey:
+    """``key`` with both lengths replaced by their buckets."""
+    return key._replace(lq=_length_bucket(key.lq), lk=_length_bucket(key.lk))
+
+
 class AttentionDispatcher:
     """Picks, per attention shape, the fastest backend that computes it correctly, and caches it.
 
@@ -357,8 +367,9 @@ class AttentionDispatcher:
 
     Cache key: :class:`AttentionKey` (Lq, Lk, heads, head_dim, dtype, device, has_mask, upcast);
     the batch size is not part of it. On the first call of a key on CUDA (outside CUDA-graph capture
-    and torch.compile tracing), every candidate backend runs once on the real inputs and is compared
-    with fp32 math attention; a backend that raises or disagrees is excluded for that key and logged
+    and torch.compile tracing), every candidate backend (for a key whose lengths fall in the power-of-two
+    buckets of a key measured before: only those within ``mate_factor`` of that key's best, ``_narrowed``)
+    runs once on the real inputs and is compared with fp32 math attention; a backend that raises or disagrees is excluded for that key and logged
     (``_exclude``: the one logged dispatch point); the others are timed (CUDA events, about
     ``budget_ms`` each) and the fastest is cached. A key first seen during capture/compile uses
     SDPA's default (``"sdpa"``, capture-safe) uncached, with a warning: warm up before capturing.
@@ -417,6 +428,9 @@ class AttentionDispatcher:
         # and skipped if that extrapolates to more than slow_factor times the best (see _too_slow).
         self.probe_us = 1000.0
         self.slow_factor = 8.0
+        # A key whose length bucket was measured before measures only the backends within this factor of that
+        # key's best (see _narrowed).
+        self.mate_factor = 1.25
         self._extra = tuple(extra_backends or ())
         self.measure_cpu = measure_cpu
         self.budget_ms = budget_ms
@@ -503,6 +517,22 @@ class AttentionDispatcher:
                                  f"against {best_us / 1000:.1f} ms")
         return True
 
+    def _narrowed(self, key: AttentionKey, names: list) -> list:
+        """The candidates worth measuring for a new ``key``: when a key in the same length bucket (both lengths
+        within one power of two, everything else equal: SD's layers at another image size) was measured, only
+        the backends that were within ``mate_factor`` of its best time; else all of ``names``. Each one kept is
+        still checked against the fp32 reference and timed at ``key``'s own shape.
+        SD1.5's first 640x512 image after 512x512 measured 6 backends at 9 shapes, 1.2 s of its warm-up on
+        the H200, mostly our kernel's autotuning (run 11)."""
+        mate = next((m for m in self._timings if _bucket(m) == _bucket(key)), None)
+        if mate is None:
+            return names
+        best = min(self._timings[mate].values())
+        kept = [n for n in names if self._timings[mate].get(n, float("inf")) <= self.mate_factor * best]
+        log.info("sdfast attention: %s measures %s, the backends within %.2gx of the best at %s",
+                 tuple(key), kept, self.mate_factor, tuple(mate))
+        return kept or names
+
     def _exclude(self, key: AttentionKey, name: str, reason: str, wrong: bool = False) -> None:
         """The one logged dispatch point: backend ``name`` will not be used for ``key``."""
         self._excluded.setdefault(key, {})[name] = reason
@@ -557,7 +587,7 @@ class AttentionDispatcher:
             return SAFE_DEFAULT
         ref = _reference(q, k, v, attn_mask, scale)
         times: Dict[str, float] = {}
-        for name in self._candidate_names(q, k):
+        for name in self._narrowed(key, self._candidate_names(q, k)):
             fn = self._backends[name]
             try:
                 if times and self._too_slow(key, name, fn, (q, k, v, attn_mask, scale, upcast), min(times.values())):

@@ -146,6 +146,22 @@ def test_kernel_in_cuda_graph():
         assert_close_rule(out, _ref32(q, k, v), _sdpa_lowp(q, k, v), atol=1e-3, name="graph replay")
 
 
+def test_autotuning_is_shared_within_a_length_bucket():
+    """SD1.5's second image size (640x512 after 512x512: 5120 queries after 4096) runs the config tuned for the
+    power-of-two bucket of its lengths, with no new timing; another bucket (8192) is tuned. Each result right."""
+    from kernels.attention import flash_attention as fa
+
+    torch.manual_seed(0)
+    kernel = fa._tuned_kernel(40, 2, "cuda", torch.cuda.current_device())
+    sizes = []
+    for lq in (4096, 5120, 8192):
+        q, k, v = _views(1, 8, lq, 77, 40, torch.float16, self_attn=False)
+        out = flash_attention(q, k, v)
+        assert_close_rule(out, _ref32(q, k, v), _sdpa_lowp(q, k, v), atol=1e-3, name=f"Lq {lq}")
+        sizes.append(len(kernel.cache))
+    assert sizes[1] == sizes[0] and sizes[2] == sizes[0] + 1
+
+
 # ---------------------------------------------------------------------------------------------
 # dispatcher and backends
 # ---------------------------------------------------------------------------------------------

@@ -232,3 +232,11 @@ def test_bad_inputs():
         flash_attention(q, k, v, key_padding_mask=torch.ones(1, 8, dtype=torch.bool))
     with pytest.raises(ValueError, match="scale"):
         flash_attention(q, k, v, scale=-1.0)
+
+
+def test_length_bucket():
+    """The autotuning bucket: the largest power of two <= n, at least 16 (SD's +128 px second size stays in it)."""
+    from kernels.attention.flash_attention import length_bucket
+
+    assert [length_bucket(n) for n in (1, 15, 16, 64, 77, 80, 127, 128, 4096, 5120, 8191)] == [
+        16, 16, 16, 64, 64, 64, 64, 128, 4096, 4096, 4096]

@@ -13,6 +13,7 @@ finiteness check of ``assert_close_rule``."""
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -277,3 +278,46 @@ def test_launches(tiles, monkeypatch):
     else:
         assert plan.path == "twopass"
         assert [name for name, _ in log] == ["_gn_stats_kernel", "_gn_apply_kernel"]
+
+
+class _ArgSpy(_Spy):
+    """A ``_Spy`` that records each launch's keyword arguments instead of its grid."""
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def run(*args, **kwargs):
+            self.log.append((self.name, kwargs))
+            return launch(*args, **kwargs)
+
+        return run
+
+
+def _constexpr_names(kernel) -> set:
+    return {n for n, p in inspect.signature(kernel.fn).parameters.items() if "constexpr" in str(p.annotation)}
+
+
+def test_another_image_size_launches_the_same_specializations(monkeypatch):
+    """Two H*W sizes whose plans differ in split count S, statistics and apply loop trip counts (ITERS) and
+    finalize loop count (N_S) launch the nhwc_tiles kernels with the same constexpr arguments: those counts
+    are runtime arguments (and left out of Triton's integer specialization), so an engine's second image size
+    compiles no new GroupNorm kernel. Both results are right."""
+    names = ["_gn_nhwc_stats_kernel", "_gn_nhwc_finalize_kernel", "_gn_nhwc_apply_kernel"]
+    consts = {n: _constexpr_names(getattr(gn_mod, n)) for n in names}
+    assert {"BLOCK_C", "BLOCK_HW"} <= consts[names[0]] and "ITERS" not in consts[names[0]]
+    log = []
+    for name in names:
+        monkeypatch.setattr(gn_mod, name, _ArgSpy(name, getattr(gn_mod, name), log))
+    for k, v in {"nhwc_onepass": False, "tile_elems": 256, "target_programs": 16, "nhwc_finalize_elems": 8,
+                 "apply_programs": 4}.items():
+        monkeypatch.setitem(gn_mod._TUNING, k, v)
+    launches = []
+    for H, W in ((8, 8), (8, 10)):
+        log.clear()
+        x, w, b, cb, r = _inputs(1, 64, H, W, torch.float32, cb="BC", res=True)
+        _check(x, 32, w, b, cb, r, "silu", True, 1e-5)
+        launches.append(list(log))
+    first, second = ([(n, {k: v for k, v in kw.items() if k in consts[n]}) for n, kw in one] for one in launches)
+    assert [n for n, _ in first] == names and first == second
+    runtime = [[kw.get(k) for _, kw in one for k in ("ITERS", "N_S") if k in kw] for one in launches]
+    assert runtime == [[1, 4, 4], [2, 3, 5]]  # stats ITERS, finalize N_S, apply ITERS
