@@ -298,17 +298,18 @@ def _constexpr_names(kernel) -> set:
 
 
 def test_another_image_size_launches_the_same_specializations(monkeypatch):
-    """Two H*W sizes whose plans differ in split count S, statistics and apply loop trip counts (ITERS) and
-    finalize loop count (N_S) launch the nhwc_tiles kernels with the same constexpr arguments: those counts
-    are runtime arguments (and left out of Triton's integer specialization), so an engine's second image size
-    compiles no new GroupNorm kernel. Both results are right."""
+    """Two H*W sizes whose plans differ in split count S and in the statistics and apply loop trip counts
+    (ITERS, from 3 up: runtime loops; 1 or 2 run unrolled) launch the nhwc_tiles kernels with the same
+    constexpr arguments: those counts are runtime arguments (and left out of Triton's integer specialization),
+    so an engine's second image size compiles no new GroupNorm kernel. Both results are right."""
+    assert [gn_mod._unroll(i) for i in (1, 2, 3, 7)] == [1, 2, 0, 0]
     names = ["_gn_nhwc_stats_kernel", "_gn_nhwc_finalize_kernel", "_gn_nhwc_apply_kernel"]
     consts = {n: _constexpr_names(getattr(gn_mod, n)) for n in names}
     assert {"BLOCK_C", "BLOCK_HW"} <= consts[names[0]] and "ITERS" not in consts[names[0]]
     log = []
     for name in names:
         monkeypatch.setattr(gn_mod, name, _ArgSpy(name, getattr(gn_mod, name), log))
-    for k, v in {"nhwc_onepass": False, "tile_elems": 256, "target_programs": 16, "nhwc_finalize_elems": 8,
+    for k, v in {"nhwc_onepass": False, "tile_elems": 256, "target_programs": 6, "nhwc_finalize_elems": 8,
                  "apply_programs": 4}.items():
         monkeypatch.setitem(gn_mod._TUNING, k, v)
     launches = []
@@ -320,4 +321,4 @@ def test_another_image_size_launches_the_same_specializations(monkeypatch):
     first, second = ([(n, {k: v for k, v in kw.items() if k in consts[n]}) for n, kw in one] for one in launches)
     assert [n for n, _ in first] == names and first == second
     runtime = [[kw.get(k) for _, kw in one for k in ("ITERS", "N_S") if k in kw] for one in launches]
-    assert runtime == [[1, 4, 4], [2, 3, 5]]  # stats ITERS, finalize N_S, apply ITERS
+    assert runtime == [[3, 2, 4], [4, 2, 5]]  # stats ITERS, finalize N_S, apply ITERS
