@@ -79,7 +79,7 @@ _TUNING = {
     "nhwc_channel_tiles": True,
     "nhwc_block_c": 64,  # channels per "nhwc_tiles" tile (power of two; capped at C rounded up to one)
     "nhwc_onepass": True,  # channels_last shapes small enough for "onepass" use it (False: two-pass route)
-    "nhwc_finalize_elems": 4096,  # partials per loop iteration of the "nhwc_tiles" finalize kernel
+    "nhwc_finalize_elems": 1024,  # partials per loop iteration of the "nhwc_tiles" finalize kernel
 }
 
 
@@ -152,11 +152,14 @@ def group_norm_ref(
 # --------------------------------------------------------------------------------------------
 # Tile orientation: HW_AXIS = 1 for NCHW tiles (BLOCK_C, BLOCK_HW), each row a contiguous H*W run;
 # HW_AXIS = 0 for NHWC tiles (BLOCK_HW, BLOCK_C), channels contiguous. Per-channel vectors are
-# broadcast with tl.expand_dims(v, HW_AXIS) and reduced with tl.sum(t, axis=HW_AXIS). Loops over H*W
-# blocks (ITERS) and split blocks (N_S) have runtime trip counts, excluded from Triton's integer
-# specialization along with the size arguments (``do_not_specialize``), so that another image size runs
-# the kernels compiled for the first (SD1.5 at 640x512 after 512x512 compiled 20 new variants before);
-# they are ``while`` loops because the Triton interpreter cannot ``range()`` a runtime bound under numpy 2.
+# broadcast with tl.expand_dims(v, HW_AXIS) and reduced with tl.sum(t, axis=HW_AXIS). In the NCHW kernels
+# loop trip counts are constexpr. In the "nhwc_tiles" kernels (the engine's path) the loops over H*W blocks
+# (ITERS) and split blocks (N_S) have runtime trip counts, excluded from Triton's integer specialization
+# along with the split count S (``do_not_specialize``), so that another image size runs the kernels compiled
+# for the first (SD1.5 at 640x512 after 512x512 compiled 20 new variants before, H200 run 11). HW and HWS keep
+# their divisibility specialization: without it ptxas serialized the block's eight 16-byte loads (sm_90 SASS),
+# and GroupNorm+SiLU took up to 1.5x as long (run 11, call B). They are ``while`` loops because the Triton
+# interpreter cannot ``range()`` a runtime bound under numpy 2.
 # The two helpers below are inlined by Triton. ``_load_pre`` adds the last term of the residual's address
 # (``hw2 * srhw``) after x's load; the callers' base and channel terms are computed before the call. Compiled for
 # sm_90, 174 of 216 variants keep their SASS instruction count; the one-pass kernel with a residual has 0-2 %
@@ -501,7 +504,7 @@ def _nhwc_stats_block(acc1, acc2, hw, x_p, r_b, r_c, pre_p, hw_hi, cmask2, cb2, 
     return acc1 + d, acc2 + d * d
 
 
-@triton.jit(do_not_specialize=['HW', 'S', 'HWS', 'ITERS'])
+@triton.jit(do_not_specialize=['S', 'ITERS'])
 def _gn_nhwc_stats_kernel(
     x_ptr,  # (B, C, H, W) channels_last input, strides (sxb, sxc, sxhw)
     r_ptr,  # (B, C, H, W) residual (either layout), strides (srb, src, srhw); unused without HAS_RES
@@ -522,7 +525,6 @@ def _gn_nhwc_stats_kernel(
     scbb,
     scbc,
     ITERS,  # BLOCK_HW blocks per split (runtime)
-    UNROLL: tl.constexpr,  # ITERS when it is 1 or 2 (an unrolled loop), else 0 (a runtime loop)
     BLOCK_C: tl.constexpr,  # channels per tile (power of two)
     BLOCK_HW: tl.constexpr,
     HAS_CB: tl.constexpr,
@@ -554,14 +556,10 @@ def _gn_nhwc_stats_kernel(
     acc1 = tl.zeros((BLOCK_HW, BLOCK_C), dtype=tl.float32)
     acc2 = tl.zeros((BLOCK_HW, BLOCK_C), dtype=tl.float32)
     args = (x_b + x_c, r_b, r_c, pre_b + x_c, hw_hi, cmask2, cb2, shift2, sxhw, srhw)
-    if UNROLL > 0:
-        for it in tl.static_range(UNROLL):
-            acc1, acc2 = _nhwc_stats_block(acc1, acc2, hw_lo + it * BLOCK_HW + hw_r, *args, HAS_CB, HAS_RES, WRITE_PRE)
-    else:
-        it = 0
-        while it < ITERS:
-            acc1, acc2 = _nhwc_stats_block(acc1, acc2, hw_lo + it * BLOCK_HW + hw_r, *args, HAS_CB, HAS_RES, WRITE_PRE)
-            it += 1
+    it = 0
+    while it < ITERS:
+        acc1, acc2 = _nhwc_stats_block(acc1, acc2, hw_lo + it * BLOCK_HW + hw_r, *args, HAS_CB, HAS_RES, WRITE_PRE)
+        it += 1
     s1 = tl.sum(acc1, axis=0)
     s2 = tl.sum(acc2, axis=0)
     p = (b64 * S + s) * C + c
@@ -569,7 +567,7 @@ def _gn_nhwc_stats_kernel(
     tl.store(m2_ptr + p, tl.maximum(s2 - s1 * s1 / n_hw, 0.0), mask=cmask)
 
 
-@triton.jit(do_not_specialize=['HW', 'S', 'HWS', 'N_S'])
+@triton.jit(do_not_specialize=['S', 'N_S'])
 def _gn_nhwc_finalize_kernel(
     mean_ptr,  # (B, S, C) fp32 per-channel partial means
     m2_ptr,  # (B, S, C) fp32 per-channel partial M2
@@ -641,7 +639,7 @@ def _nhwc_apply_block(hw, x_p, r_b, r_c, y_p, HW, cmask2, cb2, mean2, a2, bias2,
     tl.store(y_p + hw2 * syhw, y.to(y_p.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=['HW', 'ITERS'])
+@triton.jit(do_not_specialize=['ITERS'])
 def _gn_nhwc_apply_kernel(
     x_ptr,  # (B, C, H, W) channels_last input (or the stored pre-norm sum), strides (sxb, sxc, sxhw)
     r_ptr,  # (B, C, H, W) residual (either layout), strides (srb, src, srhw); unused without HAS_RES
@@ -664,7 +662,6 @@ def _gn_nhwc_apply_kernel(
     syc,
     syhw,
     ITERS,  # BLOCK_HW blocks per program (runtime)
-    UNROLL: tl.constexpr,  # ITERS when it is 1 or 2 (an unrolled loop), else 0 (a runtime loop)
     BLOCK_C: tl.constexpr,
     BLOCK_HW: tl.constexpr,
     HAS_CB: tl.constexpr,
@@ -693,14 +690,10 @@ def _gn_nhwc_apply_kernel(
     y_c = c2 * syc
     hw_r = t * (ITERS * BLOCK_HW) + tl.arange(0, BLOCK_HW)
     args = (x_b + x_c, r_b, r_c, y_b + y_c, HW, cmask2, cb2, mean2, a2, bias2, sxhw, srhw, syhw)
-    if UNROLL > 0:
-        for it in tl.static_range(UNROLL):
-            _nhwc_apply_block(hw_r + it * BLOCK_HW, *args, HAS_CB, HAS_RES, HAS_B, SILU)
-    else:
-        it = 0
-        while it < ITERS:
-            _nhwc_apply_block(hw_r + it * BLOCK_HW, *args, HAS_CB, HAS_RES, HAS_B, SILU)
-            it += 1
+    it = 0
+    while it < ITERS:
+        _nhwc_apply_block(hw_r + it * BLOCK_HW, *args, HAS_CB, HAS_RES, HAS_B, SILU)
+        it += 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -830,18 +823,11 @@ def _nhwc_tiles_plan(B: int, C: int, HW: int, bytes_per_channel: int) -> GroupNo
     )
 
 
-def _unroll(iters: int) -> int:
-    """The "nhwc_tiles" kernels' UNROLL: 1 or 2 blocks per program run unrolled, so both blocks' loads are in
-    flight at once (as a runtime loop, GroupNorm+SiLU at (2, 320, 64, 64) took 15.8 against 12.1 µs, H200 run 11
-    call B); from 3 blocks a runtime loop, as fast as a constexpr one there (within 2 %), and another image size
-    (another trip count) runs the same compiled kernel."""
-    return iters if iters <= 2 else 0
-
-
 def _finalize_block_s(block_cg: int) -> int:
     """Splits per loop iteration of the "nhwc_tiles" finalize kernel: a function of the group width only, so
-    that another image size (another split count S) runs the kernel already compiled, not a new one."""
-    return max(1, min(64, _TUNING["nhwc_finalize_elems"] // block_cg))
+    that another image size (another split count S) runs the kernel already compiled, not a new one. About
+    ``nhwc_finalize_elems`` partials per iteration: SD's S (8 to 256) mostly takes one iteration."""
+    return max(1, min(256, _TUNING["nhwc_finalize_elems"] // block_cg))
 
 
 # --------------------------------------------------------------------------------------------
@@ -957,7 +943,7 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
         _gn_nhwc_stats_kernel[(plan.n_ct, S, B)](
             x, r, cb, pre if write_pre else x, part[0], part[1],
             C, HW, S, HWS, *xs, *rs, scbb, scbc,
-            ITERS=HWS // plan.BLOCK_HW, UNROLL=_unroll(HWS // plan.BLOCK_HW), BLOCK_C=bc, BLOCK_HW=plan.BLOCK_HW,
+            ITERS=HWS // plan.BLOCK_HW, BLOCK_C=bc, BLOCK_HW=plan.BLOCK_HW,
             HAS_CB=channel_bias is not None, HAS_RES=residual is not None, WRITE_PRE=write_pre,
             num_warps=plan.num_warps,
         )
@@ -972,8 +958,7 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
         _gn_nhwc_apply_kernel[(plan.n_ct, -(-HW // plan.HWP), B)](
             src_x, r, cb, bs, y, chan[0], chan[1],
             C, HW, *xs, *rs, scbb, scbc, y.stride(0), y.stride(1), _hw_stride(y),
-            ITERS=plan.HWP // plan.BLOCK_HW, UNROLL=_unroll(plan.HWP // plan.BLOCK_HW), BLOCK_C=bc,
-            BLOCK_HW=plan.BLOCK_HW,
+            ITERS=plan.HWP // plan.BLOCK_HW, BLOCK_C=bc, BLOCK_HW=plan.BLOCK_HW,
             HAS_CB=a_cb, HAS_RES=a_res, HAS_B=bias is not None, SILU=silu,
             num_warps=plan.apply_warps,
         )
