@@ -299,9 +299,10 @@ def _constexpr_names(kernel) -> set:
 
 def test_another_image_size_launches_the_same_specializations(monkeypatch):
     """Two H*W sizes whose plans differ in split count S and in the statistics and apply loop trip counts
-    (ITERS) launch the nhwc_tiles kernels with the same constexpr arguments: those counts are runtime
-    arguments (and left out of Triton's integer specialization), so an engine's second image size compiles no
-    new GroupNorm kernel. Both results are right."""
+    (ITERS, from 3 up: runtime loops; 1 or 2 run unrolled) launch the nhwc_tiles kernels with the same
+    constexpr arguments: those counts are runtime arguments (and left out of Triton's integer specialization),
+    so an engine's second image size compiles no new GroupNorm kernel. Both results are right."""
+    assert [gn_mod._unroll(i) for i in (1, 2, 3, 7)] == [1, 2, 0, 0]
     names = ["_gn_nhwc_stats_kernel", "_gn_nhwc_finalize_kernel", "_gn_nhwc_apply_kernel"]
     consts = {n: _constexpr_names(getattr(gn_mod, n)) for n in names}
     assert {"BLOCK_C", "BLOCK_HW"} <= consts[names[0]] and "ITERS" not in consts[names[0]]
