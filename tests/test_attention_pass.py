@@ -458,25 +458,25 @@ def test_dispatcher_measures_a_new_length_in_a_measured_bucket_on_the_near_best_
 
     backends = {name: spied(name) for name in ("fast", "near", "slow")}
     d = ap.AttentionDispatcher(candidates=tuple(backends), extra_backends=backends, measure_cpu=True)
-    q, k, v = _qkv(B=1, H=2, Lq=64, Lk=16)
+    q, k, v = _qkv(B=1, H=2, Lq=64, Lk=64)  # self-attention at SD1.5's 8x8 latents
     d(q, k, v)
     key = d.key_for(q, k, None, False)
     assert set(d.timings()[key]) == {"fast", "near", "slow"}
     d._timings[key] = {"fast": 10.0, "near": 12.0, "slow": 40.0}  # CPU timings are noise: pin them (µs)
     calls.clear()
-    q2, k2, v2 = _qkv(B=1, H=2, Lq=80, Lk=16)  # 80 queries: the bucket of 64
+    q2, k2, v2 = _qkv(B=1, H=2, Lq=80, Lk=80)  # the same layer at 10x8 latents: the buckets of 64
     with caplog.at_level(logging.INFO, logger="sdfast.attention"):
         out = d(q2, k2, v2)
     key2 = d.key_for(q2, k2, None, False)
     assert set(d.timings()[key2]) == {"fast", "near"} and ("slow", 80) not in calls
-    assert "the backends within" in caplog.text
+    assert "the backends within 1.25x" in caplog.text
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q2, k2, v2))
-    q3, k3, v3 = _qkv(B=1, H=2, Lq=128, Lk=16)  # another bucket
-    d(q3, k3, v3)
-    assert set(d.timings()[d.key_for(q3, k3, None, False)]) == {"fast", "near", "slow"}
-    q4, k4, v4 = _qkv(B=1, H=3, Lq=80, Lk=16)  # another head count
-    d(q4, k4, v4)
-    assert set(d.timings()[d.key_for(q4, k4, None, False)]) == {"fast", "near", "slow"}
+    for other in (dict(Lq=64, Lk=77),  # cross-attention over 77 tokens: the same buckets, not a mate
+                  dict(Lq=128, Lk=128),  # another bucket
+                  dict(Lq=80, Lk=80, H=3)):  # another head count
+        q3, k3, v3 = _qkv(**{"B": 1, "H": 2, **other})
+        d(q3, k3, v3)
+        assert set(d.timings()[d.key_for(q3, k3, None, False)]) == {"fast", "near", "slow"}, other
 
 
 @pytest.mark.parametrize("mask", [None, "bool", "float"])

@@ -353,9 +353,11 @@ def _length_bucket(n: int) -> int:
     return max(16, 1 << (max(int(n), 1).bit_length() - 1))
 
 
-def _bucket(key: AttentionKey) -> AttentionKey:
-    """``key`` with both lengths replaced by their buckets."""
-    return key._replace(lq=_length_bucket(key.lq), lk=_length_bucket(key.lk))
+def _bucket(key: AttentionKey) -> tuple:
+    """``key`` with both lengths replaced by their buckets, and whether the lengths are equal: self-attention
+    (Lq == Lk) and cross-attention over 77 tokens share buckets at SD's smallest latents (64 and 77 queries
+    or keys), but not a bucket mate."""
+    return key._replace(lq=_length_bucket(key.lq), lk=_length_bucket(key.lk)), key.lq == key.lk
 
 
 class AttentionDispatcher:
@@ -519,7 +521,8 @@ class AttentionDispatcher:
 
     def _narrowed(self, key: AttentionKey, names: list) -> list:
         """The candidates worth measuring for a new ``key``: when a key in the same length bucket (both lengths
-        within one power of two, everything else equal: SD's layers at another image size) was measured, only
+        within one power of two, equal or not as in ``key``, everything else equal: SD's layers at another image
+        size) was measured, only
         the backends that were within ``mate_factor`` of its best time; else all of ``names``. Each one kept is
         still checked against the fp32 reference and timed at ``key``'s own shape.
         SD1.5's first 640x512 image after 512x512 measured 6 backends at 9 shapes, 1.2 s of its warm-up on
@@ -529,7 +532,7 @@ class AttentionDispatcher:
             return names
         best = min(self._timings[mate].values())
         kept = [n for n in names if self._timings[mate].get(n, float("inf")) <= self.mate_factor * best]
-        log.info("sdfast attention: %s measures %s, the backends within %.2gx of the best at %s",
+        log.info("sdfast attention: %s measures %s, the backends within %.3gx of the best at %s",
                  tuple(key), kept, self.mate_factor, tuple(mate))
         return kept or names
 
