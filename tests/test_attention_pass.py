@@ -479,6 +479,27 @@ def test_dispatcher_measures_a_new_length_in_a_measured_bucket_on_the_near_best_
         assert set(d.timings()[d.key_for(q3, k3, None, False)]) == {"fast", "near", "slow"}, other
 
 
+def test_dispatcher_measures_the_rest_when_the_near_best_backends_fail_at_the_new_length(caplog):
+    """The bucket mate's best backend raising at the new length (say, a kernel with a length limit) is excluded
+    there, and the backends left out by the narrowing are measured instead of the key failing."""
+    def picky(q, k, v, attn_mask, scale, upcast):
+        if q.shape[2] != 64:
+            raise NotImplementedError("only 64 queries")
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    d = ap.AttentionDispatcher(candidates=("picky", "math"), extra_backends={"picky": picky}, measure_cpu=True)
+    q, k, v = _qkv(B=1, H=2, Lq=64, Lk=64)
+    d(q, k, v)
+    d._timings[d.key_for(q, k, None, False)] = {"picky": 10.0, "math": 100.0}  # pinned: "math" is left out next
+    q2, k2, v2 = _qkv(B=1, H=2, Lq=80, Lk=80)
+    with caplog.at_level(logging.INFO, logger="sdfast.attention"):
+        out = d(q2, k2, v2)
+    key2 = d.key_for(q2, k2, None, False)
+    assert d.choices()[key2] == "math" and set(d.timings()[key2]) == {"math"}
+    assert "only 64 queries" in d.excluded()[key2]["picky"] and "measures ['picky']" in caplog.text
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q2, k2, v2))
+
+
 @pytest.mark.parametrize("mask", [None, "bool", "float"])
 def test_tf32_backend_is_chunked_fp32_math_on_the_cpu(monkeypatch, mask):
     monkeypatch.setattr(ap, "_SCORE_CHUNK_ELEMS", 2 * 3 * 37 * 7)  # 7 query rows per chunk: 6 chunks, the last short

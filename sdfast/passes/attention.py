@@ -567,6 +567,34 @@ class AttentionDispatcher:
                 names.append("triton")
         return names + [n for n in self._extra if n not in names]
 
+    def _measure(self, key: AttentionKey, names: list, args: tuple, ref: torch.Tensor) -> Dict[str, float]:
+        """Check each backend in ``names`` against the fp32 reference ``ref`` and time those that agree (µs);
+        a backend that raises or disagrees is excluded for ``key`` (logged). Out of memory is raised as is."""
+        q, k, v, attn_mask, scale, upcast = args
+        device = q.device
+        times: Dict[str, float] = {}
+        for name in names:
+            fn = self._backends[name]
+            try:
+                if times and self._too_slow(key, name, fn, args, min(times.values())):
+                    continue
+                with torch.no_grad():
+                    out = fn(q, k, v, attn_mask, scale, upcast)
+                bad = _mismatch(out, ref, _COMPUTE_DTYPE.get(name, q.dtype))
+                del out
+                if bad is not None:
+                    self._exclude(key, name, f"wrong result vs fp32 math: {bad}", wrong=True)
+                    continue
+                with torch.no_grad():
+                    times[name] = _time_us(lambda: fn(q, k, v, attn_mask, scale, upcast), device, self.budget_ms)
+            except torch.OutOfMemoryError:
+                # transient: nothing is cached for this key, the next call measures again
+                self._excluded.pop(key, None)
+                raise
+            except Exception as e:  # noqa: BLE001 - any other failure excludes the backend for this key
+                self._exclude(key, name, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        return times
+
     def _choose(self, key, q, k, v, attn_mask, scale, upcast) -> str:
         device = q.device
         if _capturing_or_compiling(device):
@@ -588,28 +616,13 @@ class AttentionDispatcher:
                 with contextlib.suppress(Exception), torch.no_grad():
                     self._backends["triton"](qs, k, v, ms, scale, upcast)
             return SAFE_DEFAULT
+        args = (q, k, v, attn_mask, scale, upcast)
         ref = _reference(q, k, v, attn_mask, scale)
-        times: Dict[str, float] = {}
-        for name in self._narrowed(key, self._candidate_names(q, k)):
-            fn = self._backends[name]
-            try:
-                if times and self._too_slow(key, name, fn, (q, k, v, attn_mask, scale, upcast), min(times.values())):
-                    continue
-                with torch.no_grad():
-                    out = fn(q, k, v, attn_mask, scale, upcast)
-                bad = _mismatch(out, ref, _COMPUTE_DTYPE.get(name, q.dtype))
-                del out
-                if bad is not None:
-                    self._exclude(key, name, f"wrong result vs fp32 math: {bad}", wrong=True)
-                    continue
-                with torch.no_grad():
-                    times[name] = _time_us(lambda: fn(q, k, v, attn_mask, scale, upcast), device, self.budget_ms)
-            except torch.OutOfMemoryError:
-                # transient: nothing is cached for this key, the next call measures again
-                self._excluded.pop(key, None)
-                raise
-            except Exception as e:  # noqa: BLE001 - any other failure excludes the backend for this key
-                self._exclude(key, name, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        names = self._candidate_names(q, k)
+        kept = self._narrowed(key, names)
+        times = self._measure(key, kept, args, ref)
+        if not times and len(kept) < len(names):  # none of the narrowed candidates worked here: try the rest
+            times = self._measure(key, [n for n in names if n not in kept], args, ref)
         del ref
         if not times:
             raise RuntimeError(
