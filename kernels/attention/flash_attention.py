@@ -448,8 +448,8 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 def _bench_short(fn, quantiles):
-    # Short timing: every new shape pays this once per config at warm-up (SD1.5's second image size: 1.23 s of
-    # 2.78 s). Shorter is not better: at warmup=2, rep=6 SDXL's (1024, 20 heads, 64) self-attention got a config
+    # Short timing: every new length bucket pays this once per config at warm-up (SD1.5's second image size paid
+    # 1.23 s of 2.78 s before the buckets; now its lengths share the first size's buckets). Shorter is not better: at warmup=2, rep=6 SDXL's (1024, 20 heads, 64) self-attention got a config
     # 18 % slower and lost to cuDNN, +0.6 ms per step (H200, run 7, call 4).
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
