@@ -498,6 +498,12 @@ def test_dispatcher_measures_the_rest_when_the_near_best_backends_fail_at_the_ne
     assert d.choices()[key2] == "math" and set(d.timings()[key2]) == {"math"}
     assert "only 64 queries" in d.excluded()[key2]["picky"] and "measures ['picky']" in caplog.text
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q2, k2, v2))
+    # a mate's backend excluded after it was timed there (it failed after being picked) is not kept
+    d._excluded.setdefault(d.key_for(q, k, None, False), {})["picky"] = "failed after being picked"
+    q3, k3, v3 = _qkv(B=1, H=2, Lq=96, Lk=96)
+    with caplog.at_level(logging.INFO, logger="sdfast.attention"):
+        d(q3, k3, v3)
+    assert "measures ['math']" in caplog.text
 
 
 @pytest.mark.parametrize("mask", [None, "bool", "float"])

@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 
 from kernels import precompile
+from kernels.attention.buckets import length_bucket
 from kernels.dispatch import interpret_mode, launch_autotuned, use_triton
 
 try:  # triton is an optional dependency; the reference path works without it.
@@ -434,14 +435,17 @@ def flash_attention_configs(head_dim: int, elem_size: int = 2, device: Optional[
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """Per call: drop tiles much larger than the sequence (e.g. BLOCK_M=128 for 64 queries), and
-    the 512-column accumulator under UPCAST (its second P.V dot spills registers)."""
-    lq, lk = named_args["LQ"], named_args["LK"]
+    """Per call: drop tiles much larger than the sequences (e.g. BLOCK_M=128 for 40 queries), and
+    the 512-column accumulator under UPCAST (its second P.V dot spills registers). The bound is the top of the
+    length's bucket (``length_bucket`` x 2: the autotuner's key), so a bucket's config does not depend on which of
+    its lengths came first."""
+    q_top = 2 * length_bucket(named_args["LQ"])
+    k_top = 2 * length_bucket(named_args["LK"])
     upcast = kwargs.get("UPCAST", named_args.get("UPCAST", False))
     kept = [
         c for c in configs
-        if c.kwargs["BLOCK_M"] <= max(64, _next_pow2(lq))
-        and c.kwargs["BLOCK_N"] <= max(32, _next_pow2(lk))
+        if c.kwargs["BLOCK_M"] <= max(64, q_top)
+        and c.kwargs["BLOCK_N"] <= max(32, k_top)
         and not (upcast and c.kwargs["DV0"] >= 512)
     ]
     return kept or [min(configs, key=lambda c: c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"])]
@@ -466,15 +470,6 @@ def _tuned_kernel(head_dim: int, elem_size: int, device_type: str, device_index:
         prune_configs_by={"early_config_prune": _prune_configs},
         do_bench=_bench_short,
     )(_flash_attn_fwd_kernel)
-
-
-def length_bucket(n: int) -> int:
-    """The autotuning bucket of a sequence length: the largest power of two <= n, at least 16.
-
-    Lengths in one bucket share the config tuned for the first of them, so another image size usually costs
-    no tuning: SD1.5 at 640x512 (5120, 1280, 320 and 80 tokens) after 512x512 (4096, 1024, 256, 64) spent
-    1.2 s timing configs before (H200, run 11). The tile sizes suit a length range, not one length."""
-    return max(16, 1 << (max(int(n), 1).bit_length() - 1))
 
 
 # (head_dim, dtype, device, LQ bucket, LK bucket, has_mask, upcast) already autotuned: safe to launch in a CUDA

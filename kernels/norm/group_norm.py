@@ -155,8 +155,9 @@ def group_norm_ref(
 # broadcast with tl.expand_dims(v, HW_AXIS) and reduced with tl.sum(t, axis=HW_AXIS). In the NCHW kernels
 # loop trip counts are constexpr. In the "nhwc_tiles" kernels (the engine's path) the loops over H*W blocks
 # (ITERS) and split blocks (N_S) have runtime trip counts, excluded from Triton's integer specialization
-# along with the split count S (``do_not_specialize``), so that another image size runs the kernels compiled
-# for the first (SD1.5 at 640x512 after 512x512 compiled 20 new variants before, H200 run 11). HW and HWS keep
+# along with the split count S (``do_not_specialize``), so that another image size mostly runs the kernels
+# compiled for the first (SD1.5 at 640x512 after 512x512 compiled 20 new GroupNorm variants before, none after,
+# H200 run 11; a size whose plan changes path or unrolling, 1 or 2 blocks against 3+, still compiles). HW and HWS keep
 # their divisibility specialization: without it ptxas serialized the block's eight 16-byte loads (sm_90 SASS),
 # and GroupNorm+SiLU took up to 1.5x as long (run 11, call B). They are ``while`` loops because the Triton
 # interpreter cannot ``range()`` a runtime bound under numpy 2.
@@ -598,29 +599,38 @@ def _gn_nhwc_finalize_kernel(
     si = tl.arange(0, BLOCK_S)
     ci = tl.arange(0, BLOCK_CG)
     n_g = Cg * HW * 1.0
-    # Chan's combination of S x Cg partials in one pass over them; split s has n_s positions of every channel.
-    # Both sums are taken about one partial mean (m_ref), so a large common offset does not round away:
-    #   mean = m_ref + A / n_g,  M2 = B - A^2 / n_g,  A = sum n_s (m_s - m_ref),  B = sum M2_s + n_s (m_s - m_ref)^2
-    # (the subtraction loses at most about S * Cg ulps of M2, when m_ref is the one outlying partial).
+    # Chan's combination of S x Cg partials; split s has n_s positions of every channel. Each loop iteration's
+    # (BLOCK_S, BLOCK_CG) block of partials is loaded once and reduced exactly in registers: its mean (summed as
+    # deviations from one partial mean, m_ref, so a large common offset does not round away), then its M2 about
+    # that mean; the blocks are merged pairwise (SD's split counts mostly take one block).
     m_ref = tl.load(mean_ptr + p_b)
-    acc_a = tl.zeros((BLOCK_S, BLOCK_CG), dtype=tl.float32)
-    acc_b = tl.zeros((BLOCK_S, BLOCK_CG), dtype=tl.float32)
+    run_n = 0.0
+    run_mean = 0.0
+    run_m2 = 0.0
     i = 0
     while i < N_S:
         sidx = i * BLOCK_S + si
         n_s = tl.where(sidx < S, tl.minimum(HWS, HW - sidx * HWS), 0).to(tl.float32)
-        for j in range(N_CG):
+        for j in range(N_CG):  # N_CG == 1 unless a group is wider than 256 channels
             cidx = j * BLOCK_CG + ci
             m = (sidx < S)[:, None] & (cidx < Cg)[None, :]
             offs = p_b + sidx[:, None] * C + cidx[None, :]
-            dev = tl.load(mean_ptr + offs, mask=m, other=0.0) - m_ref
+            w = tl.where(m, n_s[:, None], 0.0)
+            pm = tl.load(mean_ptr + offs, mask=m, other=0.0)
             pm2 = tl.load(m2_ptr + offs, mask=m, other=0.0)
-            acc_a += tl.where(m, n_s[:, None] * dev, 0.0)
-            acc_b += tl.where(m, pm2 + n_s[:, None] * dev * dev, 0.0)
+            n_t = tl.sum(tl.sum(w, axis=1), axis=0)
+            mean_t = m_ref + tl.sum(tl.sum(w * (pm - m_ref), axis=1), axis=0) / tl.maximum(n_t, 1.0)
+            dev = pm - mean_t
+            m2_t = tl.sum(tl.sum(tl.where(m, pm2 + w * dev * dev, 0.0), axis=1), axis=0)
+            tot = run_n + n_t
+            frac = n_t / tl.maximum(tot, 1.0)
+            delta = mean_t - run_mean
+            run_m2 = run_m2 + m2_t + delta * delta * run_n * frac
+            run_mean = run_mean + delta * frac
+            run_n = tot
         i += 1
-    a_sum = tl.sum(tl.sum(acc_a, axis=1), axis=0)
-    mean_g = m_ref + a_sum / n_g
-    m2_g = tl.sum(tl.sum(acc_b, axis=1), axis=0) - a_sum * a_sum / n_g
+    mean_g = run_mean
+    m2_g = run_m2
     rstd_g = 1.0 / tl.sqrt(tl.maximum(m2_g / n_g, 0.0) + eps)
     for j in range(N_CG):
         cidx = j * BLOCK_CG + ci

@@ -38,6 +38,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels import precompile
+from kernels.attention.buckets import length_bucket
 from sdfast.passes._modules import runs_as_its_class
 from sdfast.quantization.shared_input import SharedInputQuantization
 
@@ -348,16 +349,11 @@ def _dry_rows(lq: int) -> int:
     return lq if lq <= 256 else 128 + lq % 128
 
 
-def _length_bucket(n: int) -> int:
-    """The largest power of two <= n (at least 16): lengths that one kernel config and one backend choice suit."""
-    return max(16, 1 << (max(int(n), 1).bit_length() - 1))
-
-
 def _bucket(key: AttentionKey) -> tuple:
     """``key`` with both lengths replaced by their buckets, and whether the lengths are equal: self-attention
     (Lq == Lk) and cross-attention over 77 tokens share buckets at SD's smallest latents (64 and 77 queries
     or keys), but not a bucket mate."""
-    return key._replace(lq=_length_bucket(key.lq), lk=_length_bucket(key.lk)), key.lq == key.lk
+    return key._replace(lq=length_bucket(key.lq), lk=length_bucket(key.lk)), key.lq == key.lk
 
 
 class AttentionDispatcher:
@@ -527,11 +523,14 @@ class AttentionDispatcher:
         still checked against the fp32 reference and timed at ``key``'s own shape.
         SD1.5's first 640x512 image after 512x512 measured 6 backends at 9 shapes, 1.2 s of its warm-up on
         the H200, mostly our kernel's autotuning (run 11)."""
-        mate = next((m for m in self._timings if _bucket(m) == _bucket(key)), None)
+        mate = next((m for m in list(self._timings) if _bucket(m) == _bucket(key)), None)
         if mate is None:
             return names
-        best = min(self._timings[mate].values())
-        kept = [n for n in names if self._timings[mate].get(n, float("inf")) <= self.mate_factor * best]
+        timed = {n: t for n, t in self._timings[mate].items() if n not in self._excluded.get(mate, {})}
+        if not timed:  # every backend timed there failed later
+            return names
+        best = min(timed.values())
+        kept = [n for n in names if timed.get(n, float("inf")) <= self.mate_factor * best]
         log.info("sdfast attention: %s measures %s, the backends within %.3gx of the best at %s",
                  tuple(key), kept, self.mate_factor, tuple(mate))
         return kept or names

@@ -236,7 +236,25 @@ def test_bad_inputs():
 
 def test_length_bucket():
     """The autotuning bucket: the largest power of two <= n, at least 16 (SD's +128 px second size stays in it)."""
-    from kernels.attention.flash_attention import length_bucket
+    from kernels.attention.buckets import length_bucket
 
     assert [length_bucket(n) for n in (1, 15, 16, 64, 77, 80, 127, 128, 4096, 5120, 8191)] == [
         16, 16, 16, 64, 64, 64, 64, 128, 4096, 4096, 4096]
+
+
+def test_config_pruning_depends_on_the_length_bucket_only():
+    """The autotuner keys on length buckets, so the configs it times for a bucket must not depend on which of its
+    lengths came first: the pruning bound is the top of the bucket."""
+    import triton
+
+    from kernels.attention import flash_attention as fa
+
+    tiles = ((128, 64), (128, 128), (64, 64), (128, 32))
+    cfgs = [triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, D0=64, D1=0, DV0=64, DV1=0)) for bm, bn in tiles]
+
+    def kept(lq, lk):
+        return [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in fa._prune_configs(cfgs, {"LQ": lq, "LK": lk})]
+
+    assert kept(32, 77) == kept(63, 77) == [(64, 64)]  # bucket 32: tiles of up to 64 queries
+    assert kept(64, 77) == kept(80, 77) == kept(127, 77) == list(tiles)  # bucket 64: up to 128
+    assert kept(64, 16) == kept(64, 31) == [(128, 32)]  # keys: bucket 16, tiles of up to 32 keys
