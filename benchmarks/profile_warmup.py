@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     before = Counter()  # what the cold cache held when profiling started: nothing, unless a later image is profiled
     if args.second_size:
         w, h = first[0].size
-        before = compiled_kernels(cache_dir) if args.cold else before
+        before = compiled_kernels(cache_dir) if args.cold else Counter()
         t1 = time.perf_counter()
         prof.enable()
         engine.txt2img("a photo of a cat", num_inference_steps=2, seed=0, width=w + 128, height=h)
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
         kw = dict(num_inference_steps=50, seed=0)
         engine.txt2img("a photo of a cat", **kw)
         torch.cuda.synchronize()
-        before = compiled_kernels(cache_dir) if args.cold else before
+        before = compiled_kernels(cache_dir) if args.cold else Counter()
         t1 = time.perf_counter()
         prof.enable()
         engine.txt2img("a photo of a cat", **kw)

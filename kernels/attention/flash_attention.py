@@ -453,8 +453,9 @@ def _prune_configs(configs, named_args, **kwargs):
 
 def _bench_short(fn, quantiles):
     # Short timing: every new length bucket pays this once per config at warm-up (SD1.5's second image size paid
-    # 1.23 s of 2.78 s before the buckets; now its lengths share the first size's buckets). Shorter is not better: at warmup=2, rep=6 SDXL's (1024, 20 heads, 64) self-attention got a config
-    # 18 % slower and lost to cuDNN, +0.6 ms per step (H200, run 7, call 4).
+    # 1.23 s of 2.78 s before the buckets; now its lengths share the first size's buckets). Shorter is not better:
+    # at warmup=2, rep=6 SDXL's (1024, 20 heads, 64) self-attention got a config 18 % slower and lost to cuDNN,
+    # +0.6 ms per step (H200, run 7, call 4).
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
@@ -472,8 +473,7 @@ def _tuned_kernel(head_dim: int, elem_size: int, device_type: str, device_index:
     )(_flash_attn_fwd_kernel)
 
 
-# (head_dim, dtype, device, LQ bucket, LK bucket, has_mask, upcast) already autotuned: safe to launch in a CUDA
-# graph
+# (head_dim, dtype, device, LQ bucket, LK bucket, has_mask, upcast) already autotuned: safe to launch in a graph
 _tuned_keys: set = set()
 _capture_logged: set = set()
 
@@ -544,6 +544,7 @@ def _launch(q, k, v, out, key_padding_mask, scale, upcast_softmax):
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     elem = q.element_size()
+    lq_bucket, lk_bucket = length_bucket(Lq), length_bucket(Lk)  # the autotuner's key
     sa = _stride_align(elem, q, k, v, out)
     if key_padding_mask is not None:
         kpm = key_padding_mask.view(torch.uint8)
@@ -562,7 +563,7 @@ def _launch(q, k, v, out, key_padding_mask, scale, upcast_softmax):
         ks[0] // sa, ks[1] // sa, ks[2] // sa, ks[3],
         vs[0] // sa, vs[1] // sa, vs[2] // sa, vs[3],
         os_[0] // sa, os_[1] // sa, os_[2] // sa, os_[3],
-        smb, smn, H, Lq, Lk, length_bucket(Lq), length_bucket(Lk),
+        smb, smn, H, Lq, Lk, lq_bucket, lk_bucket,
     )
     consts = dict(
         HEAD_DIM=D, SA=sa, HAS_MASK=key_padding_mask is not None, UPCAST=upcast, DOT_PREC=dot_prec,
@@ -576,7 +577,7 @@ def _launch(q, k, v, out, key_padding_mask, scale, upcast_softmax):
     if q.device.type == "cuda" and dev_index is None:
         dev_index = torch.cuda.current_device()
     kernel = _tuned_kernel(D, elem, q.device.type, dev_index)
-    tkey = (D, q.dtype, q.device, length_bucket(Lq), length_bucket(Lk), key_padding_mask is not None, upcast)
+    tkey = (D, q.dtype, q.device, lq_bucket, lk_bucket, key_padding_mask is not None, upcast)
     if tkey not in _tuned_keys and q.is_cuda and torch.cuda.is_current_stream_capturing():
         # Autotuning times kernels (synchronizes): impossible inside CUDA-graph capture. Launch the
         # first valid config instead; warm up outside capture to get the tuned one.

@@ -966,12 +966,13 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
     src_x, a_cb, a_res = (pre, False, False) if write_pre else (x, channel_bias is not None, residual is not None)
     if plan.path == "nhwc_tiles":
         S, HWS, bc = plan.S, plan.HWS, plan.BLOCK_C
+        stats_iters, apply_iters = HWS // plan.BLOCK_HW, plan.HWP // plan.BLOCK_HW  # H*W blocks per program
         part = torch.empty((2, B, S, C), dtype=torch.float32, device=x.device)  # per-channel partial mean, M2
         chan = torch.empty((2, B, C), dtype=torch.float32, device=x.device)  # per-channel group mean, rstd * weight
         _gn_nhwc_stats_kernel[(plan.n_ct, S, B)](
             x, r, cb, pre if write_pre else x, part[0], part[1],
             C, HW, S, HWS, *xs, *rs, scbb, scbc,
-            ITERS=HWS // plan.BLOCK_HW, UNROLL=_unroll(HWS // plan.BLOCK_HW), BLOCK_C=bc, BLOCK_HW=plan.BLOCK_HW,
+            ITERS=stats_iters, UNROLL=_unroll(stats_iters), BLOCK_C=bc, BLOCK_HW=plan.BLOCK_HW,
             HAS_CB=channel_bias is not None, HAS_RES=residual is not None, WRITE_PRE=write_pre,
             num_warps=plan.num_warps,
         )
@@ -986,8 +987,7 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
         _gn_nhwc_apply_kernel[(plan.n_ct, -(-HW // plan.HWP), B)](
             src_x, r, cb, bs, y, chan[0], chan[1],
             C, HW, *xs, *rs, scbb, scbc, y.stride(0), y.stride(1), _hw_stride(y),
-            ITERS=plan.HWP // plan.BLOCK_HW, UNROLL=_unroll(plan.HWP // plan.BLOCK_HW), BLOCK_C=bc,
-            BLOCK_HW=plan.BLOCK_HW,
+            ITERS=apply_iters, UNROLL=_unroll(apply_iters), BLOCK_C=bc, BLOCK_HW=plan.BLOCK_HW,
             HAS_CB=a_cb, HAS_RES=a_res, HAS_B=bias is not None, SILU=silu,
             num_warps=plan.apply_warps,
         )

@@ -367,8 +367,8 @@ class AttentionDispatcher:
     the batch size is not part of it. On the first call of a key on CUDA (outside CUDA-graph capture
     and torch.compile tracing), every candidate backend (for a key whose lengths fall in the power-of-two
     buckets of a key measured before: only those within ``mate_factor`` of that key's best, ``_narrowed``)
-    runs once on the real inputs and is compared with fp32 math attention; a backend that raises or disagrees is excluded for that key and logged
-    (``_exclude``: the one logged dispatch point); the others are timed (CUDA events, about
+    runs once on the real inputs and is compared with fp32 math attention; a backend that raises or
+    disagrees is excluded for that key and logged (``_exclude``: the one logged dispatch point); the others are timed (CUDA events, about
     ``budget_ms`` each) and the fastest is cached. A key first seen during capture/compile uses
     SDPA's default (``"sdpa"``, capture-safe) uncached, with a warning: warm up before capturing.
     On CPU the default is SDPA without measuring (``measure_cpu=True`` measures like CUDA; the
@@ -518,8 +518,8 @@ class AttentionDispatcher:
     def _narrowed(self, key: AttentionKey, names: list) -> list:
         """The candidates worth measuring for a new ``key``: when a key in the same length bucket (both lengths
         within one power of two, equal or not as in ``key``, everything else equal: SD's layers at another image
-        size) was measured, only
-        the backends that were within ``mate_factor`` of its best time; else all of ``names``. Each one kept is
+        size) was measured, only the backends that were within ``mate_factor`` of its best time (and not
+        excluded there since); else all of ``names``. Each one kept is
         still checked against the fp32 reference and timed at ``key``'s own shape.
         SD1.5's first 640x512 image after 512x512 measured 6 backends at 9 shapes, 1.2 s of its warm-up on
         the H200, mostly our kernel's autotuning (run 11)."""
