@@ -1,6 +1,7 @@
 """``optimize(pipe, config)``: compose sdfast's passes on a diffusers pipeline, in place, reversibly.
 
-Order: attention processor -> norm fusion -> channels_last layout -> CUDA graphs. Each pass is its
+Order: attention processor -> norm fusion -> channels_last layout -> time-embedding packing -> upsampling ->
+CUDA graphs. Each pass is its
 own module (``sdfast.passes``, ``sdfast.runtime``), counts what it changed, and can be undone
 (``unoptimize``). The pipeline object stays the same diffusers pipeline.
 """
@@ -72,7 +73,7 @@ def optimize(pipe, config: OptimizeConfig | None = None):
     (or None). Calling it again on an optimized pipeline returns it unchanged with the same config (or None);
     with another config it raises ``ValueError``: ``unoptimize`` first to change the config.
     """
-    from .passes import attention, layout, norms, upsample
+    from .passes import attention, layout, norms, time_embedding, upsample
 
     if not (hasattr(pipe, "unet") and hasattr(pipe, "vae")):
         raise TypeError(f"optimize expects a diffusers Stable Diffusion pipeline, got {type(pipe).__name__}")
@@ -101,6 +102,8 @@ def optimize(pipe, config: OptimizeConfig | None = None):
         state.counts["norms"] = sum(norms.apply(m) for m in _denoisers(pipe))
     if config.channels_last:
         state.counts["layout"] = sum(layout.apply(m) for m in _denoisers(pipe))
+    if config.fuse_norms and config.batch_temb:  # after the layout pass: the pack's views are the final storage
+        state.counts["temb"] = time_embedding.apply(pipe.unet)
     if config.upsample:
         state.counts["upsample"] = sum(upsample.apply(m) for m in _denoisers(pipe))
     if config.cuda_graphs and pipe.unet.device.type == "cuda":
@@ -114,7 +117,7 @@ def optimize(pipe, config: OptimizeConfig | None = None):
 
 def unoptimize(pipe):
     """Undo ``optimize``: the stock modules, processors, layouts and forwards come back. Returns ``pipe``."""
-    from .passes import attention, layout, norms, upsample
+    from .passes import attention, layout, norms, time_embedding, upsample
 
     if not (hasattr(pipe, "unet") and hasattr(pipe, "vae")):
         raise TypeError(f"unoptimize expects a diffusers Stable Diffusion pipeline, got {type(pipe).__name__}")
@@ -126,6 +129,7 @@ def unoptimize(pipe):
         state.graphs.uninstall()
         del pipe.check_inputs
         host_timesteps.release(pipe.scheduler)
+    time_embedding.undo(pipe.unet)
     for m in _denoisers(pipe):
         upsample.undo(m)
         layout.undo(m)

@@ -92,6 +92,37 @@ def test_replaced_weights_invalidate_graphs(sd15):
     assert psnr(before, changed) < 40
 
 
+def test_time_embedding_pack_follows_in_place_and_replaced_weights(sd15):
+    """The packed time-embedding projections (``sdfast.passes.time_embedding``) under CUDA graphs: weights scaled
+    in place and a projection weight replaced give stock's image with the same change."""
+    stock, fast = sd15
+    kw = dict(seed=4, num_inference_steps=4)
+    before = fast.txt2img(PROMPT, **kw)[0]
+    projs = {p: [m.time_emb_proj for m in p.unet.modules() if getattr(m, "time_emb_proj", None) is not None]
+             for p in (stock.pipe, fast.pipe)}
+    saved = {p: [t.weight.detach().clone() for t in ts] for p, ts in projs.items()}
+    replaced = {p: ts[7] for p, ts in projs.items()}
+    olds = {p: t.weight for p, t in replaced.items()}
+    try:
+        with torch.no_grad():
+            for ts in projs.values():
+                for t in ts:
+                    t.weight.mul_(8.0)
+        a, b = stock.txt2img(PROMPT, **kw)[0], fast.txt2img(PROMPT, **kw)[0]
+        assert psnr(b, before) < 40 and psnr(a, b) >= 35, (psnr(b, before), psnr(a, b))
+        for p, t in replaced.items():
+            t.weight = torch.nn.Parameter(t.weight.detach() * -1.0, requires_grad=False)
+        c, d = stock.txt2img(PROMPT, **kw)[0], fast.txt2img(PROMPT, **kw)[0]
+        assert psnr(d, b) < 45 and psnr(c, d) >= 35, (psnr(d, b), psnr(c, d))
+    finally:
+        with torch.no_grad():
+            for p, ts in projs.items():
+                replaced[p].weight = olds[p]
+                for t, w in zip(ts, saved[p]):
+                    t.weight.copy_(w)
+    assert psnr(fast.txt2img(PROMPT, **kw)[0], before) > 45
+
+
 def test_cross_kv_projected_once_per_call_and_follows_in_place_changes(sd15):
     _, fast = sd15
     runner = fast.pipe._sdfast.graphs.runners["unet"]

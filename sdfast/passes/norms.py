@@ -81,12 +81,18 @@ def _resnet_supported(m: nn.Module) -> bool:
     )
 
 
+def folded_conv_bias(conv: nn.Module) -> torch.Tensor | None:
+    """The bias that the fused forwards take out of ``conv`` and add later: that of a plain ``nn.Conv2d`` with
+    one; None for anything else (no bias, a PEFT LoRA wrapper, a quantized conv, a conv with hooks or a
+    replaced ``forward``: those run as they are)."""
+    return conv.bias if conv.bias is not None and runs_as_its_class(conv, nn.Conv2d) else None
+
+
 def _conv_without_bias(conv: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``conv(x)`` minus its bias, and the bias, for a plain ``nn.Conv2d`` with one; anything else (no bias,
-    a PEFT LoRA wrapper, a quantized conv, a conv with hooks or a replaced ``forward``) runs as it is and
-    returns ``(conv(x), None)``."""
-    if conv.bias is not None and runs_as_its_class(conv, nn.Conv2d):
-        return conv._conv_forward(x, conv.weight, None), conv.bias
+    """``conv(x)`` minus its folded bias (``folded_conv_bias``), and that bias; ``(conv(x), None)`` without one."""
+    bias = folded_conv_bias(conv)
+    if bias is not None:
+        return conv._conv_forward(x, conv.weight, None), bias
     return conv(x), None
 
 
@@ -114,10 +120,7 @@ def fused_resnet_forward(self, input_tensor: torch.Tensor, temb: torch.Tensor | 
     input_tensor = _dense(input_tensor)
     h = group_norm(input_tensor, n1.num_groups, n1.weight, n1.bias, n1.eps, activation="silu")
     h, b1 = _conv_without_bias(self.conv1, h)
-    t = None
-    if self.time_emb_proj is not None and temb is not None:
-        t = self.time_emb_proj(temb if self.skip_time_act else F.silu(temb))
-    channel_bias = _sum_biases(t, b1)
+    channel_bias = _time_bias(self, temb, b1)
     if channel_bias is not None:
         channel_bias = channel_bias.to(h.dtype)  # under autocast: an fp32 conv bias, a bf16 activation
     h = group_norm(h, n2.num_groups, n2.weight, n2.bias, n2.eps, channel_bias=channel_bias, activation="silu")
@@ -130,6 +133,21 @@ def fused_resnet_forward(self, input_tensor: torch.Tensor, temb: torch.Tensor | 
         out = shortcut + h
         return out if self.output_scale_factor == 1 else out / self.output_scale_factor
     return bias_residual_add(h, bias, shortcut, out_scale=self.output_scale_factor)
+
+
+def _time_bias(block: nn.Module, temb: torch.Tensor | None, conv_bias: torch.Tensor | None) -> torch.Tensor | None:
+    """norm2's per-(batch, channel) bias: ``time_emb_proj(silu(temb))`` + conv1's folded bias. From the UNet's
+    packed projections when ``sdfast.passes.time_embedding`` applies (they fold conv1's bias exactly when
+    ``conv_bias`` is not None), else computed here."""
+    pack = block.__dict__.get("_sdfast_temb")
+    if pack is not None and temb is not None:
+        packed = pack.lookup(block, temb)
+        if packed is not None:
+            return packed
+    t = None
+    if block.time_emb_proj is not None and temb is not None:
+        t = block.time_emb_proj(temb if block.skip_time_act else F.silu(temb))
+    return _sum_biases(t, conv_bias)
 
 
 def _block_supported(m: nn.Module) -> bool:
