@@ -332,6 +332,8 @@ SYSTEMS: dict[str, System] = {
                                         "sdfast, OptimizeConfig(vae_tf32=False)"),
     "sdfast-no_upsample": System("sdfast-no_upsample", partial(build_sdfast, upsample=False),
                                  "sdfast, OptimizeConfig(upsample=False)"),
+    "sdfast-no_batch_temb": System("sdfast-no_batch_temb", partial(build_sdfast, batch_temb=False),
+                                   "sdfast, OptimizeConfig(batch_temb=False)"),
     "sdfast-serial_compile": System("sdfast-serial_compile", partial(build_sdfast, parallel_compile=False),
                                     "sdfast, OptimizeConfig(parallel_compile=False) (warm-up A/B: run it first, on a "
                                     "cold Triton cache)"),
