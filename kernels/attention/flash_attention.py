@@ -540,7 +540,10 @@ def _stride_align(elem_size: int, *tensors: torch.Tensor) -> int:
     return sa
 
 
-def _launch(q, k, v, out, key_padding_mask, scale, upcast_softmax):
+def kernel_arguments(q, k, v, out, key_padding_mask, scale, upcast_softmax):
+    """The kernel's runtime arguments, its constexprs other than the config's, and the grid function of a config's
+    meta-parameters, for one call (what ``_launch`` passes; ``benchmarks/sweep_attention.py`` launches configs with
+    them)."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     elem = q.element_size()
@@ -573,6 +576,16 @@ def _launch(q, k, v, out, key_padding_mask, scale, upcast_softmax):
     def grid(meta):
         return (triton.cdiv(Lq, meta["BLOCK_M"]), B * H, triton.cdiv(D, meta["DV0"] + meta["DV1"]))
 
+    return args, consts, grid
+
+
+def _launch(q, k, v, out, key_padding_mask, scale, upcast_softmax):
+    B, H, Lq, D = q.shape
+    Lk = k.shape[2]
+    elem = q.element_size()
+    lq_bucket, lk_bucket = length_bucket(Lq), length_bucket(Lk)
+    upcast = bool(upcast_softmax) and q.dtype != torch.float32
+    args, consts, grid = kernel_arguments(q, k, v, out, key_padding_mask, scale, upcast_softmax)
     dev_index = q.device.index if q.device.type == "cuda" else 0
     if q.device.type == "cuda" and dev_index is None:
         dev_index = torch.cuda.current_device()
