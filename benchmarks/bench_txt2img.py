@@ -334,6 +334,8 @@ SYSTEMS: dict[str, System] = {
                                  "sdfast, OptimizeConfig(upsample=False)"),
     "sdfast-no_batch_temb": System("sdfast-no_batch_temb", partial(build_sdfast, batch_temb=False),
                                    "sdfast, OptimizeConfig(batch_temb=False)"),
+    "sdfast-no_skip_concat": System("sdfast-no_skip_concat", partial(build_sdfast, skip_concat=False),
+                                    "sdfast, OptimizeConfig(skip_concat=False)"),
     "sdfast-serial_compile": System("sdfast-serial_compile", partial(build_sdfast, parallel_compile=False),
                                     "sdfast, OptimizeConfig(parallel_compile=False) (warm-up A/B: run it first, on a "
                                     "cold Triton cache)"),

@@ -1,9 +1,8 @@
 """``optimize(pipe, config)``: compose sdfast's passes on a diffusers pipeline, in place, reversibly.
 
-Order: attention processor -> norm fusion -> channels_last layout -> time-embedding packing -> upsampling ->
-CUDA graphs. Each pass is its
-own module (``sdfast.passes``, ``sdfast.runtime``), counts what it changed, and can be undone
-(``unoptimize``). The pipeline object stays the same diffusers pipeline.
+Order: attention processor -> norm fusion -> channels_last layout -> time-embedding packing -> upsampling -> skip
+concatenation -> CUDA graphs. Each pass is its own module (``sdfast.passes``, ``sdfast.runtime``), counts what it
+changed, and can be undone (``unoptimize``). The pipeline object stays the same diffusers pipeline.
 """
 
 from __future__ import annotations
@@ -73,7 +72,7 @@ def optimize(pipe, config: OptimizeConfig | None = None):
     (or None). Calling it again on an optimized pipeline returns it unchanged with the same config (or None);
     with another config it raises ``ValueError``: ``unoptimize`` first to change the config.
     """
-    from .passes import attention, layout, norms, time_embedding, upsample
+    from .passes import attention, layout, norms, skip_concat, time_embedding, upsample
 
     if not (hasattr(pipe, "unet") and hasattr(pipe, "vae")):
         raise TypeError(f"optimize expects a diffusers Stable Diffusion pipeline, got {type(pipe).__name__}")
@@ -106,6 +105,8 @@ def optimize(pipe, config: OptimizeConfig | None = None):
         state.counts["temb"] = time_embedding.apply(pipe.unet)
     if config.upsample:
         state.counts["upsample"] = sum(upsample.apply(m) for m in _denoisers(pipe))
+    if config.skip_concat:
+        state.counts["skip_concat"] = skip_concat.apply(pipe.unet)
     if config.cuda_graphs and pipe.unet.device.type == "cuda":
         _install_graphs(pipe, state)
         state.counts["cuda_graphs"] = len(state.graphs.runners)
@@ -117,7 +118,7 @@ def optimize(pipe, config: OptimizeConfig | None = None):
 
 def unoptimize(pipe):
     """Undo ``optimize``: the stock modules, processors, layouts and forwards come back. Returns ``pipe``."""
-    from .passes import attention, layout, norms, time_embedding, upsample
+    from .passes import attention, layout, norms, skip_concat, time_embedding, upsample
 
     if not (hasattr(pipe, "unet") and hasattr(pipe, "vae")):
         raise TypeError(f"unoptimize expects a diffusers Stable Diffusion pipeline, got {type(pipe).__name__}")
@@ -130,6 +131,7 @@ def unoptimize(pipe):
         del pipe.check_inputs
         host_timesteps.release(pipe.scheduler)
     time_embedding.undo(pipe.unet)
+    skip_concat.undo(pipe.unet)
     for m in _denoisers(pipe):
         upsample.undo(m)
         layout.undo(m)
