@@ -336,6 +336,8 @@ SYSTEMS: dict[str, System] = {
                                    "sdfast, OptimizeConfig(batch_temb=False)"),
     "sdfast-no_skip_concat": System("sdfast-no_skip_concat", partial(build_sdfast, skip_concat=False),
                                     "sdfast, OptimizeConfig(skip_concat=False)"),
+    "sdfast-no_conv_bias": System("sdfast-no_conv_bias", partial(build_sdfast, conv_bias=False),
+                                  "sdfast, OptimizeConfig(conv_bias=False)"),
     "sdfast-serial_compile": System("sdfast-serial_compile", partial(build_sdfast, parallel_compile=False),
                                     "sdfast, OptimizeConfig(parallel_compile=False) (warm-up A/B: run it first, on a "
                                     "cold Triton cache)"),

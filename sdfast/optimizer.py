@@ -1,7 +1,7 @@
 """``optimize(pipe, config)``: compose sdfast's passes on a diffusers pipeline, in place, reversibly.
 
 Order: attention processor -> norm fusion -> channels_last layout -> time-embedding packing -> upsampling -> skip
-concatenation -> CUDA graphs. Each pass is its own module (``sdfast.passes``, ``sdfast.runtime``), counts what it
+concatenation -> convolution biases -> CUDA graphs. Each pass is its own module (``sdfast.passes``, ``sdfast.runtime``), counts what it
 changed, and can be undone (``unoptimize``). The pipeline object stays the same diffusers pipeline.
 """
 
@@ -72,7 +72,7 @@ def optimize(pipe, config: OptimizeConfig | None = None):
     (or None). Calling it again on an optimized pipeline returns it unchanged with the same config (or None);
     with another config it raises ``ValueError``: ``unoptimize`` first to change the config.
     """
-    from .passes import attention, layout, norms, skip_concat, time_embedding, upsample
+    from .passes import attention, conv_bias, layout, norms, skip_concat, time_embedding, upsample
 
     if not (hasattr(pipe, "unet") and hasattr(pipe, "vae")):
         raise TypeError(f"optimize expects a diffusers Stable Diffusion pipeline, got {type(pipe).__name__}")
@@ -107,6 +107,8 @@ def optimize(pipe, config: OptimizeConfig | None = None):
         state.counts["upsample"] = sum(upsample.apply(m) for m in _denoisers(pipe))
     if config.skip_concat:
         state.counts["skip_concat"] = skip_concat.apply(pipe.unet)
+    if config.conv_bias:
+        state.counts["conv_bias"] = sum(conv_bias.apply(m) for m in _denoisers(pipe))
     if config.cuda_graphs and pipe.unet.device.type == "cuda":
         _install_graphs(pipe, state)
         state.counts["cuda_graphs"] = len(state.graphs.runners)
@@ -118,7 +120,7 @@ def optimize(pipe, config: OptimizeConfig | None = None):
 
 def unoptimize(pipe):
     """Undo ``optimize``: the stock modules, processors, layouts and forwards come back. Returns ``pipe``."""
-    from .passes import attention, layout, norms, skip_concat, time_embedding, upsample
+    from .passes import attention, conv_bias, layout, norms, skip_concat, time_embedding, upsample
 
     if not (hasattr(pipe, "unet") and hasattr(pipe, "vae")):
         raise TypeError(f"unoptimize expects a diffusers Stable Diffusion pipeline, got {type(pipe).__name__}")
@@ -133,6 +135,7 @@ def unoptimize(pipe):
     time_embedding.undo(pipe.unet)
     skip_concat.undo(pipe.unet)
     for m in _denoisers(pipe):
+        conv_bias.undo(m)
         upsample.undo(m)
         layout.undo(m)
         norms.undo(m)

@@ -1,11 +1,12 @@
 """Per-channel bias + residual add (+ output scale) in one pass, for NCHW and channels_last (NHWC).
 
-    y = (x + bias[c] + residual) / out_scale
+    y = (x + bias[c] + bias2[c] + residual) / out_scale
 
 The end of diffusers' ``ResnetBlock2D``: ``(shortcut + conv2(h)) / output_scale_factor``, where conv2
-(and a 1x1 ``conv_shortcut``) carry biases that PyTorch's cuDNN path adds in separate kernels. Running the
-convolutions without bias and this kernel after them replaces two to four full-tensor passes by one
-(same idea as the bias/residual epilogues of TensorRT's and stable-fast's SD graphs).
+(``bias``) and a 1x1 ``conv_shortcut`` (``bias2``) carry biases that PyTorch's cuDNN path adds in separate
+kernels. Running the convolutions without bias and this kernel after them replaces two to four full-tensor passes
+(and the sum of the two bias vectors) by one (same idea as the bias/residual epilogues of TensorRT's and
+stable-fast's SD graphs). With only ``bias``, it is a convolution's bias add in one vectorized pass.
 
 x: dense 4D in either memory format; the output has x's memory format. The residual may be in either
 format (read through its strides). Math in fp32, one rounding at the end (eager PyTorch rounds after
@@ -37,18 +38,20 @@ def bias_residual_add_ref(
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     *,
+    bias2: torch.Tensor | None = None,
     out_scale: float = 1.0,
     upcast: bool = True,
 ) -> torch.Tensor:
-    """Plain PyTorch ``(x + bias[None, :, None, None] + residual) / out_scale`` in x's memory format.
+    """Plain PyTorch ``(x + bias[None, :, None, None] + bias2[...] + residual) / out_scale`` in x's memory format.
 
     With ``upcast`` the math runs in fp32 and the result is cast to x.dtype; without, in x.dtype with a
     rounding after each op (what eager diffusers does)."""
     dt = x.dtype
     cdt = torch.promote_types(dt, torch.float32) if upcast else dt
     s = x.to(cdt)
-    if bias is not None:
-        s = s + bias.to(cdt).view(1, -1, 1, 1)
+    for b in (bias, bias2):
+        if b is not None:
+            s = s + b.to(cdt).view(1, -1, 1, 1)
     if residual is not None:
         s = s + residual.to(cdt)
     if out_scale != 1.0:
@@ -64,6 +67,7 @@ def bias_residual_add_ref(
 def _bias_residual_kernel(
     x_ptr,  # dense (B, C, H, W), NCHW or NHWC memory; walked in memory order
     b_ptr,  # (C,) bias; unused without HAS_B
+    b2_ptr,  # (C,) second bias; unused without HAS_B2
     r_ptr,  # (B, C, H, W) residual, strides (srb, src, srhw); unused without HAS_R
     y_ptr,  # output, x's strides
     N,  # B * C * H * W
@@ -75,6 +79,7 @@ def _bias_residual_kernel(
     out_scale,
     CHANNELS_LAST: tl.constexpr,
     HAS_B: tl.constexpr,
+    HAS_B2: tl.constexpr,
     HAS_R: tl.constexpr,
     R_SAME: tl.constexpr,  # residual has x's strides: read it at the same offsets
     SCALE: tl.constexpr,
@@ -94,6 +99,8 @@ def _bias_residual_kernel(
         c = (offs // HW) % C
     if HAS_B:
         s += tl.load(b_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    if HAS_B2:
+        s += tl.load(b2_ptr + c, mask=mask, other=0.0).to(tl.float32)
     if HAS_R:
         if R_SAME:
             r_offs = offs
@@ -116,7 +123,7 @@ def _dense(t: torch.Tensor) -> bool:
     return t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last)
 
 
-def _check_inputs(x, bias, residual, out_scale) -> None:
+def _check_inputs(x, bias, residual, out_scale, bias2=None) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         raise ValueError(f"bias_residual_add: x must be (B, C, H, W), got {getattr(x, 'shape', type(x).__name__)}")
     if x.dtype not in _SUPPORTED_DTYPES:
@@ -124,15 +131,16 @@ def _check_inputs(x, bias, residual, out_scale) -> None:
     if not _dense(x):
         raise ValueError(f"bias_residual_add: x must be NCHW-contiguous or channels_last, got strides {x.stride()}")
     C = x.shape[1]
-    if bias is not None and (tuple(bias.shape) != (C,) or not bias.is_floating_point()):
-        raise ValueError(f"bias_residual_add: bias must be a float ({C},) tensor, got {tuple(bias.shape)} {bias.dtype}")
+    for name, b in (("bias", bias), ("bias2", bias2)):
+        if b is not None and (tuple(b.shape) != (C,) or not b.is_floating_point()):
+            raise ValueError(f"bias_residual_add: {name} must be a float ({C},) tensor, got {tuple(b.shape)} {b.dtype}")
     if residual is not None:
         check_like("bias_residual_add", "residual", residual, x)
         if not _dense(residual):
             raise ValueError(f"bias_residual_add: residual must be NCHW-contiguous or channels_last, got {residual.stride()}")
     if not out_scale > 0:
         raise ValueError(f"bias_residual_add: out_scale must be > 0, got {out_scale}")
-    devs = {t.device for t in (x, bias, residual) if t is not None}
+    devs = {t.device for t in (x, bias, bias2, residual) if t is not None}
     if len(devs) > 1:
         raise ValueError(f"bias_residual_add: all tensors must be on one device, got {sorted(map(str, devs))}")
 
@@ -141,11 +149,11 @@ def _hw_stride(t: torch.Tensor) -> int:
     return t.stride(2) if t.shape[3] == 1 else t.stride(3)  # size-1 W: stride(3) is arbitrary
 
 
-def _bias_residual_impl(x, bias, residual, out_scale):
-    _check_inputs(x, bias, residual, out_scale)
+def _bias_residual_impl(x, bias, residual, out_scale, bias2=None):
+    _check_inputs(x, bias, residual, out_scale, bias2)
     y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)  # x's strides, as the fake op
-    if not use_triton("bias_residual_add", x, bias, residual):
-        return y.copy_(bias_residual_add_ref(x, bias, residual, out_scale=out_scale))
+    if not use_triton("bias_residual_add", x, bias, bias2, residual):
+        return y.copy_(bias_residual_add_ref(x, bias, residual, bias2=bias2, out_scale=out_scale))
     N = x.numel()
     if N == 0:
         return y
@@ -154,9 +162,9 @@ def _bias_residual_impl(x, bias, residual, out_scale):
     r = residual if residual is not None else x
     same = residual is not None and r.stride() == x.stride()  # else read through its own strides
     _bias_residual_kernel[(triton.cdiv(N, BLOCK),)](
-        x, bias.contiguous() if bias is not None else x, r, y, N, C, H * W,
-        r.stride(0), r.stride(1), _hw_stride(r), float(out_scale),
-        CHANNELS_LAST=cl, HAS_B=bias is not None, HAS_R=residual is not None, R_SAME=same,
+        x, bias.contiguous() if bias is not None else x, bias2.contiguous() if bias2 is not None else x, r, y, N, C,
+        H * W, r.stride(0), r.stride(1), _hw_stride(r), float(out_scale),
+        CHANNELS_LAST=cl, HAS_B=bias is not None, HAS_B2=bias2 is not None, HAS_R=residual is not None, R_SAME=same,
         SCALE=out_scale != 1.0, BLOCK=BLOCK, INT64=N + BLOCK >= INT64_FROM, num_warps=8,
     )
     return y
@@ -167,14 +175,15 @@ def _bias_residual_impl(x, bias, residual, out_scale):
 # --------------------------------------------------------------------------------------------
 @torch.library.custom_op("sdfast::bias_residual_add", mutates_args=())
 def _bias_residual_op(
-    x: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor], out_scale: float
+    x: torch.Tensor, bias: Optional[torch.Tensor], residual: Optional[torch.Tensor], out_scale: float,
+    bias2: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    return _bias_residual_impl(x, bias, residual, out_scale)
+    return _bias_residual_impl(x, bias, residual, out_scale, bias2)
 
 
 @_bias_residual_op.register_fake
-def _bias_residual_fake(x, bias, residual, out_scale):
-    _check_inputs(x, bias, residual, out_scale)
+def _bias_residual_fake(x, bias, residual, out_scale, bias2=None):
+    _check_inputs(x, bias, residual, out_scale, bias2)
     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
 
 
@@ -183,18 +192,19 @@ def bias_residual_add(
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
     *,
+    bias2: torch.Tensor | None = None,
     out_scale: float = 1.0,
 ) -> torch.Tensor:
-    """``(x + bias[c] + residual) / out_scale`` in one pass.
+    """``(x + bias[c] + bias2[c] + residual) / out_scale`` in one pass.
 
-    x: (B, C, H, W) fp16/bf16/fp32, NCHW-contiguous or channels_last; bias: (C,) float (any float dtype,
-    read as fp32) or None; residual: like x (same dtype, either dense memory format) or None; out_scale > 0
+    x: (B, C, H, W) fp16/bf16/fp32, NCHW-contiguous or channels_last; bias, bias2: (C,) float (any float dtype,
+    read as fp32, summed in fp32) or None; residual: like x (same dtype, either dense memory format) or None; out_scale > 0
     (diffusers' ``output_scale_factor``). Returns a new tensor in x's dtype and memory format.
 
     Raises ValueError (shapes, layouts, scale, devices) or TypeError (dtypes). Falls back to the PyTorch reference where Triton cannot run (``kernels.dispatch``).
     Registered as ``torch.ops.sdfast.bias_residual_add``.
     """
-    return torch.ops.sdfast.bias_residual_add(x, bias, residual, float(out_scale))
+    return torch.ops.sdfast.bias_residual_add(x, bias, residual, float(out_scale), bias2)
 
 
 __all__ = ["bias_residual_add", "bias_residual_add_ref", "BLOCK"]

@@ -127,12 +127,12 @@ def fused_resnet_forward(self, input_tensor: torch.Tensor, temb: torch.Tensor | 
     h = self.dropout(h)
     h, b2 = _conv_without_bias(self.conv2, h)
     shortcut, bs = (input_tensor, None) if self.conv_shortcut is None else _conv_without_bias(self.conv_shortcut, input_tensor)
-    bias = _sum_biases(b2, bs)
     if shortcut.dtype != h.dtype:  # autocast: stock adds a low-precision h to an fp32 input (type promotion)
+        bias = _sum_biases(b2, bs)
         h = h if bias is None else h + bias.to(h.dtype).view(1, -1, 1, 1)
         out = shortcut + h
         return out if self.output_scale_factor == 1 else out / self.output_scale_factor
-    return bias_residual_add(h, bias, shortcut, out_scale=self.output_scale_factor)
+    return bias_residual_add(h, b2, shortcut, bias2=bs, out_scale=self.output_scale_factor)
 
 
 def _time_bias(block: nn.Module, temb: torch.Tensor | None, conv_bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -5,7 +5,8 @@ before each ResNet block. On channels_last memory PyTorch's kernel for it ran at
 bandwidth (``kernels.elementwise.concat``). The rebound forward (per instance, reversible with ``undo``) is
 diffusers' forward with that one call on ``cat_channels``, bit-identical. Whatever else the forward can do runs
 diffusers' own: FreeU (``enable_freeu``, which rescales the two tensors first), gradient checkpointing while
-gradients are on, the deprecated positional ``scale`` argument. Inference only: the kernel has no autograd formula.
+gradients are on, the deprecated positional ``scale`` argument; tensors that need gradients are concatenated by
+``torch.cat`` (the kernel has no autograd formula).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ def _freeu(block: nn.Module) -> bool:
 
 
 def _cat(hidden_states: torch.Tensor, res_hidden_states: torch.Tensor) -> torch.Tensor:
-    if hidden_states.dim() == 4 and res_hidden_states.dim() == 4 and hidden_states.dtype == res_hidden_states.dtype:
+    grads = torch.is_grad_enabled() and (hidden_states.requires_grad or res_hidden_states.requires_grad)
+    if hidden_states.dim() == res_hidden_states.dim() == 4 and hidden_states.dtype == res_hidden_states.dtype \
+            and not grads:  # the kernel has no autograd formula
         return cat_channels(hidden_states, res_hidden_states)
     return torch.cat([hidden_states, res_hidden_states], dim=1)
 

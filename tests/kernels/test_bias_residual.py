@@ -19,17 +19,19 @@ def _t(shape, dtype, channels_last, scale=1.0):
 
 @pytest.mark.parametrize("dtype,atol", DTYPES, ids=["fp32", "fp16"])
 @pytest.mark.parametrize("x_cl,r_cl", [(False, False), (True, True), (True, False), (False, True)])
-@pytest.mark.parametrize("has_bias,has_res,out_scale", [(True, True, 1.0), (True, False, 1.0), (False, True, 2.0),
-                                                        (True, True, 1.4142)])
+@pytest.mark.parametrize("has_bias,has_bias2,has_res,out_scale", [(True, False, True, 1.0), (True, False, False, 1.0),
+                                                                  (False, False, True, 2.0), (True, True, True, 1.4142),
+                                                                  (False, True, False, 1.0)])
 @pytest.mark.parametrize("shape", [(2, 320, 9, 7), (1, 40, 65, 3), (3, 10, 1, 5)])
-def test_matches_reference(shape, has_bias, has_res, out_scale, x_cl, r_cl, dtype, atol):
+def test_matches_reference(shape, has_bias, has_bias2, has_res, out_scale, x_cl, r_cl, dtype, atol):
     torch.manual_seed(0)
     x = _t(shape, dtype, x_cl, 3.0)
     bias = torch.randn(shape[1]).to(dtype) if has_bias else None
+    bias2 = torch.randn(shape[1]).to(dtype) if has_bias2 else None
     res = _t(shape, dtype, r_cl) if has_res else None
-    y = bias_residual_add(x, bias, res, out_scale=out_scale)
-    ref32 = bias_residual_add_ref(x, bias, res, out_scale=out_scale)
-    lowp = bias_residual_add_ref(x, bias, res, out_scale=out_scale, upcast=False)
+    y = bias_residual_add(x, bias, res, bias2=bias2, out_scale=out_scale)
+    ref32 = bias_residual_add_ref(x, bias, res, bias2=bias2, out_scale=out_scale)
+    lowp = bias_residual_add_ref(x, bias, res, bias2=bias2, out_scale=out_scale, upcast=False)
     assert y.dtype == dtype and y.shape == x.shape and y.stride() == x.stride()
     assert torch.isfinite(y).all()
     assert_close_rule(y, ref32, lowp, atol=atol)
@@ -48,6 +50,8 @@ def test_input_errors():
         bias_residual_add(torch.randn(8, 4))
     with pytest.raises(ValueError, match="bias must be"):
         bias_residual_add(x, torch.randn(4))
+    with pytest.raises(ValueError, match="bias2 must be"):
+        bias_residual_add(x, bias2=torch.randn(8, 1))
     with pytest.raises(ValueError, match="residual shape"):
         bias_residual_add(x, residual=torch.randn(2, 8, 4, 5))
     with pytest.raises(TypeError, match="residual dtype"):

@@ -33,9 +33,11 @@ def test_sd_shapes(shape, channels_last, dtype):
     b = torch.randn(shape[1], device="cuda", dtype=dtype, generator=g)
     t = torch.empty(x.numel() * x.element_size(), dtype=torch.uint8, device="cuda").fill_(0xFF)
     del t
-    y = bias_residual_add(x, b, r)
+    b2 = torch.randn(shape[1], device="cuda", dtype=dtype, generator=g)  # a 1x1 shortcut conv's bias
+    y = bias_residual_add(x, b, r, bias2=b2)
     assert y.stride() == x.stride()
-    assert_close_rule(y, bias_residual_add_ref(x, b, r), bias_residual_add_ref(x, b, r, upcast=False), atol=ATOL[dtype])
+    ref, lowp = (bias_residual_add_ref(x, b, r, bias2=b2, upcast=u) for u in (True, False))
+    assert_close_rule(y, ref, lowp, atol=ATOL[dtype])
 
 
 def test_mixed_formats_and_graph_capture():
