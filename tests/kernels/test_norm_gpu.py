@@ -182,3 +182,64 @@ def test_torch_compile_fullgraph():
     ey, epre = block(x, cb, r)
     assert torch.equal(y, ey) and torch.equal(pre, epre)
     assert y.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_group_norm_arrival_counters_over_graph_replays():
+    """The statistics kernel finalizes its groups itself through arrival counters (``kernels.arrival``): a captured
+    GroupNorm owns counters from the arena, replays 20 times with new inputs bit-identical to eager calls, and leaves
+    every counter (arena and eager ring) at zero."""
+    from kernels import arrival
+
+    x, w, b, cb, r = _gn_inputs((2, 320, 64, 64), torch.float16, True, cb=True, res=True)
+
+    def step():
+        return group_norm(x, 32, w, b, channel_bias=cb, residual=r, activation="silu", return_sum=True)
+
+    step()  # eager first: the arena exists before the capture
+    graph = torch.cuda.CUDAGraph()
+    s_ = torch.cuda.Stream()
+    s_.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s_):
+        step()
+    torch.cuda.current_stream().wait_stream(s_)
+    with torch.cuda.graph(graph):
+        outs = step()
+    for _ in range(20):
+        for t in (x, cb, r):
+            t.copy_(torch.randn_like(t))
+        graph.replay()
+        torch.cuda.synchronize()
+        for o, e in zip(outs, step()):
+            assert torch.equal(o, e)
+    dev = x.device
+    assert not arrival._arenas[dev][0].any()
+    assert all(not ring[0].any() for key, ring in arrival._rings.items() if key[0] == dev)
+
+
+def test_group_norm_capture_without_counters_uses_the_finalize_launch(monkeypatch, caplog):
+    """Inside a capture with no arena (no eager call on the device before), the separate finalize kernel runs,
+    logged once; the replayed result matches an eager call."""
+    import importlib
+    import logging
+
+    from kernels import arrival
+
+    gn_mod = importlib.import_module("kernels.norm.group_norm")
+
+    x, w, b, cb, r = _gn_inputs((2, 640, 32, 32), torch.float16, True, cb=True, res=True)
+    monkeypatch.setitem(gn_mod._TUNING, "nhwc_onepass", False)  # the two-pass route at this shape
+    want = group_norm(x, 32, w, b, channel_bias=cb, residual=r, activation="silu")  # the fused path
+    monkeypatch.setattr(arrival, "_arenas", {})  # as on a device with no eager call yet
+    monkeypatch.setattr(gn_mod, "_no_counters_logged", set())
+    graph = torch.cuda.CUDAGraph()
+    monkeypatch.setitem(gn_mod._TUNING, "nhwc_fused_finalize", False)
+    group_norm(x, 32, w, b, channel_bias=cb, residual=r, activation="silu")  # compile the separate path eagerly
+    monkeypatch.setitem(gn_mod._TUNING, "nhwc_fused_finalize", True)
+    torch.cuda.synchronize()
+    with caplog.at_level(logging.INFO, logger="sdfast.kernels"):
+        with torch.cuda.graph(graph):
+            out = group_norm(x, 32, w, b, channel_bias=cb, residual=r, activation="silu")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert "separate finalize kernel" in caplog.text
+    torch.testing.assert_close(out, want, atol=2e-3, rtol=0)
