@@ -41,8 +41,6 @@ Method: Wu & He 2018 (GroupNorm); Chan, Golub & LeVeque 1979 (pairwise variance 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
 from typing import Optional
 
 import torch
@@ -50,12 +48,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kernels import arrival
 from kernels.checks import check_like
 from kernels.checks import is_channels_last as _is_channels_last
 from kernels.dispatch import use_triton
-
-log = logging.getLogger("sdfast.kernels")
 
 ACTIVATIONS = (None, "silu")
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -85,9 +80,6 @@ _TUNING = {
     "nhwc_block_c": 64,  # channels per "nhwc_tiles" tile (power of two; capped at C rounded up to one)
     "nhwc_onepass": True,  # channels_last shapes small enough for "onepass" use it (False: two-pass route)
     "nhwc_finalize_elems": 1024,  # partials per loop iteration of the "nhwc_tiles" finalize kernel
-    # "nhwc_tiles": the statistics kernel's last program per group finalizes it (arrival counters): no finalize launch
-    "nhwc_fused_finalize": True,
-    "nhwc_fused_finalize_elems": 2048,  # partials per loop iteration of that finalize (all of a tile's groups at once)
 }
 
 
@@ -513,7 +505,7 @@ def _nhwc_stats_block(acc1, acc2, hw, x_p, r_b, r_c, pre_p, hw_hi, cmask2, cb2, 
     return acc1 + d, acc2 + d * d
 
 
-@triton.jit(do_not_specialize=['S', 'ITERS', 'N_S'])
+@triton.jit(do_not_specialize=['S', 'ITERS'])
 def _gn_nhwc_stats_kernel(
     x_ptr,  # (B, C, H, W) channels_last input, strides (sxb, sxc, sxhw)
     r_ptr,  # (B, C, H, W) residual (either layout), strides (srb, src, srhw); unused without HAS_RES
@@ -521,10 +513,6 @@ def _gn_nhwc_stats_kernel(
     pre_ptr,  # (B, C, H, W) pre-norm sum output, x's strides; unused without WRITE_PRE
     mean_ptr,  # (B, S, C) fp32 per-channel partial means (contiguous)
     m2_ptr,  # (B, S, C) fp32 per-channel partial M2 (contiguous)
-    cnt_ptr,  # (B, G) int32 arrival counters, zero (kernels.arrival); unused without FUSED
-    w_ptr,  # (C,) weight; unused without FUSED and HAS_W
-    mean_c_ptr,  # (B, C) fp32 output of the finalize (see _gn_nhwc_finalize_kernel); unused without FUSED
-    scale_c_ptr,  # (B, C) fp32 output of the finalize; unused without FUSED
     C,
     HW,
     S,  # H*W splits
@@ -537,23 +525,13 @@ def _gn_nhwc_stats_kernel(
     srhw,
     scbb,
     scbc,
-    G,
-    Cg,
-    eps,
     ITERS,  # BLOCK_HW blocks per split (runtime)
-    N_S,  # FBLOCK_S blocks of splits in the finalize (runtime); unused without FUSED
     UNROLL: tl.constexpr,  # ITERS when it is 1 or 2 (an unrolled loop), else 0 (a runtime loop)
     BLOCK_C: tl.constexpr,  # channels per tile (power of two)
     BLOCK_HW: tl.constexpr,
     HAS_CB: tl.constexpr,
     HAS_RES: tl.constexpr,
     WRITE_PRE: tl.constexpr,
-    FUSED: tl.constexpr,  # the last program to finish a group's partials finalizes that group (no finalize launch)
-    NG: tl.constexpr,  # power of two >= the groups one channel tile touches
-    N_CG: tl.constexpr,
-    FBLOCK_S: tl.constexpr,
-    BLOCK_CG: tl.constexpr,
-    HAS_W: tl.constexpr,
 ):
     ct = tl.program_id(0)
     s = tl.program_id(1)
@@ -593,77 +571,6 @@ def _gn_nhwc_stats_kernel(
     p = (b64 * S + s) * C + c
     tl.store(mean_ptr + p, shift + s1 / n_hw, mask=cmask)
     tl.store(m2_ptr + p, tl.maximum(s2 - s1 * s1 / n_hw, 0.0), mask=cmask)
-    if FUSED:
-        # Publish this program's partials (CTA barrier, then a release at GPU scope: CUTLASS's semaphore
-        # pattern), count it in for every group its channel tile touches, and finalize the groups whose
-        # count it completed: group g has S programs in each of the tiles its channels span.
-        tl.debug_barrier()
-        gi = (ct * BLOCK_C) // Cg + tl.arange(0, NG)
-        c_last = tl.minimum((ct + 1) * BLOCK_C, C) - 1
-        touched = (gi * Cg <= c_last) & (gi < G)
-        spans = (tl.minimum((gi + 1) * Cg, C) - 1) // BLOCK_C - (gi * Cg) // BLOCK_C + 1
-        arrived = tl.atomic_add(cnt_ptr + b * G + gi, 1, mask=touched, sem="acq_rel", scope="gpu")
-        mine = touched & (arrived == S * spans - 1)
-        if tl.sum(mine.to(tl.int32), axis=0) > 0:
-            tl.debug_barrier()  # the acquiring threads' view, for every thread of the program
-            tl.store(cnt_ptr + b * G + gi, 0, mask=mine)  # zero again for the next launch
-            _nhwc_finalize_groups(mean_ptr, m2_ptr, w_ptr, mean_c_ptr, scale_c_ptr, b64, gi, mine, C, Cg, HW, S, HWS,
-                                  eps, N_S, NG, N_CG, FBLOCK_S, BLOCK_CG, HAS_W)
-
-
-@triton.jit
-def _nhwc_finalize_groups(mean_ptr, m2_ptr, w_ptr, mean_c_ptr, scale_c_ptr, b64, gi, mine, C, Cg, HW, S, HWS, eps,
-                          N_S, NG: tl.constexpr, N_CG: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_CG: tl.constexpr,
-                          HAS_W: tl.constexpr):
-    """Combine the S x Cg per-channel partials of the groups ``gi`` (NG of them, those where ``mine``) of batch item
-    ``b64`` into per-channel vectors ``mean_c`` (the group's mean) and ``scale_c`` (its rstd x weight[c]).
-
-    Chan's combination; split s has n_s positions of every channel. Each (BLOCK_S, group, BLOCK_CG) block of
-    partials is loaded once and reduced exactly in registers: its mean (summed as deviations from one partial mean,
-    m_ref, so a large common offset does not round away), then its M2 about that mean; the blocks are merged
-    pairwise (SD's split counts take one or two blocks). Loads bypass L1 (``.cg``): in the fused statistics kernel
-    the partials were written by other programs."""
-    p_b = b64 * S * C
-    c0 = gi * Cg  # first channel of each group
-    si = tl.arange(0, BLOCK_S)
-    ci = tl.arange(0, BLOCK_CG)
-    m_ref = tl.load(mean_ptr + p_b + c0, mask=mine, other=0.0, cache_modifier=".cg")
-    run_n = tl.zeros((NG,), dtype=tl.float32)
-    run_mean = tl.zeros((NG,), dtype=tl.float32)
-    run_m2 = tl.zeros((NG,), dtype=tl.float32)
-    i = 0
-    while i < N_S:
-        sidx = i * BLOCK_S + si
-        n_s = tl.where(sidx < S, tl.minimum(HWS, HW - sidx * HWS), 0).to(tl.float32)
-        for j in range(N_CG):  # N_CG == 1 unless a group is wider than 256 channels
-            cidx = j * BLOCK_CG + ci
-            m = (sidx < S)[:, None, None] & mine[None, :, None] & (cidx < Cg)[None, None, :]
-            offs = p_b + sidx[:, None, None] * C + c0[None, :, None] + cidx[None, None, :]
-            w = tl.where(m, n_s[:, None, None], 0.0)
-            pm = tl.load(mean_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
-            pm2 = tl.load(m2_ptr + offs, mask=m, other=0.0, cache_modifier=".cg")
-            n_t = tl.sum(tl.sum(w, axis=2), axis=0)
-            mean_t = m_ref + tl.sum(tl.sum(w * (pm - m_ref[None, :, None]), axis=2), axis=0) / tl.maximum(n_t, 1.0)
-            dev = pm - mean_t[None, :, None]
-            m2_t = tl.sum(tl.sum(tl.where(m, pm2 + w * dev * dev, 0.0), axis=2), axis=0)
-            tot = run_n + n_t
-            frac = n_t / tl.maximum(tot, 1.0)
-            delta = mean_t - run_mean
-            run_m2 = run_m2 + m2_t + delta * delta * run_n * frac
-            run_mean = run_mean + delta * frac
-            run_n = tot
-        i += 1
-    rstd = 1.0 / tl.sqrt(tl.maximum(run_m2 / (Cg * HW * 1.0), 0.0) + eps)
-    for j in range(N_CG):
-        cidx = j * BLOCK_CG + ci
-        cm = mine[:, None] & (cidx < Cg)[None, :]
-        c = c0[:, None] + cidx[None, :]
-        zero = tl.zeros((NG, BLOCK_CG), dtype=tl.float32)
-        scale = rstd[:, None] + zero
-        if HAS_W:
-            scale = scale * tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
-        tl.store(mean_c_ptr + b64 * C + c, run_mean[:, None] + zero, mask=cm)
-        tl.store(scale_c_ptr + b64 * C + c, scale, mask=cm)
 
 
 @triton.jit(do_not_specialize=['S', 'N_S'])
@@ -685,11 +592,55 @@ def _gn_nhwc_finalize_kernel(
     BLOCK_CG: tl.constexpr,
     HAS_W: tl.constexpr,
 ):
-    """One program per (group, batch item): the separate finalize launch (when the statistics kernel cannot
-    finalize itself: no arrival counters inside a CUDA-graph capture, or the ``nhwc_fused_finalize`` knob off)."""
-    gi = tl.program_id(0) + tl.arange(0, 1)
-    _nhwc_finalize_groups(mean_ptr, m2_ptr, w_ptr, mean_c_ptr, scale_c_ptr, tl.program_id(1).to(tl.int64), gi,
-                          gi >= 0, C, Cg, HW, S, HWS, eps, N_S, 1, N_CG, BLOCK_S, BLOCK_CG, HAS_W)
+    g = tl.program_id(0)
+    b = tl.program_id(1)
+    b64 = b.to(tl.int64)
+    p_b = b64 * S * C + g * Cg  # partial (b, s=0, first channel of the group)
+    si = tl.arange(0, BLOCK_S)
+    ci = tl.arange(0, BLOCK_CG)
+    n_g = Cg * HW * 1.0
+    # Chan's combination of S x Cg partials; split s has n_s positions of every channel. Each loop iteration's
+    # (BLOCK_S, BLOCK_CG) block of partials is loaded once and reduced exactly in registers: its mean (summed as
+    # deviations from one partial mean, m_ref, so a large common offset does not round away), then its M2 about
+    # that mean; the blocks are merged pairwise (SD's split counts mostly take one block).
+    m_ref = tl.load(mean_ptr + p_b)
+    run_n = 0.0
+    run_mean = 0.0
+    run_m2 = 0.0
+    i = 0
+    while i < N_S:
+        sidx = i * BLOCK_S + si
+        n_s = tl.where(sidx < S, tl.minimum(HWS, HW - sidx * HWS), 0).to(tl.float32)
+        for j in range(N_CG):  # N_CG == 1 unless a group is wider than 256 channels
+            cidx = j * BLOCK_CG + ci
+            m = (sidx < S)[:, None] & (cidx < Cg)[None, :]
+            offs = p_b + sidx[:, None] * C + cidx[None, :]
+            w = tl.where(m, n_s[:, None], 0.0)
+            pm = tl.load(mean_ptr + offs, mask=m, other=0.0)
+            pm2 = tl.load(m2_ptr + offs, mask=m, other=0.0)
+            n_t = tl.sum(tl.sum(w, axis=1), axis=0)
+            mean_t = m_ref + tl.sum(tl.sum(w * (pm - m_ref), axis=1), axis=0) / tl.maximum(n_t, 1.0)
+            dev = pm - mean_t
+            m2_t = tl.sum(tl.sum(tl.where(m, pm2 + w * dev * dev, 0.0), axis=1), axis=0)
+            tot = run_n + n_t
+            frac = n_t / tl.maximum(tot, 1.0)
+            delta = mean_t - run_mean
+            run_m2 = run_m2 + m2_t + delta * delta * run_n * frac
+            run_mean = run_mean + delta * frac
+            run_n = tot
+        i += 1
+    mean_g = run_mean
+    m2_g = run_m2
+    rstd_g = 1.0 / tl.sqrt(tl.maximum(m2_g / n_g, 0.0) + eps)
+    for j in range(N_CG):
+        cidx = j * BLOCK_CG + ci
+        cm = cidx < Cg
+        c = g * Cg + cidx
+        scale = tl.zeros((BLOCK_CG,), dtype=tl.float32) + rstd_g
+        if HAS_W:
+            scale = scale * tl.load(w_ptr + c, mask=cm, other=0.0).to(tl.float32)
+        tl.store(mean_c_ptr + b64 * C + c, tl.zeros((BLOCK_CG,), dtype=tl.float32) + mean_g, mask=cm)
+        tl.store(scale_c_ptr + b64 * C + c, scale, mask=cm)
 
 
 @triton.jit
@@ -900,37 +851,6 @@ def _unroll(iters: int) -> int:
     return iters if iters <= 2 else 0
 
 
-@functools.lru_cache(maxsize=None)
-def _groups_per_tile(C: int, Cg: int, block_c: int) -> int:
-    """The most groups one BLOCK_C-channel tile of the "nhwc_tiles" path touches (groups may straddle tiles)."""
-    return max(
-        (min((ct + 1) * block_c, C) - 1) // Cg - (ct * block_c) // Cg + 1 for ct in range(-(-C // block_c))
-    )
-
-
-def _fused_block_s(ng: int, block_cg: int) -> int:
-    """Splits per loop iteration of the finalize inside the statistics kernel (NG groups at once): about
-    ``nhwc_fused_finalize_elems`` partials per iteration, independent of S (no recompile at another image size)."""
-    return max(1, min(64, _TUNING["nhwc_fused_finalize_elems"] // (ng * block_cg)))
-
-
-_no_counters_logged: set = set()
-
-
-def _arrival_counters(device: torch.device, n: int) -> Optional[torch.Tensor]:
-    """Zeroed arrival counters for the statistics kernel's own finalize (``kernels.arrival``), or None for the
-    separate finalize launch: the ``nhwc_fused_finalize`` knob off, more than a ring of counters, or a CUDA-graph
-    capture without an arena (logged once per device)."""
-    if not _TUNING["nhwc_fused_finalize"] or n > arrival.RING:
-        return None
-    cnt = arrival.counters(device, n)
-    if cnt is None and device not in _no_counters_logged:
-        _no_counters_logged.add(device)
-        log.info("group_norm: no arrival counters for a launch captured on %s (no eager call before, or the arena is "
-                 "used up); its statistics are combined by a separate finalize kernel", device)
-    return cnt
-
-
 def _finalize_block_s(block_cg: int) -> int:
     """Splits per loop iteration of the "nhwc_tiles" finalize kernel: a function of the group width only, so
     that another image size (another split count S) runs the kernel already compiled, not a new one. About
@@ -1049,26 +969,21 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
         stats_iters, apply_iters = HWS // plan.BLOCK_HW, plan.HWP // plan.BLOCK_HW  # H*W blocks per program
         part = torch.empty((2, B, S, C), dtype=torch.float32, device=x.device)  # per-channel partial mean, M2
         chan = torch.empty((2, B, C), dtype=torch.float32, device=x.device)  # per-channel group mean, rstd * weight
-        cnt = _arrival_counters(x.device, B * G)
-        block_cg = min(_p2(Cg), 256)
-        ng = _p2(_groups_per_tile(C, Cg, bc))
-        fblock_s = _fused_block_s(ng, block_cg)
         _gn_nhwc_stats_kernel[(plan.n_ct, S, B)](
-            x, r, cb, pre if write_pre else x, part[0], part[1], part[0] if cnt is None else cnt, w, chan[0], chan[1],
-            C, HW, S, HWS, *xs, *rs, scbb, scbc, G, Cg, float(eps),
-            ITERS=stats_iters, N_S=-(-S // fblock_s), UNROLL=_unroll(stats_iters), BLOCK_C=bc, BLOCK_HW=plan.BLOCK_HW,
+            x, r, cb, pre if write_pre else x, part[0], part[1],
+            C, HW, S, HWS, *xs, *rs, scbb, scbc,
+            ITERS=stats_iters, UNROLL=_unroll(stats_iters), BLOCK_C=bc, BLOCK_HW=plan.BLOCK_HW,
             HAS_CB=channel_bias is not None, HAS_RES=residual is not None, WRITE_PRE=write_pre,
-            FUSED=cnt is not None, NG=ng, N_CG=-(-Cg // block_cg), FBLOCK_S=fblock_s, BLOCK_CG=block_cg,
-            HAS_W=weight is not None, num_warps=plan.num_warps,
+            num_warps=plan.num_warps,
         )
-        if cnt is None:
-            block_s = _finalize_block_s(block_cg)
-            _gn_nhwc_finalize_kernel[(G, B)](
-                part[0], part[1], w, chan[0], chan[1],
-                C, Cg, HW, S, HWS, float(eps),
-                N_S=-(-S // block_s), N_CG=-(-Cg // block_cg), BLOCK_S=block_s, BLOCK_CG=block_cg,
-                HAS_W=weight is not None, num_warps=4 if block_s * block_cg >= 512 else 1,
-            )
+        block_cg = min(_p2(Cg), 256)
+        block_s = _finalize_block_s(block_cg)
+        _gn_nhwc_finalize_kernel[(G, B)](
+            part[0], part[1], w, chan[0], chan[1],
+            C, Cg, HW, S, HWS, float(eps),
+            N_S=-(-S // block_s), N_CG=-(-Cg // block_cg), BLOCK_S=block_s, BLOCK_CG=block_cg,
+            HAS_W=weight is not None, num_warps=4 if block_s * block_cg >= 512 else 1,
+        )
         _gn_nhwc_apply_kernel[(plan.n_ct, -(-HW // plan.HWP), B)](
             src_x, r, cb, bs, y, chan[0], chan[1],
             C, HW, *xs, *rs, scbb, scbc, y.stride(0), y.stride(1), _hw_stride(y),

@@ -30,9 +30,6 @@ CONFIGS = {
     # BLOCK_HW = 4 at BLOCK_C = 64, 3 H*W splits (the last one partial on most shapes here), apply
     # programs of several BLOCK_HW blocks (a finalize over several loop iterations: test_splits)
     "split": {"nhwc_onepass": False, "tile_elems": 256, "force_splits": 3, "apply_programs": 1},
-    # the same with the separate finalize launch (the statistics kernel's own finalize is the default)
-    "split-separate": {"nhwc_onepass": False, "tile_elems": 256, "force_splits": 3, "apply_programs": 1,
-                       "nhwc_fused_finalize": False},
 }
 
 
@@ -83,7 +80,7 @@ def _split_sizes(plan, HW):
 SD_SHAPES = [(1, 320, 9, 7), (3, 640, 5, 5), (1, 960, 4, 3), (1, 1280, 3, 3)]
 
 
-@pytest.mark.parametrize("config", ["split", "split-separate"], indirect=True)
+@pytest.mark.parametrize("config", ["split"], indirect=True)
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.float16, 2e-3)], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("shape", SD_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_sd_channels_all_fusions(shape, dtype, atol, config):
@@ -95,7 +92,7 @@ def test_sd_channels_all_fusions(shape, dtype, atol, config):
     _check(x, 32, w, b, cb, r, "silu", True, atol)
 
 
-@pytest.mark.parametrize("config", ["split", "split-separate"], indirect=True)
+@pytest.mark.parametrize("config", ["split"], indirect=True)
 @pytest.mark.parametrize("block_c", [64, 128])
 @pytest.mark.parametrize(
     "B,C,G",
@@ -136,7 +133,6 @@ def test_no_affine(fusion, config):
     _check(x, 8, None, None, cb, r, "silu", fusion == "bias_residual", 2e-3)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
 @pytest.mark.parametrize("config", ["tiles"], indirect=True)
 @pytest.mark.parametrize(
     "splits,sizes,finalize_elems",
@@ -144,22 +140,19 @@ def test_no_affine(fusion, config):
      (16, [4] * 15 + [3], 4096), (3, [24, 24, 15], 32), (16, [4] * 15 + [3], 64)],
     ids=["S1", "S2", "S3", "S4", "S16", "S3-fin-loop", "S16-fin-loop"],
 )
-def test_splits(splits, sizes, finalize_elems, fused, config, monkeypatch):
+def test_splits(splits, sizes, finalize_elems, config, monkeypatch):
     """H*W = 63 in 1..16 splits (the last one shorter), combined in one finalize block or over several
-    loop iterations (BLOCK_S = 2 or 4 splits of the 16-channel block at a time; in the statistics kernel's own
-    finalize, 8 groups of 16 channels at a time: 16 or 32 partials per iteration)."""
+    loop iterations (BLOCK_S = 2 or 4 splits of the 16-channel block at a time)."""
     monkeypatch.setitem(gn_mod._TUNING, "tile_elems", 256)
     monkeypatch.setitem(gn_mod._TUNING, "force_splits", splits)
     monkeypatch.setitem(gn_mod._TUNING, "nhwc_finalize_elems", finalize_elems)
-    monkeypatch.setitem(gn_mod._TUNING, "nhwc_fused_finalize_elems", finalize_elems * 4)
-    monkeypatch.setitem(gn_mod._TUNING, "nhwc_fused_finalize", fused)
     x, w, b, cb, r = _inputs(2, 80, 9, 7, torch.float32, cb="BC")
     plan = _plan(x, 8, False)
     assert _split_sizes(plan, 63) == sizes
     _check(x, 8, w, b, cb, None, "silu", True, 1e-5)
 
 
-@pytest.mark.parametrize("config", ["tiles", "split", "split-separate"], indirect=True)
+@pytest.mark.parametrize("config", ["tiles", "split"], indirect=True)
 def test_large_mean_small_std(config):
     """fp32 statistics must not cancel: mean 100, std 0.01 (a sum/sum-of-squares kernel gets NaN or
     errors of order 1 here). Compared with an fp64 reference, within 2x eager fp32 (NCHW Welford)."""
@@ -172,13 +165,12 @@ def test_large_mean_small_std(config):
     assert_close_rule(y, ref64, eager32, atol=1e-4)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "separate"])
-def test_outlying_first_partial(fused, monkeypatch):
+def test_outlying_first_partial(monkeypatch):
     """The finalize kernel's combination of S x Cg partials must not cancel when the partial it shifts by (split 0
     of the group's first channel) is the one outlier: 64 splits of 4 positions, +1 on those 4 values. A one-pass
     "sum about the first partial, minus the square of the mean shift" combination erred by 2e-3 here (fp32);
     within 2x eager fp32 of an fp64 reference."""
-    for k, v in {"nhwc_onepass": False, "tile_elems": 256, "force_splits": 64, "nhwc_fused_finalize": fused}.items():
+    for k, v in {"nhwc_onepass": False, "tile_elems": 256, "force_splits": 64}.items():
         monkeypatch.setitem(gn_mod._TUNING, k, v)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 64, 16, 16, generator=g)
@@ -281,17 +273,14 @@ _KERNELS = ["_gn_onepass_kernel", "_gn_stats_kernel", "_gn_finalize_kernel", "_g
             "_gn_nhwc_stats_kernel", "_gn_nhwc_finalize_kernel", "_gn_nhwc_apply_kernel"]
 
 
-@pytest.mark.parametrize("tiles,fused", [(True, True), (True, False), (False, True)],
-                         ids=["tiles", "tiles-separate-finalize", "group-aligned"])
-def test_launches(tiles, fused, monkeypatch):
-    """With the knob on, an NHWC two-pass call runs the statistics and apply kernels of nhwc_tiles with the plan's
-    grids (the statistics kernel finalizes; with ``nhwc_fused_finalize`` off, a finalize launch between them);
-    off, the group-aligned statistics and apply kernels (with the result right either way)."""
+@pytest.mark.parametrize("tiles", [True, False])
+def test_launches(tiles, monkeypatch):
+    """With the knob on, an NHWC two-pass call runs exactly the three nhwc_tiles kernels with the plan's
+    grids; off, the group-aligned statistics and apply kernels (with the result right either way)."""
     log = []
     for name in _KERNELS:
         monkeypatch.setattr(gn_mod, name, _Spy(name, getattr(gn_mod, name), log))
     monkeypatch.setitem(gn_mod._TUNING, "nhwc_channel_tiles", tiles)
-    monkeypatch.setitem(gn_mod._TUNING, "nhwc_fused_finalize", fused)
     monkeypatch.setitem(gn_mod._TUNING, "onepass_max_elems", 0)
     monkeypatch.setitem(gn_mod._TUNING, "tile_elems", 256)
     monkeypatch.setitem(gn_mod._TUNING, "force_splits", 2)
@@ -304,7 +293,7 @@ def test_launches(tiles, fused, monkeypatch):
     torch.testing.assert_close(pre, ref_pre, atol=0, rtol=0)
     if tiles:
         assert plan.path == "nhwc_tiles" and plan.S == 2
-        assert log == [("_gn_nhwc_stats_kernel", (2, 2, B)), *([] if fused else [("_gn_nhwc_finalize_kernel", (G, B))]),
+        assert log == [("_gn_nhwc_stats_kernel", (2, 2, B)), ("_gn_nhwc_finalize_kernel", (G, B)),
                        ("_gn_nhwc_apply_kernel", (2, -(-HW // plan.HWP), B))]
     else:
         assert plan.path == "twopass"
@@ -340,7 +329,7 @@ def test_another_image_size_launches_the_same_specializations(monkeypatch):
     # left out of Triton's integer specialization (S = 32 and S = 40 would otherwise compile two variants); H*W and
     # HWS are not: without their divisibility ptxas serialized the loads (the module's comment)
     unspecialized = [set(getattr(gn_mod, n).kwargs["do_not_specialize"]) for n in names]
-    assert unspecialized == [{"S", "ITERS", "N_S"}, {"S", "N_S"}, {"ITERS"}]
+    assert unspecialized == [{"S", "ITERS"}, {"S", "N_S"}, {"ITERS"}]
     log = []
     for name in names:
         monkeypatch.setattr(gn_mod, name, _ArgSpy(name, getattr(gn_mod, name), log))
@@ -354,6 +343,6 @@ def test_another_image_size_launches_the_same_specializations(monkeypatch):
         _check(x, 32, w, b, cb, r, "silu", True, 1e-5)
         launches.append(list(log))
     first, second = ([(n, {k: v for k, v in kw.items() if k in consts[n]}) for n, kw in one] for one in launches)
-    assert [n for n, _ in first] == [names[0], names[2]] and first == second  # the statistics kernel finalizes
+    assert [n for n, _ in first] == names and first == second
     runtime = [[kw.get(k) for _, kw in one for k in ("ITERS", "N_S") if k in kw] for one in launches]
-    assert runtime == [[3, 1, 4], [4, 1, 5]]  # stats ITERS and its finalize's N_S, apply ITERS
+    assert runtime == [[3, 2, 4], [4, 2, 5]]  # stats ITERS, finalize N_S, apply ITERS
