@@ -417,7 +417,10 @@ def flash_attention_configs(head_dim: int, elem_size: int = 2, device: Optional[
 
     if not split_dv:
         if d0 + d1 <= 128:  # 40, 64, 80
-            cands = [(128, 64, None, 4, 3), (128, 128, None, 8, 3), (64, 64, None, 4, 3), (128, 32, None, 4, 4)]
+            # (128, 64, 4 warps, 2 stages) replaced (128, 128, 8, 3), best at none of SD's shapes: at SDXL's
+            # cross-attention (1024 x 77 keys, head dim 64) it took 15.6 µs against 19.1 for the best of the other
+            # candidates (H200, run 12, benchmarks/sweep_attention.py)
+            cands = [(128, 64, None, 4, 3), (128, 64, None, 4, 2), (64, 64, None, 4, 3), (128, 32, None, 4, 4)]
         else:  # 160, 256: wide accumulators, more warps per row tile
             cands = [(64, 64, None, 4, 3), (128, 64, None, 8, 3), (64, 32, None, 4, 3), (128, 32, None, 8, 3)]
     else:  # 512: split output columns over the grid, small key tiles

@@ -57,6 +57,7 @@ class TembPack:
         self._state = None
         self._key = None  # (weakref to the temb the leader saw last, its version)
         self._out: torch.Tensor | None = None
+        self._repacks = 0
         self.pack()
 
     # ---- packing --------------------------------------------------------------------------------------
@@ -150,8 +151,11 @@ class TembPack:
         if self.state() != self._state:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 return None  # no new parameter storage inside a capture: each block computes its own
-            log.info("sdfast: time-embedding projections repacked (a module or parameter changed): %d blocks",
-                     self.pack())
+            n = self.pack()
+            # INFO once per pack, then DEBUG: a model offloaded to the CPU between calls moves (repacks) every call
+            log.log(logging.DEBUG if self._repacks else logging.INFO,
+                    "sdfast: time-embedding projections repacked (a module or parameter changed): %d blocks", n)
+            self._repacks += 1
         if self.leader is None or temb.dim() != 2:
             return None
         return F.linear(F.silu(temb), self.weight, self.b_proj + self.b_conv)
