@@ -19,6 +19,7 @@ import triton.language as tl
 
 from kernels.checks import is_channels_last as _is_channels_last
 from kernels.dispatch import use_triton
+from kernels.elementwise._pixels import max_offset, pixel_tiles
 
 TILE_ELEMS = 4096  # elements per program
 INT64_FROM = 2**31 - 1  # element offsets at or above this need 64-bit index math
@@ -74,10 +75,6 @@ def _cat_channels_kernel(
              mask=p_ok & (in_a | in_b))
 
 
-def _max_offset(t: torch.Tensor) -> int:
-    return sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-
-
 def _check_inputs(a, b) -> None:
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
@@ -105,13 +102,11 @@ def _cat_impl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if y.numel() == 0:
         return y
     B, C, H, W = y.shape
-    block_c = min(triton.next_power_of_2(C), 128)
-    block_p = TILE_ELEMS // block_c
     n_pix = B * H * W
-    grid = (triton.cdiv(n_pix, block_p), triton.cdiv(C, block_c))
+    block_p, block_c, grid = pixel_tiles(n_pix, C, TILE_ELEMS)
     _cat_channels_kernel[grid](
         a, b, y, a.shape[1], C, H, W, n_pix, *a.stride(), *b.stride(), *y.stride(),
-        BLOCK_P=block_p, BLOCK_C=block_c, INT64=max(_max_offset(t) for t in (a, b, y)) >= INT64_FROM,
+        BLOCK_P=block_p, BLOCK_C=block_c, INT64=max_offset(a, b, y) >= INT64_FROM,
         num_warps=4,
     )
     return y

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from kernels.checks import is_channels_last as _is_channels_last
 from kernels.dispatch import use_triton
+from kernels.elementwise._pixels import max_offset, pixel_tiles
 
 TILE_ELEMS = 4096  # elements per program
 INT64_FROM = 2**31 - 1  # element offsets at or above this need 64-bit index math
@@ -67,11 +68,6 @@ def _upsample_nearest2x_kernel(
     tl.store(y_ptr + dst[:, None] + c[None, :] * syc, v, mask=mask)
 
 
-def _max_offset(t: torch.Tensor) -> int:
-    """The largest element offset ``t`` reaches through its strides."""
-    return sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-
-
 def _check_input(x) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 4:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -92,13 +88,11 @@ def _upsample_impl(x: torch.Tensor) -> torch.Tensor:
     if y.numel() == 0:
         return y
     B, C, OH, OW = y.shape
-    block_c = min(triton.next_power_of_2(C), 128)
-    block_p = TILE_ELEMS // block_c
     n_pix = B * OH * OW
-    grid = (triton.cdiv(n_pix, block_p), triton.cdiv(C, block_c))
+    block_p, block_c, grid = pixel_tiles(n_pix, C, TILE_ELEMS)
     _upsample_nearest2x_kernel[grid](
         x, y, C, OH, OW, n_pix, *x.stride(), *y.stride(),
-        BLOCK_P=block_p, BLOCK_C=block_c, INT64=max(_max_offset(x), _max_offset(y)) >= INT64_FROM,
+        BLOCK_P=block_p, BLOCK_C=block_c, INT64=max_offset(x, y) >= INT64_FROM,
         num_warps=4,
     )
     return y

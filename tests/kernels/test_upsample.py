@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels.elementwise import upsample_nearest2x, upsample_nearest2x_ref
+from kernels.elementwise._pixels import max_offset
 
 
 def _x(shape, dtype, channels_last):
@@ -47,7 +48,7 @@ def test_64bit_index_path(channels_last, monkeypatch):
     from kernels.elementwise import upsample as mod
 
     view = torch.empty(2, 3, 4, 5)[..., ::2]  # (2, 3, 4, 3), strides (60, 20, 5, 2): 72 elements
-    assert mod._max_offset(view) == 1 * 60 + 2 * 20 + 3 * 5 + 2 * 2 > view.numel()
+    assert max_offset(view) == 1 * 60 + 2 * 20 + 3 * 5 + 2 * 2 > view.numel()
     monkeypatch.setattr(mod, "INT64_FROM", 0)
     x = _x((2, 24, 5, 3), torch.float16, channels_last)
     assert torch.equal(upsample_nearest2x(x), upsample_nearest2x_ref(x))
