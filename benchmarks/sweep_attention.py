@@ -1,7 +1,7 @@
 """Sweep of the flash-attention kernel's tile configs at SD's attention shapes, next to SDPA's backends.
 
 For each shape (the q/k/v layouts the engine passes: (B, L, H, D) projections seen as (B, H, L, D)) every config
-of a grid (BLOCK_M, BLOCK_N, num_warps, num_stages, and the head-dim chunking D0 + D1) is launched directly,
+of a grid (5 tile shapes, 4 or 8 warps, 2 to 4 stages, and the head-dim chunking D0 + D1) is launched directly,
 checked against SDPA's math backend (fp32) and timed with ``triton.testing.do_bench`` (L2 cleared between
 calls); SDPA's cuDNN and flash backends are timed the same way. The point is to find configs the autotuner's
 short list (``flash_attention_configs``) misses. GPU only.
@@ -21,14 +21,19 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# (label, B, H, Lq, Lk, D): SD1.5 512² and SDXL 1024², CFG batch 2
+# (label, B, H, Lq, Lk, D, upcast): SD1.5 512², SDXL 1024², SD2.1 768² (upcast_attention: fp32-accurate P.V in our
+# kernel), CFG batch 2
 SHAPES = [
-    ("sd15 self 64x64", 2, 8, 4096, 4096, 40),
-    ("sd15 self 32x32", 2, 8, 1024, 1024, 80),
-    ("sd15 cross 64x64", 2, 8, 4096, 77, 40),
-    ("sdxl self 64x64", 2, 10, 4096, 4096, 64),
-    ("sdxl self 32x32", 2, 20, 1024, 1024, 64),
-    ("sdxl cross 32x32", 2, 20, 1024, 77, 64),
+    ("sd15 self 64x64", 2, 8, 4096, 4096, 40, False),
+    ("sd15 self 32x32", 2, 8, 1024, 1024, 80, False),
+    ("sd15 cross 64x64", 2, 8, 4096, 77, 40, False),
+    ("sdxl self 64x64", 2, 10, 4096, 4096, 64, False),
+    ("sdxl self 32x32", 2, 20, 1024, 1024, 64, False),
+    ("sdxl cross 32x32", 2, 20, 1024, 77, 64, False),
+    ("sdxl cross 64x64", 2, 10, 4096, 77, 64, False),
+    ("sd21 self 96x96", 2, 5, 9216, 9216, 64, True),
+    ("sd21 self 48x48", 2, 10, 2304, 2304, 64, True),
+    ("sd21 cross 96x96", 2, 5, 9216, 77, 64, True),
 ]
 
 
@@ -42,8 +47,8 @@ def _chunkings(d: int) -> list[tuple[int, int]]:
 
 
 def _configs(d: int, quick: bool):
-    blocks = [(64, 64), (128, 64), (128, 128), (64, 128)] if not quick else [(128, 64), (128, 128)]
-    for (bm, bn), warps, stages, (d0, d1) in itertools.product(blocks, (4, 8), (2, 3), _chunkings(d)):
+    blocks = [(64, 64), (128, 64), (128, 128), (64, 128), (128, 32)] if not quick else [(128, 64), (128, 128)]
+    for (bm, bn), warps, stages, (d0, d1) in itertools.product(blocks, (4, 8), (2, 3, 4), _chunkings(d)):
         yield dict(BLOCK_M=bm, BLOCK_N=bn, D0=d0, D1=d1, DV0=d0, DV1=d1), warps, stages
 
 
@@ -58,7 +63,7 @@ def _inputs(b, h, lq, lk, d, device):
     return proj(lq), proj(lk), proj(lk)
 
 
-def sweep_shape(label, b, h, lq, lk, d, quick, device="cuda"):
+def sweep_shape(label, b, h, lq, lk, d, upcast, quick, device="cuda"):
     import torch
     import torch.nn.functional as F
     import triton
@@ -94,7 +99,7 @@ def sweep_shape(label, b, h, lq, lk, d, quick, device="cuda"):
         if _smem_bytes(meta["BLOCK_M"], meta["BLOCK_N"], meta["D0"] + meta["D1"], meta["D0"] + meta["D1"], stages, 2) > smem:
             continue
         out = _empty_out(q)
-        args, consts, grid = kernel_arguments(q, k, v, out, None, scale, False)
+        args, consts, grid = kernel_arguments(q, k, v, out, None, scale, upcast)
 
         def run(meta=meta, warps=warps, stages=stages, args=args, consts=consts, grid=grid, out=out):
             _flash_attn_fwd_kernel[grid(meta)](*args, **consts, **meta, num_warps=warps, num_stages=stages)
@@ -111,13 +116,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.sweep_attention", description=__doc__)
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="fewer tile shapes")
-    p.add_argument("--only", default=None, help="substring of the shape labels to run")
+    p.add_argument("--only", default=None, help="comma list of substrings of the shape labels to run")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for shape in SHAPES:
-        if args.only and args.only not in shape[0]:
+        if args.only and not any(o in shape[0] for o in args.only.split(",")):
             continue
         t0 = time.perf_counter()
         got = sweep_shape(*shape, quick=args.quick)

@@ -21,7 +21,8 @@ class OptimizeConfig:
     batch_temb: with fuse_norms, the UNet's ResNet blocks' time-embedding projections (SiLU, a tiny GEMM and
         conv1's bias add per block: 22 of each per SD1.5 step, 17 per SDXL step) run as one SiLU, one bias add
         and one GEMM over weights packed at optimize time (``sdfast.passes.time_embedding``; the parameters
-        become views of the pack, so in-place updates are seen). Speed: see the pass's measured figures.
+        become views of the pack, so in-place updates are seen). Speed: SD1.5 5.92 -> 5.71 ms per UNet step, SDXL
+        29.4 -> 29.3 ms (H200, run 12).
         Numerics: the same products and sums; conv1's bias joins the projection's bias in fp16 first.
     channels_last: convolutions and norms run in NHWC with no layout round trips. Speed: cuDNN's
         fastest fp16 convolutions; on CPU it changes nothing numerically.
@@ -33,7 +34,7 @@ class OptimizeConfig:
         ResNet block: 12 per SD1.5 step, 9 per SDXL step) runs on sdfast's channels_last kernel
         (``sdfast.passes.skip_concat``). Speed: PyTorch's kernel for it ran at about 45 % of the H200's memory
         bandwidth. Numerics: identical (a copy). Inference only.
-    conv_bias: the convolutions outside the fused blocks (``conv_in``/``conv_out`` of the UNet and the VAE decoder, the
+    conv_bias: the convolutions outside the fused blocks (``conv_in``/``conv_out`` of the UNet and the VAE, the
         VAE's ``post_quant_conv``, the down- and upsamplers' convolutions) add their bias in one vectorized kernel
         instead of PyTorch's broadcast add (``sdfast.passes.conv_bias``). Speed: that add ran at about 60 % of the
         H200's memory bandwidth (SDXL's fp32 VAE decode: 1.35 ms in it). Numerics: the bias added in fp32 and

@@ -45,6 +45,7 @@ def _vae_decode_in_own_dtype(vae):
 
 
 def _install_graphs(pipe, state: OptimizeState) -> None:
+    from .passes import time_embedding
     from .runtime.cross_kv import CrossKV
     from .runtime.cuda_graphs import GraphCache
 
@@ -57,6 +58,7 @@ def _install_graphs(pipe, state: OptimizeState) -> None:
     original_check = pipe.check_inputs
 
     def check_inputs(self, *args, **kwargs):  # runs at the start of every pipeline call
+        time_embedding.refresh(pipe.unet)  # a repack first, so that the graph check sees its storage at once
         cache.check()
         return original_check(*args, **kwargs)
 

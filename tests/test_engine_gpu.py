@@ -112,8 +112,12 @@ def test_time_embedding_pack_follows_in_place_and_replaced_weights(sd15):
         for p, ts in projs.items():
             for t, w in zip(ts, saved[p]):
                 t.weight = torch.nn.Parameter(w * -8.0, requires_grad=False)
+        stats = fast.pipe._sdfast.graphs.runners["unet"].stats
+        captures = stats.captures
         c, d = stock.txt2img(PROMPT, **kw)[0], fast.txt2img(PROMPT, **kw)[0]
         assert psnr(d, b) < 40 and psnr(c, d) >= 35, (psnr(d, b), psnr(c, d))
+        fast.txt2img(PROMPT, **kw)
+        assert stats.captures == captures + 1  # repacked before the graph check: one recapture, not two
     finally:
         with torch.no_grad():
             for p, ts in projs.items():

@@ -43,14 +43,16 @@ def test_up_blocks_concatenate_on_the_kernel_bit_identically(inputs, monkeypatch
     assert skip_concat.apply(unet) == 0
     calls = _count_cats(monkeypatch)
     assert torch.equal(_run(unet, inputs), want)
-    assert len(calls) == sum(len(b.resnets) for b in unet.up_blocks) == 4
+    # channels_last: the kernel for each up-block ResNet; NCHW (not what the kernel is tuned for): torch.cat
+    assert len(calls) == (sum(len(b.resnets) for b in unet.up_blocks) if channels_last else 0)
+    assert not channels_last or len(calls) == 4
     assert skip_concat.undo(unet) == 2 and "forward" not in unet.up_blocks[0].__dict__
     calls.clear()
     assert torch.equal(_run(unet, inputs), want) and not calls
 
 
 def test_freeu_runs_diffusers_forward(inputs, monkeypatch):
-    unet = sdfast.load("random:tiny", optimize=False).pipe.unet
+    unet = sdfast.load("random:tiny", optimize=False).pipe.unet.to(memory_format=torch.channels_last)
     unet.enable_freeu(s1=0.9, s2=0.2, b1=1.2, b2=1.4)
     want = _run(unet, inputs)
     skip_concat.apply(unet)

@@ -75,7 +75,7 @@ def test_packed_parameters_are_views_so_in_place_updates_are_seen(unets, inputs)
     time_embedding.apply(unet)
     pack = unet._sdfast_temb_pack
     blocks = _resnets(unet)
-    storage = pack.weight.untyped_storage().data_ptr()
+    storage = pack._weight().untyped_storage().data_ptr()
     assert all(b.time_emb_proj.weight.untyped_storage().data_ptr() == storage for b in blocks)
     with torch.no_grad():  # a LoRA fused in place, into the projection and conv1's bias
         for m in (ref, unet):
@@ -99,7 +99,7 @@ def test_a_replaced_parameter_is_repacked(unets, inputs, caplog):
     torch.testing.assert_close(got, _run(ref, inputs), atol=2e-4, rtol=1e-4)
     pack = unet._sdfast_temb_pack
     assert len(pack.slices) == 8
-    assert _resnets(unet)[5].time_emb_proj.weight.untyped_storage().data_ptr() == pack.weight.untyped_storage().data_ptr()
+    assert _resnets(unet)[5].time_emb_proj.weight.untyped_storage().data_ptr() == pack._weight().untyped_storage().data_ptr()
 
 
 class _Wrapped(nn.Module):
@@ -184,3 +184,78 @@ def test_optimize_packs_the_unet_unless_turned_off():
     assert getattr(pipe.unet, "_sdfast_temb_pack", None) is None
     sdfast.optimize(pipe, OptimizeConfig(batch_temb=False))
     assert "temb" not in pipe._sdfast.counts and getattr(pipe.unet, "_sdfast_temb_pack", None) is None
+
+
+def test_to_dtype_repacks_and_keeps_no_old_pack(unets, inputs, caplog):
+    """``unet.to(dtype)`` gives every parameter new storage: the next call repacks (logged), and the pack object holds
+    no reference to the old packed weight (its storage lives in the parameters only). Here a round trip through
+    bf16 (the values rounded the same way in both UNets), compared in fp32."""
+    ref, unet = unets
+    time_embedding.apply(unet)
+    pack = unet._sdfast_temb_pack
+    for m in (ref, unet):
+        m.to(torch.bfloat16).to(torch.float32)
+    with caplog.at_level(logging.INFO, logger="sdfast"):
+        got = _run(unet, inputs)
+    assert "repacked" in caplog.text and pack._weight().dtype == torch.float32
+    assert not any(isinstance(v, torch.Tensor) and v.numel() >= pack._weight().numel() for v in vars(pack).values())
+    torch.testing.assert_close(got, _run(ref, inputs), atol=2e-4, rtol=1e-4)
+
+
+def test_repack_under_inference_mode_keeps_ordinary_parameters(unets, inputs):
+    """A repack inside ``torch.inference_mode`` (a UNet called there after ``.to(...)``) must not turn parameters into
+    inference tensors: stock's stay trainable afterwards, so must ours."""
+    _, unet = unets
+    time_embedding.apply(unet)
+    unet.to(torch.float64).to(torch.float32)
+    with torch.inference_mode():
+        unet(**inputs, return_dict=False)
+    w = _resnets(unet)[2].time_emb_proj.weight
+    assert not w.is_inference() and w.untyped_storage().data_ptr() == \
+        unet._sdfast_temb_pack._weight().untyped_storage().data_ptr()
+    w.requires_grad_(True)  # raises for an inference tensor
+
+
+def test_a_repack_to_fewer_than_two_blocks_and_undo(unets, inputs):
+    """All but one projection wrapped: the repack packs nothing (every block computes its own), and ``undo`` after it
+    restores plain parameters with their own storage."""
+    ref, unet = unets
+    time_embedding.apply(unet)
+    for m in (ref, unet):
+        for b in _resnets(m)[1:]:
+            b.time_emb_proj = _Wrapped(b.time_emb_proj)
+    torch.testing.assert_close(_run(unet, inputs), _run(ref, inputs), atol=2e-4, rtol=1e-4)
+    pack = unet._sdfast_temb_pack
+    assert pack.leader is None and not pack.slices
+    w = _resnets(unet)[3].time_emb_proj.base_layer.weight
+    assert w.untyped_storage().nbytes() == w.numel() * w.element_size()
+    assert time_embedding.undo(unet) == 0
+
+
+def test_refresh_repacks_before_a_call(unets, inputs):
+    """``refresh`` (the optimizer calls it before each pipeline call's CUDA-graph check) repacks at once after a change,
+    so that the check sees the final storage; nothing to do without a change or without the pass."""
+    ref, unet = unets
+    assert time_embedding.refresh(unet) is False  # not applied
+    time_embedding.apply(unet)
+    assert time_embedding.refresh(unet) is False
+    for m in (ref, unet):
+        b = _resnets(m)[4]
+        b.time_emb_proj.bias = nn.Parameter(b.time_emb_proj.bias.detach() + 1, requires_grad=False)
+    assert time_embedding.refresh(unet) is True and time_embedding.refresh(unet) is False
+    pack = unet._sdfast_temb_pack
+    assert pack.state() == pack._state
+    torch.testing.assert_close(_run(unet, inputs), _run(ref, inputs), atol=2e-4, rtol=1e-4)
+
+
+def test_batch_one_and_call_order(unets, inputs):
+    """CFG off (batch 1) gives each block its (1, C) slice; the leader is the first down block's first ResNet, and the
+    pack lists the mid block before the up blocks (the order a UNet call runs them)."""
+    ref, unet = unets
+    time_embedding.apply(unet)
+    one = {k: (v[:1] if k != "timestep" else v) for k, v in inputs.items()}
+    torch.testing.assert_close(_run(unet, one), _run(ref, one), atol=2e-4, rtol=1e-4)
+    pack = unet._sdfast_temb_pack
+    assert pack.leader is unet.down_blocks[0].resnets[0]
+    order = [id(b) for b in pack.blocks]
+    assert order.index(id(unet.mid_block.resnets[0])) < order.index(id(unet.up_blocks[0].resnets[0]))

@@ -544,9 +544,14 @@ def _stride_align(elem_size: int, *tensors: torch.Tensor) -> int:
 
 
 def kernel_arguments(q, k, v, out, key_padding_mask, scale, upcast_softmax):
-    """The kernel's runtime arguments, its constexprs other than the config's, and the grid function of a config's
-    meta-parameters, for one call (what ``_launch`` passes; ``benchmarks/sweep_attention.py`` launches configs with
-    them)."""
+    """``(args, consts, grid)`` for one launch of ``_flash_attn_fwd_kernel``: its runtime arguments, the constexprs
+    that are not a config's, and ``grid(meta)`` for a config's meta-parameters (BLOCK_M, DV0, DV1). What ``_launch``
+    passes; ``benchmarks/sweep_attention.py`` launches chosen configs with them.
+
+    q: (B, H, Lq, D), k and v: (B, H, Lk, D), out: (B, H, Lq, D), any strides, one of ``SUPPORTED_DTYPES``;
+    key_padding_mask: None or a (B or 1, Lk) bool tensor (True = keep); scale: the softmax scale (> 0);
+    upcast_softmax: fp32-accurate probabilities in P.V (ignored for fp32). Inputs are not checked here (see
+    ``_check_inputs``)."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
     elem = q.element_size()

@@ -4,12 +4,13 @@ PyTorch's cuDNN path runs a convolution without its bias and then adds the bias 
 on channels_last memory that kernel is PyTorch's generic (not vectorized) elementwise loop, at about 60 % of the
 H200's memory bandwidth (the SDXL VAE decoder's three upsampler convolutions: 1.35 ms per image in fp32, H200
 run 9 profile). The ResNet blocks and SD 1.x's 1x1 transformer projections already fold their biases
-(``sdfast.passes.norms``, ``sdfast.passes.layout``); this pass covers the rest: the UNet's and the VAE decoder's
-``conv_in``/``conv_out``, the VAE's ``post_quant_conv``, and the convolutions of ``Downsample2D``/``Upsample2D``.
+(``sdfast.passes.norms``, ``sdfast.passes.layout``); this pass covers the rest: the UNet's ``conv_in``/``conv_out``,
+those of the VAE's decoder and encoder, the VAE's ``post_quant_conv``, and the convolutions of
+``Downsample2D``/``Upsample2D``.
 Their forward (per instance, reversible with ``undo``) runs the convolution without bias and then
 ``bias_residual_add(y, bias)``: one read and one write of the output, the bias added in fp32 and rounded once.
 What the kernel does not take (not 4-D, another dtype than fp16/bf16/fp32, a bias in another dtype than the
-input's, autocast, gradients) runs ``nn.Conv2d.forward``.
+input's or removed since, autocast, gradients) runs ``nn.Conv2d.forward``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
 
 def conv_bias_forward(self, x: torch.Tensor) -> torch.Tensor:
     """``nn.Conv2d.forward`` with the bias added by ``bias_residual_add``."""
-    if (x.dim() != 4 or x.dtype not in _KERNEL_DTYPES or self.bias.dtype != x.dtype
+    if (self.bias is None or x.dim() != 4 or x.dtype not in _KERNEL_DTYPES or self.bias.dtype != x.dtype
             or torch.is_autocast_enabled(x.device.type) or _needs_grad(self, x)):
         return nn.Conv2d.forward(self, x)
     y = self._conv_forward(x, self.weight, None)

@@ -5,8 +5,8 @@ before each ResNet block. On channels_last memory PyTorch's kernel for it ran at
 bandwidth (``kernels.elementwise.concat``). The rebound forward (per instance, reversible with ``undo``) is
 diffusers' forward with that one call on ``cat_channels``, bit-identical. Whatever else the forward can do runs
 diffusers' own: FreeU (``enable_freeu``, which rescales the two tensors first), gradient checkpointing while
-gradients are on, the deprecated positional ``scale`` argument; tensors that need gradients are concatenated by
-``torch.cat`` (the kernel has no autograd formula).
+gradients are on, the deprecated positional ``scale`` argument; tensors that are not channels_last (the kernel is
+tuned for that layout) or that need gradients (it has no autograd formula) are concatenated by ``torch.cat``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ def _freeu(block: nn.Module) -> bool:
 def _cat(hidden_states: torch.Tensor, res_hidden_states: torch.Tensor) -> torch.Tensor:
     grads = torch.is_grad_enabled() and (hidden_states.requires_grad or res_hidden_states.requires_grad)
     if hidden_states.dim() == res_hidden_states.dim() == 4 and hidden_states.dtype == res_hidden_states.dtype \
-            and not grads:  # the kernel has no autograd formula
+            and hidden_states.is_contiguous(memory_format=torch.channels_last) \
+            and not grads:  # channels_last: what the kernel is tuned for (NCHW: torch.cat); no autograd formula
         return cat_channels(hidden_states, res_hidden_states)
     return torch.cat([hidden_states, res_hidden_states], dim=1)
 

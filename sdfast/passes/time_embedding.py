@@ -48,15 +48,18 @@ def _version(t: torch.Tensor) -> int | None:
 
 
 class TembPack:
-    """The packed projections of ``blocks`` (ResnetBlock2D with a ``time_emb_proj``, in UNet call order)."""
+    """The packed projections of ``blocks`` (ResnetBlock2D with a ``time_emb_proj``, in UNet call order: down, mid,
+    up blocks)."""
 
     def __init__(self, blocks: list[nn.Module]):
         self.blocks = list(blocks)
         self.slices: dict[int, tuple[int, int]] = {}  # id(block) -> (first column, columns) in the pack
         self.leader: nn.Module | None = None
         self._state = None
-        self._key = None  # (weakref to the temb the leader saw last, its version)
-        self._out: torch.Tensor | None = None
+        self._shape = (0, 0)  # the packed weight's (sum C, T); its storage is held by the blocks' parameters only
+        self._storages: set[int] = set()  # storage pointers of the pack (to detach its views), no references
+        self.b_proj = self.b_conv = None  # (sum C,) packed biases (zeros for a block without one)
+        self._last = None  # (weakref to the temb the leader saw last, its version, the packed result)
         self._repacks = 0
         self.pack()
 
@@ -81,15 +84,18 @@ class TembPack:
         return tuple(out)
 
     def pack(self) -> int:
-        """(Re)build the pack from the blocks' current parameters; returns how many blocks it holds."""
-        self._detach()
-        self.slices, self.leader, self._key, self._out = {}, None, None, None
-        plain = [b for b in self.blocks if runs_as_its_class(b.time_emb_proj, nn.Linear)]
-        members = [b for b in self.blocks if plain and self._usable(b, plain[0].time_emb_proj.weight)]
-        if len(members) >= 2:
-            with torch.no_grad():
+        """(Re)build the pack from the blocks' current parameters; returns how many blocks it holds. Parameters stay
+        ordinary tensors under ``torch.inference_mode``, as stock's do."""
+        with torch.inference_mode(False), torch.no_grad():
+            self._detach()
+            self.slices, self.leader, self._last = {}, None, None
+            self.b_proj = self.b_conv = None
+            self._storages, self._shape = set(), (0, 0)
+            plain = [b for b in self.blocks if runs_as_its_class(b.time_emb_proj, nn.Linear)]
+            members = [b for b in self.blocks if plain and self._usable(b, plain[0].time_emb_proj.weight)]
+            if len(members) >= 2:
                 self._pack(members)
-            self.leader = members[0]
+                self.leader = members[0]
         self._state = self.state()
         return len(self.slices)
 
@@ -101,12 +107,14 @@ class TembPack:
             zeros = proj.weight.new_zeros(proj.out_features)
             bp.append(zeros if proj.bias is None else proj.bias.detach())
             bc.append(zeros if cb is None else cb.detach())
-        self.weight, self.b_proj, self.b_conv = torch.cat(ws), torch.cat(bp), torch.cat(bc)
+        weight, self.b_proj, self.b_conv = torch.cat(ws), torch.cat(bp), torch.cat(bc)
+        self._shape = tuple(weight.shape)
+        self._storages = {t.untyped_storage().data_ptr() for t in (weight, self.b_proj, self.b_conv)}
         first = 0
         for b in members:
             n = b.time_emb_proj.out_features
             proj, cb = b.time_emb_proj, folded_conv_bias(b.conv1)
-            proj.weight.data = self.weight[first:first + n]
+            proj.weight.data = weight[first:first + n]
             if proj.bias is not None:
                 proj.bias.data = self.b_proj[first:first + n]
             if cb is not None:
@@ -117,48 +125,69 @@ class TembPack:
     def unpack(self) -> int:
         """Give every packed parameter its own storage again; returns how many blocks were packed."""
         n = len(self.slices)
-        self._detach()
-        self.slices, self.leader, self._key, self._out = {}, None, None, None
+        with torch.inference_mode(False), torch.no_grad():
+            self._detach()
+        self.slices, self.leader, self._last, self.b_proj, self.b_conv = {}, None, None, None, None
         return n
 
     def _detach(self) -> None:
         """Clone every parameter of the blocks' projections and conv1s (wrapped ones too) that is a view of the
         pack, so that a dropped pack's storage is freed."""
-        if not self.slices:
-            return
-        packs = {t.untyped_storage().data_ptr() for t in (self.weight, self.b_proj, self.b_conv)}
-        with torch.no_grad():
-            for b in self.blocks:
-                for t in (*b.time_emb_proj.parameters(), *b.conv1.parameters()):
-                    if t.untyped_storage().data_ptr() in packs:
-                        t.data = t.data.clone()
+        for b in self.blocks if self._storages else ():
+            for t in (*b.time_emb_proj.parameters(), *b.conv1.parameters()):
+                if t.untyped_storage().data_ptr() in self._storages:
+                    t.data = t.data.clone()
+
+    def _weight(self) -> torch.Tensor:
+        """The packed (sum C, T) weight, seen through the leader's parameter (a view at the start of the pack: the
+        state check guarantees it). No reference of the pack's own: the storage lives as long as the parameters."""
+        w0 = self.leader.time_emb_proj.weight.detach()
+        return w0.as_strided(self._shape, (self._shape[1], 1), w0.storage_offset())
+
+    def refresh(self) -> bool:
+        """Repack now if a module or parameter changed (outside a CUDA-graph capture); True if it repacked. The
+        optimizer calls it before each pipeline call's graph check, so that the check sees the new parameter
+        storage at once and one capture follows, not two."""
+        if self.state() == self._state or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            return False
+        n = self.pack()
+        # INFO once, then DEBUG: a model offloaded to the CPU between calls moves (repacks) at every call
+        log.log(logging.DEBUG if self._repacks else logging.INFO,
+                "sdfast: time-embedding projections repacked (a module or parameter changed): %d blocks", n)
+        self._repacks += 1
+        return True
 
     # ---- per call -------------------------------------------------------------------------------------
     def lookup(self, block: nn.Module, temb: torch.Tensor) -> torch.Tensor | None:
         """``block``'s ``time_emb_proj(silu(temb))`` + conv1's folded bias, (B, C), a column slice of the packed
         result; None when the block must compute its own (see the module docstring)."""
         if block is self.leader or (self.leader is None and block is self.blocks[0]):
-            self._out = self._compute(temb)
-            self._key = (weakref.ref(temb), _version(temb))
-        elif self._key is None or self._key[0]() is not temb or self._key[1] != _version(temb):
-            return None
-        if self._out is None or id(block) not in self.slices:
+            last = (weakref.ref(temb), _version(temb), self._compute(temb))
+            self._last = last
+        else:
+            last = self._last  # one read: (key, result) stay paired even if another thread's leader runs
+            if last is None or last[0]() is not temb or last[1] != _version(temb):
+                return None
+        if last[2] is None or id(block) not in self.slices:
             return None
         first, n = self.slices[id(block)]
-        return self._out[:, first:first + n]
+        return last[2][:, first:first + n]
 
     def _compute(self, temb: torch.Tensor) -> torch.Tensor | None:
-        if self.state() != self._state:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                return None  # no new parameter storage inside a capture: each block computes its own
-            n = self.pack()
-            # INFO once per pack, then DEBUG: a model offloaded to the CPU between calls moves (repacks) every call
-            log.log(logging.DEBUG if self._repacks else logging.INFO,
-                    "sdfast: time-embedding projections repacked (a module or parameter changed): %d blocks", n)
-            self._repacks += 1
+        if self.state() != self._state and not self.refresh():
+            return None  # changed inside a capture: no new parameter storage there; each block computes its own
         if self.leader is None or temb.dim() != 2:
             return None
-        return F.linear(F.silu(temb), self.weight, self.b_proj + self.b_conv)
+        return F.linear(F.silu(temb), self._weight(), self.b_proj + self.b_conv)
+
+
+def _call_order(unet: nn.Module) -> list[nn.Module]:
+    """``unet``'s modules with its down, mid and up blocks in the order a UNet call runs them (``modules()`` lists
+    the up blocks before the mid block), then any others."""
+    parts = [getattr(unet, n, None) for n in ("down_blocks", "mid_block", "up_blocks")]
+    ordered = [m for p in parts if isinstance(p, nn.Module) for m in p.modules()]
+    seen = {id(m) for m in ordered}
+    return ordered + [m for m in unet.modules() if id(m) not in seen]
 
 
 def apply(unet: nn.Module) -> int:
@@ -168,7 +197,7 @@ def apply(unet: nn.Module) -> int:
 
     if getattr(unet, "_sdfast_temb_pack", None) is not None:
         return 0
-    blocks = [m for m in unet.modules() if isinstance(m, ResnetBlock2D) and getattr(m, "_sdfast_norms", False)
+    blocks = [m for m in _call_order(unet) if isinstance(m, ResnetBlock2D) and getattr(m, "_sdfast_norms", False)
               and m.time_emb_proj is not None]
     pack = TembPack(blocks)
     if not pack.slices:
@@ -177,6 +206,12 @@ def apply(unet: nn.Module) -> int:
     for b in blocks:
         b._sdfast_temb = pack
     return len(pack.slices)
+
+
+def refresh(unet: nn.Module) -> bool:
+    """Repack ``unet``'s time-embedding projections if they changed (``TembPack.refresh``); False when not applied."""
+    pack = getattr(unet, "_sdfast_temb_pack", None)
+    return pack is not None and pack.refresh()
 
 
 def undo(unet: nn.Module) -> int:

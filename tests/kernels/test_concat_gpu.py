@@ -19,12 +19,14 @@ SHAPES = [(1280, 1280, 8), (1280, 1280, 16), (1280, 640, 16), (1280, 640, 32), (
 
 @pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
 @pytest.mark.parametrize("c1,c2,h", SHAPES)
-def test_sd_shapes_bit_identical(c1, c2, h, channels_last):
+def test_sd_shapes_bit_identical(c1, c2, h, channels_last, monkeypatch):
+    from kernels.elementwise import concat as mod
+
+    real = mod._empty_output
+    monkeypatch.setattr(mod, "_empty_output", lambda a, b: real(a, b).fill_(float("nan")))  # a skipped element stays NaN
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     a = torch.randn(2, c1, h, h, device="cuda", dtype=torch.float16).contiguous(memory_format=fmt)
     b = torch.randn(2, c2, h, h, device="cuda", dtype=torch.float16).contiguous(memory_format=fmt)
-    nan = torch.empty(4 * (a.numel() + b.numel()), device="cuda", dtype=a.dtype).fill_(float("nan"))  # poison
-    del nan
     y = cat_channels(a, b)
     assert y.is_contiguous(memory_format=fmt)
     assert torch.equal(y, torch.cat([a, b], dim=1))
