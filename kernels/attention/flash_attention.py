@@ -417,9 +417,10 @@ def flash_attention_configs(head_dim: int, elem_size: int = 2, device: Optional[
 
     if not split_dv:
         if d0 + d1 <= 128:  # 40, 64, 80
-            # (128, 64, 4 warps, 2 stages) replaced (128, 128, 8, 3), best at none of SD's shapes: at SDXL's
-            # cross-attention (1024 x 77 keys, head dim 64) it took 15.6 µs against 19.1 for the best of the other
-            # candidates (H200, run 12, benchmarks/sweep_attention.py)
+            # (128, 64, 4 warps, 2 stages) replaced (128, 128, 8, 3), which was the fastest of these candidates at
+            # none of 10 SD1.5/SDXL/SD2.1 attention shapes (H200, run 12, benchmarks/sweep_attention.py, calls B
+            # and H); the new one is within 2-6 % of the sweep's best at the cross-attentions. No engine-level
+            # change was measurable.
             cands = [(128, 64, None, 4, 3), (128, 64, None, 4, 2), (64, 64, None, 4, 3), (128, 32, None, 4, 4)]
         else:  # 160, 256: wide accumulators, more warps per row tile
             cands = [(64, 64, None, 4, 3), (128, 64, None, 8, 3), (64, 32, None, 4, 3), (128, 32, None, 8, 3)]
