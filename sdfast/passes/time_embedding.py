@@ -17,8 +17,12 @@ When it does not apply, a block computes its own projection exactly as before (n
 - a block called with another ``temb`` than the one the leader saw last (a block run on its own);
 - a block not in the pack: ``skip_time_act``, a ``time_emb_proj`` that is not a plain ``nn.Linear`` (a PEFT LoRA
   wrapper, a quantized linear), another dtype, device or input width than the pack's;
-- the pack's state changed (a module or parameter replaced, ``module.to(...)``): the leader repacks at its next
-  call outside CUDA-graph capture (inside one, every block computes its own until then), and logs it.
+- the pack's state changed (a module or parameter replaced, ``module.to(...)``): it is repacked (and logged) before
+  the next pipeline call's CUDA-graph check (``refresh``, from the optimizer), or else by the leader at its next
+  call outside a capture (inside one, every block computes its own until then).
+
+The pack keeps no reference to its packed weight: it sees it through the leader's parameter, so the storage is freed
+with the parameters (after ``module.to(...)``, under model CPU offload).
 """
 
 from __future__ import annotations
