@@ -19,7 +19,7 @@ import triton.language as tl
 
 from kernels.checks import is_channels_last as _is_channels_last
 from kernels.dispatch import use_triton
-from kernels.elementwise._pixels import max_offset, pixel_tiles
+from kernels.elementwise._pixels import max_offset, pixel_channel_tile, pixel_tiles
 
 TILE_ELEMS = 4096  # elements per program
 INT64_FROM = 2**31 - 1  # element offsets at or above this need 64-bit index math
@@ -57,15 +57,7 @@ def _cat_channels_kernel(
     BLOCK_C: tl.constexpr,
     INT64: tl.constexpr,
 ):
-    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # pixel, (b, h, w) flattened
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    if INT64:
-        p = p.to(tl.int64)
-        c = c.to(tl.int64)
-    w = p % W
-    t = p // W
-    h = t % H
-    bi = t // H
+    p, c, bi, h, w = pixel_channel_tile(H, W, BLOCK_P, BLOCK_C, INT64)
     p_ok = (p < NP)[:, None]
     in_a = (c < C1)[None, :]
     in_b = ((c >= C1) & (c < C))[None, :]

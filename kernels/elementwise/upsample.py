@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kernels.checks import is_channels_last as _is_channels_last
 from kernels.dispatch import use_triton
-from kernels.elementwise._pixels import max_offset, pixel_tiles
+from kernels.elementwise._pixels import max_offset, pixel_channel_tile, pixel_tiles
 
 TILE_ELEMS = 4096  # elements per program
 INT64_FROM = 2**31 - 1  # element offsets at or above this need 64-bit index math
@@ -52,15 +52,7 @@ def _upsample_nearest2x_kernel(
     BLOCK_C: tl.constexpr,
     INT64: tl.constexpr,
 ):
-    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # output pixel, (b, oh, ow) flattened
-    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    if INT64:
-        p = p.to(tl.int64)
-        c = c.to(tl.int64)  # c * sxc: in NCHW sxc is H*W, so the channel offset alone can pass 2**31
-    ow = p % OW
-    t = p // OW
-    oh = t % OH
-    b = t // OH
+    p, c, b, oh, ow = pixel_channel_tile(OH, OW, BLOCK_P, BLOCK_C, INT64)  # output pixels
     src = b * sxb + (oh // 2) * sxh + (ow // 2) * sxw
     dst = b * syb + oh * syh + ow * syw
     mask = (p < NP)[:, None] & (c < C)[None, :]
