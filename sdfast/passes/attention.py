@@ -692,6 +692,28 @@ def _fused_layer(attn: nn.Module, name: str) -> Optional[nn.Module]:
 CROSS_KV_ATTR = "_sdfast_cross_kv"
 
 
+def split_projection(fused: nn.Linear, x: torch.Tensor, parts: int) -> tuple[torch.Tensor, ...]:
+    """The ``parts`` equal projections packed in ``fused`` (weight (parts * N, K): rows ``[i * N, (i + 1) * N)``
+    are projection ``i``; bias (parts * N,) or None) applied to ``x`` (..., K), as ONE batched GEMM:
+    ``bmm(x broadcast to (parts, M, K), weight viewed (parts, K, N))`` writes (parts, M, N), so each projection
+    comes back contiguous, (..., N), in the layout its own ``nn.Linear`` gives. One wide GEMM (``fused(x)``)
+    would give (..., parts * N), whose per-projection views are interleaved (row stride parts * N): torch 2.11's
+    SDPA faulted on those on the H200 and had to get packed copies (see ``_sdpa_layout``). Same products and
+    fp32 accumulation as the separate GEMMs. Raises ``ValueError`` if the weight's rows do not split in ``parts``."""
+    w = fused.weight
+    if w.shape[0] % parts:
+        raise ValueError(f"split_projection: {w.shape[0]} weight rows do not split into {parts} projections")
+    n, k = w.shape[0] // parts, w.shape[1]
+    x2 = x.reshape(-1, k)
+    a = x2.unsqueeze(0).expand(parts, *x2.shape)  # batch stride 0: the input is read, never copied
+    wt = w.view(parts, n, k).transpose(1, 2)
+    if fused.bias is None:
+        out = torch.bmm(a, wt)
+    else:
+        out = torch.baddbmm(fused.bias.view(parts, 1, n), a, wt)
+    return out.view(parts, *x.shape[:-1], n).unbind(0)
+
+
 def project_kv(attn: nn.Module, context: torch.Tensor, *, cross: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of ``attn`` for ``context`` (B, Lk, C_ctx), as diffusers' ``AttnProcessor2_0`` computes them:
     ``norm_cross`` first (cross-attention only), then ``to_k``/``to_v`` (one ``to_kv`` GEMM when fused).
@@ -701,9 +723,9 @@ def project_kv(attn: nn.Module, context: torch.Tensor, *, cross: bool) -> tuple[
     heads = attn.heads
     to_kv = _fused_layer(attn, "to_kv")
     if to_kv is not None:
-        kv = to_kv(context)  # (B, Lk, 2 * H * D)
-        head_dim = kv.shape[-1] // (2 * heads)
-        return kv.view(kv.shape[0], kv.shape[1], 2, heads, head_dim).unbind(2)
+        key, value = split_projection(to_kv, context, 2)
+        head_dim = key.shape[-1] // heads
+        return key.view(*key.shape[:2], heads, head_dim), value.view(*value.shape[:2], heads, head_dim)
     key = attn.to_k(context)
     value = attn.to_v(context)
     head_dim = key.shape[-1] // heads
@@ -787,10 +809,9 @@ class SdfastAttnProcessor:
         heads = attn.heads
         to_qkv = _fused_layer(attn, "to_qkv") if encoder_hidden_states is None else None
         if to_qkv is not None:
-            qkv = to_qkv(hidden_states)  # (B, L, 3 * H * D)
-            head_dim = qkv.shape[-1] // (3 * heads)
-            query, key, value = qkv.view(qkv.shape[0], qkv.shape[1], 3, heads, head_dim).unbind(2)
-            return query, key, value, head_dim
+            query, key, value = split_projection(to_qkv, hidden_states, 3)
+            head_dim = query.shape[-1] // heads
+            return tuple(t.view(*t.shape[:2], heads, head_dim) for t in (query, key, value)) + (head_dim,)
         query = attn.to_q(hidden_states)
         cached = None
         if encoder_hidden_states is not None and (kv_cache := getattr(attn, CROSS_KV_ATTR, None)) is not None:
