@@ -20,16 +20,19 @@ from .schedulers import check_steps, make_scheduler
 log = logging.getLogger("sdfast")
 
 
-def _to_uint8(images: torch.Tensor) -> tuple[np.ndarray, bool]:
-    """A pipeline's ``output_type="pt"`` images, (N, C, H, W) in [0, 1] on any device, as (N, H, W, C) uint8 on
-    the host, and whether every value was finite. The arithmetic of diffusers' ``pt_to_numpy`` and
+def _to_uint8(images: torch.Tensor, flags: tuple[torch.Tensor, ...] = ()) -> tuple[np.ndarray, bool]:
+    """A pipeline's ``output_type="pt"`` images, (N, C, H, W) in [0, 1] on any device, as C-contiguous (N, H, W, C)
+    uint8 on the host, and whether every value was finite and every one-element bool tensor of ``flags`` (e.g. the
+    VAE decoder output's own check, still on the GPU) is True. The arithmetic of diffusers' ``pt_to_numpy`` and
     ``numpy_to_pil`` (fp32 ``x * 255``, round half to even, cast), bit for bit, but on the images' device: on the
     H200's host, numpy's pass took 8 ms of a 512² image and 21 ms of a 1024² one (``benchmarks/trace_e2e.py``).
-    From a GPU both come back in one wait, through pinned host memory (``non_blocking`` copies to the CPU land in
-    pinned memory): a pageable copy of a 1024² image held the host 1.5 ms (run 10)."""
+    From a GPU the pixels and the flags come back in one wait, through pinned host memory (``non_blocking`` copies
+    to the CPU land in pinned memory): a pageable copy of a 1024² image held the host 1.5 ms (run 10). The pixels
+    are made (N, H, W, C)-contiguous on the device: PIL's ``fromarray`` copies a strided array through
+    ``tobytes`` first (about 1 ms of a 512² image on the H200's host, with the GPU idle)."""
     x = images.permute(0, 2, 3, 1).float()
-    finite = torch.isfinite(x).all()
-    pixels = (x * 255).round().to(torch.uint8)
+    finite = torch.stack([torch.isfinite(x).all(), *(f.reshape(()).to(x.device) for f in flags)]).all()
+    pixels = (x * 255).round().to(torch.uint8).contiguous()
     if pixels.device.type != "cuda":
         return pixels.cpu().numpy(), bool(finite)
     host, finite = pixels.to("cpu", non_blocking=True), finite.to("cpu", non_blocking=True)
@@ -174,8 +177,8 @@ class Engine:
             host_timesteps.release(sched)
         pipe.set_progress_bar_config(disable=not progress)
         finite = []
-        hook = pipe.vae.decoder.register_forward_hook(
-            lambda module, args, output: finite.append(bool(torch.isfinite(output).all()))
+        hook = pipe.vae.decoder.register_forward_hook(  # a flag on the device: no wait for the decoder here
+            lambda module, args, output: finite.append(torch.isfinite(output).all())
         )
         mark = graphs.mark() if graphs is not None else None
         t0 = time.perf_counter()
@@ -201,9 +204,9 @@ class Engine:
             raise
         finally:
             hook.remove()
-        pixels, images_finite = _to_uint8(out.images)
+        pixels, all_finite = _to_uint8(out.images, tuple(finite))
         self.last_timings = {"total_s": time.perf_counter() - t0}
-        if not all(finite) or not images_finite:
+        if not all_finite:
             low = pipe.unet.dtype in (torch.float16, torch.bfloat16)
             raise NonFiniteOutputError(
                 "the pipeline produced NaN/Inf values; no image is returned. "

@@ -218,3 +218,6 @@ def test_pixels_from_the_gpu_match_the_cpu_path():
     again, _ = _to_uint8(torch.zeros_like(x).cuda())
     assert gpu_finite and cpu_finite and np.array_equal(gpu_pixels, cpu_pixels) and not again.any()
     assert not _to_uint8(x.cuda().masked_fill(x.cuda() > 0.9, float("nan")))[1]
+    assert gpu_pixels.flags["C_CONTIGUOUS"]
+    ok, bad = torch.ones((), dtype=torch.bool, device="cuda"), torch.zeros((), dtype=torch.bool, device="cuda")
+    assert _to_uint8(x.cuda(), (ok,))[1] and not _to_uint8(x.cuda(), (ok, bad))[1]  # the decoder's flag, same wait

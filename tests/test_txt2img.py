@@ -35,6 +35,8 @@ def test_pixels_are_diffusers_numpy_to_pil_bit_for_bit(dtype):
     assert finite and pixels.dtype == np.uint8 and pixels.shape == (2, 40, 40, 3)
     assert all(np.array_equal(p, np.asarray(s)) for p, s in zip(pixels, stock))
     assert not _to_uint8(x.masked_fill(x > 0.999, float("nan")))[1]
+    assert pixels.flags["C_CONTIGUOUS"]  # PIL's fromarray would copy a strided array through tobytes first
+    assert _to_uint8(x, (torch.tensor(True),))[1] and not _to_uint8(x, (torch.tensor(True), torch.tensor(False)))[1]
 
 
 def test_seed_determinism(tiny_engine):
