@@ -29,6 +29,10 @@ def test_replaced_moved_or_restructured_weights_are_changes():
     assert watch.changed()
     m.register_buffer("scale", torch.ones(1))  # a new buffer
     assert watch.changed()
+    m[0].bias = None  # a parameter set to None (the watch lists only the tensors)...
+    assert watch.changed()
+    m[0].bias = nn.Parameter(torch.zeros(4))  # ...and back to a tensor
+    assert watch.changed() and not watch.changed()
     m[2][0] = nn.Linear(4, 2)  # a replaced submodule (what a LoRA loader does)
     assert watch.changed()
     m.to(torch.float64)  # every storage moves
