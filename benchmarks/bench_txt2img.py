@@ -325,7 +325,8 @@ SYSTEMS: dict[str, System] = {
     "compile": System("compile", build_compile, "stock + torch.compile(unet, mode='reduce-overhead', fullgraph=True)"),
     "sdfast": System("sdfast", build_sdfast, "sdfast.load(optimize=True): default OptimizeConfig"),
     # A/B of single OptimizeConfig flags against the default, in the same run
-    "sdfast-fuse_qkv": System("sdfast-fuse_qkv", partial(build_sdfast, fuse_qkv=True), "sdfast, OptimizeConfig(fuse_qkv=True)"),
+    "sdfast-no_fuse_qkv": System("sdfast-no_fuse_qkv", partial(build_sdfast, fuse_qkv=False),
+                                 "sdfast, OptimizeConfig(fuse_qkv=False)"),
     "sdfast-kv_every_step": System("sdfast-kv_every_step", partial(build_sdfast, cross_kv_once=False),
                                    "sdfast, OptimizeConfig(cross_kv_once=False)"),
     "sdfast-vae_fp32_attention": System("sdfast-vae_fp32_attention", partial(build_sdfast, vae_tf32=False),
