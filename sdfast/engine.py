@@ -163,11 +163,15 @@ class Engine:
                 stacklevel=2,
             )
         graphs = getattr(getattr(pipe, "_sdfast", None), "graphs", None)
-        if report.chunks > 1:
-            log.info("sdfast: long prompt encoded in %d windows of %d tokens", report.chunks, prompt_policy.WINDOW)
-            if graphs is not None:  # the pipeline's own check (check_inputs) comes after this encoder runs
-                graphs.check()
-            text = prompt_policy.encode_chunked(pipe, prompts, negatives, report.chunks, do_cfg=do_cfg)
+        if report.chunks > 1 or graphs is not None:
+            # Long prompts: windows (stock would truncate). Graphed pipelines: prompt and negative prompt in one
+            # text-encoder batch, one graph replay per encoder instead of two (SD1.5: about 1 ms of an image).
+            if report.chunks > 1:
+                log.info("sdfast: long prompt encoded in %d windows of %d tokens", report.chunks, prompt_policy.WINDOW)
+            if graphs is not None:  # the pipeline's own check (check_inputs, all graphs) comes after the encoders run
+                graphs.check(names=("text_encoder", "text_encoder_2"))
+            text = prompt_policy.encode_chunked(pipe, prompts, negatives, report.chunks, do_cfg=do_cfg,
+                                                batch_cfg=graphs is not None)
         else:
             text = {"prompt": prompts, "negative_prompt": negatives}
         pipe.scheduler = sched

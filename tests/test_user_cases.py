@@ -201,6 +201,11 @@ def test_chunked_window_equals_diffusers_encode_prompt(arch):
     names = ["prompt_embeds", "negative_prompt_embeds"] + (["pooled_prompt_embeds", "negative_pooled_prompt_embeds"] if is_xl else [])
     for name, r in zip(names, ref):
         assert torch.equal(ours[name], r), name
+    # prompt and negative prompt in one encoder batch (what a graphed pipeline runs): the same embeddings
+    both = encode_chunked(pipe, ["a cat"], ["blurry"], 1, do_cfg=True, batch_cfg=True)
+    assert sorted(both) == sorted(names)
+    for name in names:
+        torch.testing.assert_close(both[name], ours[name], rtol=0, atol=1e-6)
     # a long prompt: window 0 is diffusers' (truncating) encoding; the others are new tokens
     ours = encode_chunked(pipe, [LONG], None, 3, do_cfg=True)
     ref = pipe.encode_prompt(LONG, device="cpu", num_images_per_prompt=1, do_classifier_free_guidance=True)
@@ -556,7 +561,7 @@ def test_graph_cache_check_runs_before_any_text_encoder_call_of_a_long_prompt(ti
     order = []
 
     class Graphs:  # stands in for runtime.cuda_graphs.GraphCache (CPU: no graphs are captured)
-        def check(self):
+        def check(self, names=None):
             order.append("check")
             return 0
 
@@ -573,6 +578,35 @@ def test_graph_cache_check_runs_before_any_text_encoder_call_of_a_long_prompt(ti
     finally:
         h.remove()
     assert order[0] == "check" and order.count("text_encoder") >= 2, order
+
+
+class _FakeGraphs:  # stands in for runtime.cuda_graphs.GraphCache on the CPU (no graphs are captured)
+    def check(self, names=None):
+        return 0
+
+    def mark(self):
+        return 0
+
+    def drop_since(self, mark):
+        return 0
+
+
+@pytest.mark.parametrize("negative", [None, "blurry"])
+def test_a_graphed_pipeline_encodes_prompt_and_negative_prompt_in_one_text_encoder_batch(tiny, monkeypatch, negative):
+    """With CUDA graphs (a stand-in here), a short prompt and its negative prompt go through the text encoder as
+    one batch of 2, one call (one graph replay) instead of diffusers' two, and the image is the one diffusers'
+    own encoding gives."""
+    _, fast, _ = tiny
+    ref = fast.txt2img("a cat", negative_prompt=negative, seed=3, **KW)
+    batches = []
+    h = fast.pipe.text_encoder.register_forward_pre_hook(lambda m, a: batches.append(a[0].shape[0]))
+    monkeypatch.setattr(fast.pipe._sdfast, "graphs", _FakeGraphs())
+    try:
+        img = fast.txt2img("a cat", negative_prompt=negative, seed=3, **KW)
+    finally:
+        h.remove()
+    assert batches == [2]
+    assert _diff(img, ref) <= 1
 
 
 def test_hooks_on_q_k_v_run_with_fused_qkv(fused_qkv):

@@ -388,11 +388,13 @@ class GraphCache:
         self.runners[name] = runner
         return runner
 
-    def check(self) -> int:
-        """Invalidate every runner whose module's weights were replaced, or whose LoRA adapter state changed,
-        since capture. Returns how many."""
+    def check(self, names=None) -> int:
+        """Invalidate every runner (of ``names``, default all) whose module's weights were replaced, or whose LoRA
+        adapter state changed, since capture. Returns how many."""
         stale = 0
-        for runner in self.runners.values():
+        for name, runner in self.runners.items():
+            if names is not None and name not in names:
+                continue
             runner.forget_conditioning()  # weights may have changed in ways no version counter shows (``.data``)
             runner.hook_epoch = RemovableHandle.next_id  # this full check covers the hooks registered so far
             if runner.watch.changed():
