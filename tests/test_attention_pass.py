@@ -61,6 +61,29 @@ def _attn_modules(model):
     return {n: m for n, m in model.named_modules() if isinstance(m, Attention)}
 
 
+def test_fused_projections_stay_out_of_the_state_dict(unet_case):
+    """The fused to_qkv / to_kv overlap the separate projections' storage: state_dict leaves them out (safetensors
+    refuses overlapping tensors, so save_pretrained of an optimized pipeline would fail), a stock state dict loads
+    strictly, in place through the views, and undo removes the hooks."""
+    unet, inputs, ref = unet_case
+    stock_keys = set(unet.state_dict())
+    ap.apply(unet)
+    try:
+        sd = {k: v.clone() for k, v in unet.state_dict().items()}
+        assert set(sd) == stock_keys and not any(".to_qkv." in k or ".to_kv." in k for k in sd)
+        attn = next(m for n, m in _attn_modules(unet).items() if n.endswith("attn1"))
+        new = {k: v.clone() for k, v in sd.items()}
+        key = next(k for k in new if k.endswith("attn1.to_k.weight"))
+        new[key].mul_(2)
+        unet.load_state_dict(new, strict=True)  # no missing to_qkv keys
+        assert torch.equal(attn.to_qkv.weight[attn.to_q.out_features:][: attn.to_k.out_features], new[key])
+        unet.load_state_dict(sd, strict=True)
+    finally:
+        ap.undo(unet)
+    assert not attn.__dict__.get("_sdfast_fused_hooks")
+    torch.testing.assert_close(_run(unet, inputs), ref, rtol=0, atol=0)
+
+
 def test_unet_parity_fusion_and_undo(unet_case):
     unet, inputs, ref = unet_case
     stock_procs = {n: m.processor for n, m in _attn_modules(unet).items()}

@@ -868,7 +868,26 @@ def _fuse(attn: nn.Module) -> Optional[str]:
         off += n
     setattr(attn, name, fused)
     attn.fused_projections = True
+    attn._sdfast_fused_hooks = _hide_fused_from_state_dict(attn, name)
     return name
+
+
+def _hide_fused_from_state_dict(attn: nn.Module, name: str) -> tuple:
+    """Keep the fused layer out of ``state_dict`` and ``load_state_dict``: its weight overlaps the separate
+    projections' (they are views of it), which safetensors refuses to save (``save_pretrained`` of an optimized
+    pipeline), and a stock checkpoint has no such keys. The separate, disjoint views are saved and loaded (in
+    place, so the fused weight follows). Returns the two hook handles."""
+    marker = f"{name}."
+
+    def drop(module, state_dict, prefix, local_metadata):
+        for key in [k for k in state_dict if k.startswith(prefix + marker)]:
+            del state_dict[key]
+
+    def ignore_missing(module, incompatible_keys):
+        missing = incompatible_keys.missing_keys
+        missing[:] = [k for k in missing if not (k.startswith(marker) or f".{marker}" in k)]
+
+    return attn.register_state_dict_post_hook(drop), attn.register_load_state_dict_post_hook(ignore_missing)
 
 
 @torch.no_grad()
@@ -883,6 +902,8 @@ def _unfuse(attn: nn.Module, name: str) -> None:
             p.bias.data = p.bias.data.clone()
     if hasattr(attn, name):
         delattr(attn, name)
+    for handle in attn.__dict__.pop("_sdfast_fused_hooks", ()):
+        handle.remove()
     attn.fused_projections = False
 
 
