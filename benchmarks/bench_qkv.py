@@ -20,6 +20,8 @@ import argparse
 import json
 from pathlib import Path
 
+from benchmarks.report import markdown_table
+
 # (model, level, tokens per image, channels); the UNet runs batch 2 (CFG)
 SHAPES = (
     ("sd15", "64x64", 4096, 320), ("sd15", "32x32", 1024, 640), ("sd15", "16x16", 256, 1280),
@@ -69,11 +71,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
     rows = run()
-    cols = list(rows[0])
-    print("| " + " | ".join(cols) + " |")
-    print("| " + " | ".join("---" for _ in cols) + " |")
-    for r in rows:
-        print("| " + " | ".join(str(r[k]) for k in cols) + " |")
+    print(markdown_table(rows, list(rows[0])))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "qkv.json").write_text(json.dumps(rows, indent=1))
