@@ -17,7 +17,7 @@ class OptimizeConfig:
         (``sdfast.passes.attention.split_projection``) whose Q, K and V come back contiguous, as separate GEMMs
         give them. Speed: SD1.5 5.63 -> 5.52 ms per UNet step, SDXL 29.36 -> 29.26 ms (H200, run 13: 48 and
         210 fewer GEMM launches per step). Numerics: the same products and fp32 accumulation (bit-identical
-        to the separate GEMMs at SD's shapes on the H200).
+        to the separate GEMMs at the UNets' bias-free shapes on the H200; with a bias, rounding-level).
     fuse_norms: GroupNorm(+time-embedding bias)(+SiLU), LayerNorm(+residual) and GEGLU run as single
         Triton kernels (fp32 statistics). Speed: one pass over memory instead of three to five.
     batch_temb: with fuse_norms, the UNet's ResNet blocks' time-embedding projections (SiLU, a tiny GEMM and

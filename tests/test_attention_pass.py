@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from diffusers import AutoencoderKL, UNet2DConditionModel
 from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 
@@ -77,11 +78,40 @@ def test_fused_projections_stay_out_of_the_state_dict(unet_case):
         new[key].mul_(2)
         unet.load_state_dict(new, strict=True)  # no missing to_qkv keys
         assert torch.equal(attn.to_qkv.weight[attn.to_q.out_features:][: attn.to_k.out_features], new[key])
+        del new[key]  # a missing key of a real layer is still reported
+        with pytest.raises(RuntimeError, match="Missing key"):
+            unet.load_state_dict(new, strict=True)
         unet.load_state_dict(sd, strict=True)
     finally:
         ap.undo(unet)
-    assert not attn.__dict__.get("_sdfast_fused_hooks")
     torch.testing.assert_close(_run(unet, inputs), ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_split_projection_matches_separate_linears(bias, layout):
+    fused = nn.Linear(24, 3 * 16, bias=bias)
+    x = torch.randn(2, 10, 24) if layout == "contiguous" else torch.randn(2, 24, 10).transpose(1, 2)
+    parts = ap.split_projection(fused, x, 3)
+    for i, got in enumerate(parts):
+        w = fused.weight[16 * i:16 * (i + 1)]
+        b = fused.bias[16 * i:16 * (i + 1)] if bias else None
+        assert got.shape == (2, 10, 16) and got.is_contiguous()
+        torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="do not split"):
+        ap.split_projection(fused, x, 5)
+
+
+def test_split_projection_runs_a_hooked_fused_layer_as_a_module():
+    """Hooks on the fused layer itself (diffusers' own to_qkv, a user's hook) still run: it is called."""
+    fused = nn.Linear(8, 3 * 4)
+    x = torch.randn(2, 5, 8)
+    h = fused.register_forward_pre_hook(lambda m, a: (a[0] * 2,))
+    try:
+        parts = ap.split_projection(fused, x, 3)
+    finally:
+        h.remove()
+    torch.testing.assert_close(torch.cat(parts, -1), fused(x * 2))
 
 
 def test_unet_parity_fusion_and_undo(unet_case):

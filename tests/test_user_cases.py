@@ -609,6 +609,25 @@ def test_a_graphed_pipeline_encodes_prompt_and_negative_prompt_in_one_text_encod
     assert _diff(img, ref) <= 1
 
 
+def test_a_graphed_sdxl_pipeline_batches_both_encoders_with_pooled_embeddings(monkeypatch):
+    """SDXL: each of the two text encoders runs once, on prompt + negative prompt (2 prompts x 2 images: one batch of
+    4 each), and the images are the ones diffusers' own encoding gives, up to the batched encoders' rounding."""
+    _, fast = _pair("tiny-xl")
+    kw = dict(KW, num_images_per_prompt=2)
+    ref = fast.txt2img(["a cat", "a dog"], negative_prompt="blurry", seed=5, **kw)
+    batches = {"text_encoder": [], "text_encoder_2": []}
+    hooks = [getattr(fast.pipe, n).register_forward_pre_hook(lambda m, a, n=n: batches[n].append(a[0].shape[0]))
+             for n in batches]
+    monkeypatch.setattr(fast.pipe._sdfast, "graphs", _FakeGraphs())
+    try:
+        img = fast.txt2img(["a cat", "a dog"], negative_prompt="blurry", seed=5, **kw)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert batches == {"text_encoder": [4], "text_encoder_2": [4]}
+    assert len(img) == 4 and _diff(img, ref) <= 1
+
+
 def test_hooks_on_q_k_v_run_with_fused_qkv(fused_qkv):
     """A hooked projection (user hooks, the calibration of quantize_/sparsify_) runs itself instead of the
     fused GEMM, so its hooks fire, as they do without fuse_qkv."""

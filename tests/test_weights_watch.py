@@ -33,6 +33,11 @@ def test_replaced_moved_or_restructured_weights_are_changes():
     assert watch.changed()
     m[0].bias = nn.Parameter(torch.zeros(4))  # ...and back to a tensor
     assert watch.changed() and not watch.changed()
+    m[0].register_parameter("extra", m[0].bias)  # one tensor moved to another slot
+    m[0].bias = None
+    assert watch.changed()
+    m[1]._parameters = {k: nn.Parameter(v.detach().clone()) for k, v in m[1]._parameters.items()}  # a dict replaced
+    assert watch.changed() and not watch.changed()
     m[2][0] = nn.Linear(4, 2)  # a replaced submodule (what a LoRA loader does)
     assert watch.changed()
     m.to(torch.float64)  # every storage moves

@@ -698,12 +698,21 @@ def split_projection(fused: nn.Linear, x: torch.Tensor, parts: int) -> tuple[tor
     ``bmm(x broadcast to (parts, M, K), weight viewed (parts, K, N))`` writes (parts, M, N), so each projection
     comes back contiguous, (..., N), in the layout its own ``nn.Linear`` gives. One wide GEMM (``fused(x)``)
     would give (..., parts * N), whose per-projection views are interleaved (row stride parts * N): torch 2.11's
-    SDPA faulted on those on the H200 and had to get packed copies (see ``_sdpa_layout``). Same products and
-    fp32 accumulation as the separate GEMMs. Raises ``ValueError`` if the weight's rows do not split in ``parts``."""
+    SDPA faulted on those on the H200 and had to get packed copies (see ``_sdpa_layout``).
+
+    Numerics: the separate GEMMs' products and fp32 accumulation; bit-identical to them at the UNets' bias-free
+    shapes on the H200 (``benchmarks/bench_qkv.py``). With a bias, ``baddbmm`` adds it before the one rounding,
+    where ``F.linear`` on a non-contiguous input rounds the product and the sum separately (a last-bit
+    difference in fp16). A fused layer that does not run as a plain ``nn.Linear`` (hooks, a replaced forward)
+    is called as a module and its output split into views, so what it adds still runs.
+    Raises ``ValueError`` if the weight's rows do not split in ``parts``."""
     w = fused.weight
     if w.shape[0] % parts:
         raise ValueError(f"split_projection: {w.shape[0]} weight rows do not split into {parts} projections")
     n, k = w.shape[0] // parts, w.shape[1]
+    if not runs_as_its_class(fused, nn.Linear):
+        out = fused(x)
+        return out.view(*out.shape[:-1], parts, n).unbind(-2)
     x2 = x.reshape(-1, k)
     a = x2.unsqueeze(0).expand(parts, *x2.shape)  # batch stride 0: the input is read, never copied
     wt = w.view(parts, n, k).transpose(1, 2)
@@ -717,7 +726,7 @@ def split_projection(fused: nn.Linear, x: torch.Tensor, parts: int) -> tuple[tor
 def project_kv(attn: nn.Module, context: torch.Tensor, *, cross: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of ``attn`` for ``context`` (B, Lk, C_ctx), as diffusers' ``AttnProcessor2_0`` computes them:
     ``norm_cross`` first (cross-attention only), then ``to_k``/``to_v`` (one ``to_kv`` GEMM when fused).
-    Returns (B, Lk, H, D) views each (strided into the fused output when fused)."""
+    Returns (B, Lk, H, D) views of contiguous (B, Lk, H * D) projections (``split_projection`` when fused)."""
     if cross and attn.norm_cross:
         context = attn.norm_encoder_hidden_states(context)
     heads = attn.heads
@@ -868,26 +877,29 @@ def _fuse(attn: nn.Module) -> Optional[str]:
         off += n
     setattr(attn, name, fused)
     attn.fused_projections = True
-    attn._sdfast_fused_hooks = _hide_fused_from_state_dict(attn, name)
+    _hide_fused_from_state_dict(fused)
     return name
 
 
-def _hide_fused_from_state_dict(attn: nn.Module, name: str) -> tuple:
-    """Keep the fused layer out of ``state_dict`` and ``load_state_dict``: its weight overlaps the separate
-    projections' (they are views of it), which safetensors refuses to save (``save_pretrained`` of an optimized
-    pipeline), and a stock checkpoint has no such keys. The separate, disjoint views are saved and loaded (in
-    place, so the fused weight follows). Returns the two hook handles."""
-    marker = f"{name}."
+def _hide_fused_from_state_dict(fused: nn.Module) -> None:
+    """Keep ``fused`` (to_qkv / to_kv) out of ``state_dict`` and out of what ``load_state_dict`` expects: its
+    weight overlaps the separate projections' (they are views of it), which safetensors refuses to save
+    (``save_pretrained`` of an optimized pipeline), and a stock checkpoint has no such keys. The hooks live on
+    ``fused`` itself, so they see exactly its own keys (its prefix) and go with it. On load, a key the state dict
+    lacks is filled with the layer's current tensor (a copy onto itself): the separate projections, loaded
+    first, have already written the new values in place through their views."""
 
     def drop(module, state_dict, prefix, local_metadata):
-        for key in [k for k in state_dict if k.startswith(prefix + marker)]:
-            del state_dict[key]
+        for name in module._parameters:
+            state_dict.pop(prefix + name, None)
 
-    def ignore_missing(module, incompatible_keys):
-        missing = incompatible_keys.missing_keys
-        missing[:] = [k for k in missing if not (k.startswith(marker) or f".{marker}" in k)]
+    def fill(module, state_dict, prefix, *args):
+        for name, t in module._parameters.items():
+            if t is not None:
+                state_dict.setdefault(prefix + name, t.detach())
 
-    return attn.register_state_dict_post_hook(drop), attn.register_load_state_dict_post_hook(ignore_missing)
+    fused.register_state_dict_post_hook(drop)
+    fused.register_load_state_dict_pre_hook(fill)
 
 
 @torch.no_grad()
@@ -902,8 +914,6 @@ def _unfuse(attn: nn.Module, name: str) -> None:
             p.bias.data = p.bias.data.clone()
     if hasattr(attn, name):
         delattr(attn, name)
-    for handle in attn.__dict__.pop("_sdfast_fused_hooks", ()):
-        handle.remove()
     attn.fused_projections = False
 
 

@@ -115,9 +115,10 @@ class WeightsWatch:
     ones too), forwards replaced on an instance, attention processors (``set_attn_processor``), FreeU's
     factors (``enable_freeu``). In-place updates (``param.copy_``) change none of it: the graphs read the storage.
 
-    The module list, the LoRA layers and the dicts a check reads are found once per snapshot, so a check is a
-    few flat comprehensions over those dicts, with no recursion and no attribute probing: 0.27 ms for SD1.5's
-    UNet on the dev CPU (0.83 ms as one generator pass over the modules; 3.3 ms walking ``named_modules`` and
+    The module list, the LoRA layers and the modules' ``__dict__`` are found once per snapshot, so a check is a
+    few flat comprehensions over those dicts (their ``_modules``, ``_parameters`` and ``_buffers`` read anew, in
+    case one was replaced whole), with no recursion and no attribute probing: 0.46 ms for SD1.5's UNet on the dev
+    CPU (0.83 ms as one generator pass over the modules; 3.3 ms walking ``named_modules`` and
     probing every module for adapters). On the H200's host this check ran with the GPU idle at the start of
     every image (``benchmarks/trace_e2e.py``, run 13).
     """
@@ -130,10 +131,7 @@ class WeightsWatch:
         """Take the current state as the reference."""
         self.modules = list(self.module.modules())
         self.tuners = [(n, m) for n, m in self.module.named_modules() if _is_tuner_layer(m)]
-        # The dicts a check reads, listed once (a module's dicts are never replaced, only their items).
-        self._children = [m._modules for m in self.modules]
-        self._tensor_dicts = [d for m in self.modules for d in (m._parameters, m._buffers)]
-        self._dicts = [m.__dict__ for m in self.modules]
+        self._dicts = [m.__dict__ for m in self.modules]  # read at every check: no attribute lookups
         self.state = self._state()
         # Hooks below the root need Python at every call (e.g. a calibration collecting activations): a graph
         # replay would skip them, so the runner runs such a module eagerly (``GraphedForward``). The state's
@@ -142,10 +140,11 @@ class WeightsWatch:
         self.hooked = bool(global_post or global_pre or any(post or pre for _, post, pre, _ in per_module))
 
     def _state(self) -> tuple:
-        structure = [tuple(c.values()) for c in self._children]  # modules compare by identity
-        tensors = [t for t in chain.from_iterable(map(dict.values, self._tensor_dicts)) if t is not None]
-        pointers = list(map(torch.Tensor.data_ptr, tensors))  # a None that became a tensor changes the length
-        return structure, pointers, tuple(_adapter_state(n, m) for n, m in self.tuners), _python_state(self._dicts)
+        dicts = self._dicts
+        structure = [tuple(d["_modules"].values()) for d in dicts]  # modules compare by identity
+        tensors = chain.from_iterable(map(dict.values, [d[k] for d in dicts for k in ("_parameters", "_buffers")]))
+        pointers = [0 if t is None else t.data_ptr() for t in tensors]  # by position: a moved tensor is a change
+        return structure, pointers, tuple(_adapter_state(n, m) for n, m in self.tuners), _python_state(dicts)
 
     def changed(self) -> bool:
         """True (and a new snapshot taken) when the state differs from the reference."""
