@@ -593,8 +593,8 @@ def _launch(q, k, v, out, key_padding_mask, scale, upcast_softmax):
     Lk = k.shape[2]
     elem = q.element_size()
     lq_bucket, lk_bucket = length_bucket(Lq), length_bucket(Lk)
-    upcast = bool(upcast_softmax) and q.dtype != torch.float32
     args, consts, grid = kernel_arguments(q, k, v, out, key_padding_mask, scale, upcast_softmax)
+    upcast = consts["UPCAST"]
     dev_index = q.device.index if q.device.type == "cuda" else 0
     if q.device.type == "cuda" and dev_index is None:
         dev_index = torch.cuda.current_device()

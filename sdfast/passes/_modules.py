@@ -1,7 +1,10 @@
-"""Whether a module can be bypassed (its weights used directly, e.g. ``conv._conv_forward(x, w, None)`` or
-``F.linear(x, proj.weight)``) without changing what running it would do."""
+"""Module helpers shared by the passes: whether a module can be bypassed (its weights used directly, e.g.
+``conv._conv_forward(x, w, None)`` or ``F.linear(x, proj.weight)``) without changing what running it would do, and
+the per-instance forward rebinding that several passes undo by a marker attribute."""
 
 from __future__ import annotations
+
+import types
 
 from torch import nn
 from torch.nn.modules import module as _module
@@ -19,3 +22,22 @@ def runs_as_its_class(m: nn.Module, cls: type) -> bool:
         and not _module._global_forward_hooks
         and not _module._global_forward_pre_hooks
     )
+
+
+def rebind_forward(m: nn.Module, forward, marker: str) -> None:
+    """Give ``m`` its own ``forward`` (``forward(self, ...)`` bound to it) and set the pass's ``marker`` attribute,
+    which ``restore_forwards`` looks for."""
+    m.forward = types.MethodType(forward, m)
+    setattr(m, marker, True)
+
+
+def restore_forwards(model: nn.Module, marker: str) -> int:
+    """Delete the instance ``forward`` (and ``marker``) of every module under ``model`` that ``rebind_forward``
+    marked: the class's forward runs again. Returns how many."""
+    restored = 0
+    for m in model.modules():
+        if getattr(m, marker, False):
+            del m.forward
+            delattr(m, marker)
+            restored += 1
+    return restored

@@ -15,16 +15,15 @@ input's or removed since, autocast, gradients) runs ``nn.Conv2d.forward``.
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import nn
 
 from kernels.elementwise import bias_residual_add
-from sdfast.passes._modules import runs_as_its_class
+from sdfast.passes._modules import rebind_forward, restore_forwards, runs_as_its_class
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ROOT_CONVS = ("conv_in", "conv_out", "post_quant_conv")
+_MARKER = "_sdfast_conv_bias"
 
 
 def _classes() -> tuple[tuple[type, ...], tuple[type, ...]]:
@@ -63,19 +62,12 @@ def _targets(model: nn.Module):
 
 def apply(model: nn.Module) -> int:
     """Rebind the forward of the covered convolutions of ``model`` (a UNet or a VAE). Returns how many."""
-    changed = 0
-    for conv in list(_targets(model)):
-        conv.forward = types.MethodType(conv_bias_forward, conv)
-        conv._sdfast_conv_bias = True
-        changed += 1
-    return changed
+    convs = list(_targets(model))
+    for conv in convs:
+        rebind_forward(conv, conv_bias_forward, _MARKER)
+    return len(convs)
 
 
 def undo(model: nn.Module) -> int:
     """Restore every forward ``apply`` rebound. Returns how many."""
-    restored = 0
-    for m in model.modules():
-        if getattr(m, "_sdfast_conv_bias", False):
-            del m.forward, m._sdfast_conv_bias
-            restored += 1
-    return restored
+    return restore_forwards(model, _MARKER)

@@ -11,12 +11,13 @@ tuned for that layout) or that need gradients (it has no autograd formula) are c
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import nn
 
 from kernels.elementwise import cat_channels
+from sdfast.passes._modules import rebind_forward, restore_forwards
+
+_MARKER = "_sdfast_skip_concat"
 
 
 def _block_classes() -> tuple[type, ...]:
@@ -80,17 +81,11 @@ def apply(model: nn.Module) -> int:
     for m in model.modules():
         if type(m) not in (up, cross) or "forward" in m.__dict__:  # ours already, or a forward someone else set
             continue
-        m.forward = types.MethodType(up_block_forward if type(m) is up else cross_attn_up_block_forward, m)
-        m._sdfast_skip_concat = True
+        rebind_forward(m, up_block_forward if type(m) is up else cross_attn_up_block_forward, _MARKER)
         changed += 1
     return changed
 
 
 def undo(model: nn.Module) -> int:
     """Restore every forward ``apply`` rebound. Returns how many."""
-    restored = 0
-    for m in model.modules():
-        if getattr(m, "_sdfast_skip_concat", False):
-            del m.forward, m._sdfast_skip_concat
-            restored += 1
-    return restored
+    return restore_forwards(model, _MARKER)

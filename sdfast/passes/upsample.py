@@ -10,12 +10,13 @@ is not (B, C, H, W). Inference only: the kernel has no autograd formula.
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import nn
 
 from kernels.elementwise import upsample_nearest2x
+from sdfast.passes._modules import rebind_forward, restore_forwards
+
+_MARKER = "_sdfast_upsample"
 
 
 def _supported(m: nn.Module) -> bool:
@@ -49,17 +50,11 @@ def apply(model: nn.Module) -> int:
     changed = 0
     for m in model.modules():
         if _supported(m) and "forward" not in m.__dict__:  # not ours already, nor a forward someone else set
-            m.forward = types.MethodType(fused_upsample_forward, m)
-            m._sdfast_upsample = True
+            rebind_forward(m, fused_upsample_forward, _MARKER)
             changed += 1
     return changed
 
 
 def undo(model: nn.Module) -> int:
     """Restore every forward ``apply`` rebound. Returns how many."""
-    restored = 0
-    for m in model.modules():
-        if getattr(m, "_sdfast_upsample", False):
-            del m.forward, m._sdfast_upsample
-            restored += 1
-    return restored
+    return restore_forwards(model, _MARKER)
