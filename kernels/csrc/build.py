@@ -90,25 +90,32 @@ def _cache_dir() -> Path:
     return Path(base) / "csrc"
 
 
-@functools.lru_cache(maxsize=None)
-def load_ctypes_library(arch_list: tuple[str, ...] | None = None) -> ctypes.CDLL:
-    """Compile the .cu alone with ``nvcc -shared`` (cached by source hash) and load it with ctypes."""
+def compile_shared_library(source: Path, stem: str, arch_list: tuple[str, ...] | None = None) -> Path:
+    """``nvcc -shared`` of one pure-CUDA source into ``~/.cache/sdfast/csrc/`` (or ``$SDFAST_CACHE_DIR/csrc``),
+    named by the hash of the source and the flags, so an edited source is rebuilt and a built one is reused by
+    every process. Returns the library's path. Raises RuntimeError when nvcc is missing or fails."""
     nvcc = find_nvcc()
     if nvcc is None:
-        raise RuntimeError("gemm_cp_async: nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
+        raise RuntimeError(f"{source.name}: nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
     archs = list(arch_list) if arch_list else _default_arch_list()
     flags = [*NVCC_FLAGS, "-std=c++17", *gencode_flags(archs)]
-    digest = hashlib.sha256(CU_SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-    out = _cache_dir() / f"libsdfast_gemm_{digest}.so"
+    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"lib{stem}_{digest}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [nvcc, "-shared", "-Xcompiler", "-fPIC", *flags, "-o", str(tmp), str(CU_SOURCE)]
+        cmd = [nvcc, "-shared", "-Xcompiler", "-fPIC", *flags, "-o", str(tmp), str(source)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
-            raise RuntimeError(f"gemm_cp_async: nvcc failed ({' '.join(cmd)}):\n{res.stderr[-4000:]}")
+            raise RuntimeError(f"{source.name}: nvcc failed ({' '.join(cmd)}):\n{res.stderr[-4000:]}")
         tmp.replace(out)
-    lib = ctypes.CDLL(str(out))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def load_ctypes_library(arch_list: tuple[str, ...] | None = None) -> ctypes.CDLL:
+    """Compile the .cu alone with ``nvcc -shared`` (cached by source hash) and load it with ctypes."""
+    lib = ctypes.CDLL(str(compile_shared_library(CU_SOURCE, "sdfast_gemm", arch_list)))
     vp, i = ctypes.c_void_p, ctypes.c_int
     lib.sdfast_gemm_f16.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]
     lib.sdfast_gemm_f16.restype = i
@@ -278,4 +285,4 @@ def gemm_w4a16(
                           None if bias is None else bias.contiguous(), int(group_size))
 
 
-__all__ = ["backend", "load_extension", "load_ctypes_library", "find_nvcc", "gencode_flags", "gemm_f16", "gemm_w4a16"]
+__all__ = ["backend", "load_extension", "load_ctypes_library", "compile_shared_library", "find_nvcc", "gencode_flags", "gemm_f16", "gemm_w4a16"]

@@ -51,6 +51,7 @@ import triton.language as tl
 from kernels.checks import check_like
 from kernels.checks import is_channels_last as _is_channels_last
 from kernels.dispatch import use_triton
+from kernels.norm import group_norm_cluster
 
 ACTIVATIONS = (None, "silu")
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -936,6 +937,12 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
     if C * HW >= 2**31:
         raise NotImplementedError(f"group_norm: C*H*W = {C * HW} per batch item needs 64-bit offsets (max 2**31 - 1)")
     cl = _is_channels_last(x)
+    silu = activation == "silu"
+    write_pre = return_sum and has_add
+    if cl and x.is_cuda and group_norm_cluster.try_group_norm(
+        x, G, weight, bias, eps, channel_bias, residual, silu, y, pre if write_pre else None
+    ):
+        return y, pre
     hw_axis = 0 if cl else 1
     plan = group_norm_plan(B, C, HW, G, cl, x.element_size(), residual is not None)
     w = weight.contiguous() if weight is not None else x
@@ -948,8 +955,6 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
         cb, scbb, scbc = x, 0, 0
     xs = (x.stride(0), x.stride(1), _hw_stride(x))
     rs = (r.stride(0), r.stride(1), _hw_stride(r))
-    silu = activation == "silu"
-    write_pre = return_sum and has_add
 
     if plan.path == "onepass":
         _gn_onepass_kernel[(plan.n_ct, B)](

@@ -1,4 +1,4 @@
-"""kernels/csrc: the CUDA C++ cp.async GEMM compiles with nvcc for sm_80 and sm_90 (no GPU needed),
+"""kernels/csrc: the CUDA C++ cp.async GEMM and the cluster GroupNorm compile with nvcc for sm_80 and sm_90 (no GPU needed),
 a PTX error is caught by the check, and the build helpers do nothing at import. Skipped without
 nvcc (CI's machine has nvcc 13.0)."""
 
@@ -19,7 +19,8 @@ CSRC = Path(build.__file__).parent
 @needs_nvcc
 def test_cu_compiles_for_sm80_and_sm90():
     rows = check_compile.compile_sources(("8.0", "9.0"))
-    assert [(r[0], r[1]) for r in rows] == [("gemm_cp_async.cu", "8.0"), ("gemm_cp_async.cu", "9.0")]
+    assert [(r[0], r[1]) for r in rows] == [(src, arch) for src in ("gemm_cp_async.cu", "group_norm_cluster.cu")
+                                            for arch in ("8.0", "9.0")]
     for src, arch, rc, err in rows:
         assert rc == 0, f"{src} sm_{arch}: {err}"
 

@@ -1,0 +1,468 @@
+// GroupNorm (+ channel bias, residual, SiLU) for channels_last (NHWC) tensors in ONE read and one write:
+// thread-block clusters hold a whole (batch, channel slice) in registers and reduce its statistics through
+// distributed shared memory (Hopper, sm_90+).
+//
+//     pre = x (+ channel_bias[b, c]) (+ residual)         rounded to x's dtype when anything was added
+//     y   = (pre - mean[b, g]) * rstd[b, g] * weight[c] + bias[c],  then SiLU when asked
+//
+// Work split. A "unit" is one batch item and CS channels (CS whole groups, a multiple of the 16-byte vector);
+// a cluster of K CTAs owns a unit and splits its H*W pixels into K runs of R*J pixels. Thread t of a CTA owns
+// the 16-byte vector v = t % V (V = CS / VEC) of pixel rows r, r + R, ..., r + (J-1) R (r = t / V), so a
+// CTA's loads are whole CS-channel row segments. Each thread keeps its J vectors in registers from the load to
+// the store: the input is read once from memory.
+//
+// Statistics in one round: each thread sums d = pre - shift and d^2 per channel, where shift is the channel's
+// value at pixel 0 of the batch item (every CTA of the cluster loads the same one, so the shifted sums add up
+// across CTAs; the shift keeps the sum of squares from cancelling when |mean| >> std, the "shifted data"
+// method). Per-channel sums of the CTA (registers -> shared memory -> two-level tree, unrolled) -> one cluster
+// barrier -> each CTA adds the K CTAs' per-channel sums through distributed shared memory -> per-channel mean
+// and M2 -> group mean and M2 by Chan's combination. The second cluster barrier is split (arrive after the
+// remote reads, wait after the stores): no CTA exits while another still reads its shared memory, and the
+// barrier's latency hides behind the stores.
+//
+// Clusters are co-scheduled by the hardware, so the barriers cannot deadlock, whatever else runs on the GPU
+// (a grid-wide barrier over global-memory counters can, when not every CTA is resident).
+//
+// Method: Wu & He 2018 (GroupNorm); Chan, Golub & LeVeque 1979 (combining per-channel variances); thread-block
+// clusters and distributed shared memory as in the CUDA Programming Guide (Hopper); one-read GroupNorm as in TensorRT's and Apex's NHWC GroupNorm kernels, which
+// synchronize through global memory instead.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <cooperative_groups.h>
+#include <stdint.h>
+
+namespace cg = cooperative_groups;
+
+namespace {
+
+struct Params {
+  const void* x;
+  const void* res;   // like x, or null
+  const void* cb;    // channel bias (B or 1, C) in x's dtype, or null
+  const void* w;     // (C,) in x's dtype, or null
+  const void* bias;  // (C,) in x's dtype, or null
+  void* y;
+  void* pre;         // written when non-null
+  int HW, C, Cg, CS, nslices, R, nt;  // nt = (CS / VEC) * R working threads (the block is rounded up to warps)
+  int64_t cb_bstride;  // elements between the channel bias's batch rows (0: one row for every batch item)
+  float eps;
+  int silu;
+};
+
+// Shared memory: float2 red[R][CS + 1] | float2 part[Q][CS] | float2 ch[CS] | float shift[CS] | w[CS] | b[CS] |
+// mean[ngs] | rstd[ngs]   (Q = nt / CS partial rows, nt the working threads)
+__host__ __device__ inline int num_q(int nt, int cs) { return nt >= cs ? nt / cs : 1; }
+__host__ __device__ inline int smem_floats(int R, int CS, int Cg, int nt) {
+  return 2 * (R * (CS + 1) + num_q(nt, CS) * CS + CS) + 3 * CS + 2 * (CS / Cg);
+}
+__host__ __device__ inline int block_threads(int nt) { return (nt + 31) / 32 * 32; }
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900  // device helpers: sm_90+ only
+
+template <typename T> struct Vec;
+
+template <> struct Vec<__half> {
+  static constexpr int N = 8;
+  __device__ static void load(const uint4& u, float* f) {
+    const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 p = __half22float2(h[i]);
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    }
+  }
+  __device__ static uint4 store(const float* f) {
+    uint4 u;
+    __half2* h = reinterpret_cast<__half2*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+    return u;
+  }
+  __device__ static float scalar(const void* p, int64_t i) { return __half2float(static_cast<const __half*>(p)[i]); }
+};
+
+template <> struct Vec<__nv_bfloat16> {
+  static constexpr int N = 8;
+  __device__ static void load(const uint4& u, float* f) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float2 p = __bfloat1622float2(h[i]);
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    }
+  }
+  __device__ static uint4 store(const float* f) {
+    uint4 u;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    return u;
+  }
+  __device__ static float scalar(const void* p, int64_t i) {
+    return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+  }
+};
+
+template <> struct Vec<float> {
+  static constexpr int N = 4;
+  __device__ static void load(const uint4& u, float* f) {
+    f[0] = __uint_as_float(u.x);
+    f[1] = __uint_as_float(u.y);
+    f[2] = __uint_as_float(u.z);
+    f[3] = __uint_as_float(u.w);
+  }
+  __device__ static uint4 store(const float* f) {
+    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]), __float_as_uint(f[2]), __float_as_uint(f[3]));
+  }
+  __device__ static float scalar(const void* p, int64_t i) { return static_cast<const float*>(p)[i]; }
+};
+
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+
+__device__ __forceinline__ uint4 ldg_stream(const void* p) {
+  return __ldcs(reinterpret_cast<const uint4*>(p));  // read once: evict-first
+}
+
+__device__ __forceinline__ float2 add2(float2 a, float2 b) { return make_float2(a.x + b.x, a.y + b.y); }
+
+// The CTA's per-channel (sum d, sum d^2) into ch[0..CS) (acc: this thread's VEC channels of pixel row r).
+// Ends with a __syncthreads().
+template <int VEC>
+__device__ __forceinline__ void cta_channel_sums(const float2* acc, float2* red, float2* part, float2* ch, int CS, int R,
+                                                 int cl, int r, int nt_work, bool working) {
+  const int nt = blockDim.x, t = threadIdx.x, Q = num_q(nt_work, CS);
+  if (working) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) red[r * (CS + 1) + cl + i] = acc[i];
+  }
+  __syncthreads();
+  for (int idx = t; idx < Q * CS; idx += nt) {
+    const int c = idx % CS, q = idx / CS;
+    float2 s = make_float2(0.f, 0.f);
+#pragma unroll 4
+    for (int rr = q; rr < R; rr += Q) s = add2(s, red[rr * (CS + 1) + c]);
+    part[q * CS + c] = s;
+  }
+  __syncthreads();
+  for (int c = t; c < CS; c += nt) {
+    float2 s = make_float2(0.f, 0.f);
+#pragma unroll 4
+    for (int q = 0; q < Q; ++q) s = add2(s, part[q * CS + c]);
+    ch[c] = s;
+  }
+}
+
+#endif  // device helpers
+
+template <typename T, int J>
+__global__ void __launch_bounds__(512, 1) gn_cluster_nhwc_kernel(const Params p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // clusters need sm_90; the Python launcher never launches this on older GPUs
+#else
+  using V_ = Vec<T>;
+  constexpr int VEC = V_::N;
+  extern __shared__ float smem[];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int k = static_cast<int>(cluster.block_rank());
+  const int unit = blockIdx.y;
+  const int b = unit / p.nslices, s = unit - b * p.nslices;
+  const int CS = p.CS, R = p.R, ngs = CS / p.Cg;
+  const int nv = CS / VEC;
+  const bool working = threadIdx.x < p.nt;  // the rest of the last warp only helps with the reductions
+  const int v = threadIdx.x % nv, r = working ? threadIdx.x / nv : R;
+  const int c0 = s * CS + v * VEC;  // this thread's first channel
+  const int64_t base = static_cast<int64_t>(b) * p.HW * p.C + c0;
+  const int pix_end = min(p.HW, (k + 1) * R * J);  // cluster rank k owns pixels [k R J, (k + 1) R J)
+  const int pix0 = k * R * J + r;                  // >= pix_end for the threads that do not work
+
+  float2* red = reinterpret_cast<float2*>(smem);
+  float2* part = red + R * (CS + 1);
+  float2* ch = part + num_q(p.nt, CS) * CS;
+  float* shift_s = reinterpret_cast<float*>(ch + CS);
+  float* w_s = shift_s + CS;
+  float* b_s = w_s + CS;
+  float* mean_s = b_s + CS;
+  float* rstd_s = mean_s + ngs;
+  const int cl = v * VEC;  // this thread's first channel inside the slice
+  const bool adds = p.cb != nullptr || p.res != nullptr;
+
+  // 1. Load the J vectors (all loads issued before any use) and pixel 0's (the shift).
+  uint4 xr[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int pix = pix0 + j * R;
+    xr[j] = pix < p.HW ? ldg_stream(static_cast<const T*>(p.x) + base + static_cast<int64_t>(pix) * p.C)
+                       : make_uint4(0, 0, 0, 0);
+  }
+  if (r == 0) {  // weight and bias loaded now (into shared memory), used after the barriers
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      w_s[cl + i] = p.w != nullptr ? V_::scalar(p.w, c0 + i) : 1.f;
+      b_s[cl + i] = p.bias != nullptr ? V_::scalar(p.bias, c0 + i) : 0.f;
+    }
+  }
+  float shift[VEC], cbv[VEC];
+  V_::load(working ? *reinterpret_cast<const uint4*>(static_cast<const T*>(p.x) + base) : make_uint4(0, 0, 0, 0), shift);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i)
+    cbv[i] = p.cb != nullptr && working ? V_::scalar(p.cb, static_cast<int64_t>(b) * p.cb_bstride + c0 + i) : 0.f;
+  if (adds && working) {  // pre = x + channel bias + residual, rounded to x's dtype (eager's separate adds)
+    float rv[VEC];
+    if (p.res != nullptr) {
+      V_::load(*reinterpret_cast<const uint4*>(static_cast<const T*>(p.res) + base), rv);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) shift[i] += rv[i];
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) shift[i] += cbv[i];
+    V_::load(V_::store(shift), shift);
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int pix = pix0 + j * R;
+      if (pix >= p.HW) continue;
+      const int64_t off = base + static_cast<int64_t>(pix) * p.C;
+      float f[VEC];
+      V_::load(xr[j], f);
+      if (p.res != nullptr) {
+        V_::load(ldg_stream(static_cast<const T*>(p.res) + off), rv);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) f[i] += rv[i];
+      }
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) f[i] += cbv[i];
+      xr[j] = V_::store(f);
+      if (p.pre != nullptr) *reinterpret_cast<uint4*>(static_cast<T*>(p.pre) + off) = xr[j];
+    }
+  }
+  if (r == 0) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) shift_s[cl + i] = shift[i];
+  }
+
+  // 2. Shifted per-channel sums of the CTA, then of the cluster.
+  float2 acc[VEC];
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) acc[i] = make_float2(0.f, 0.f);
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    if (pix0 + j * R >= p.HW) continue;
+    float f[VEC];
+    V_::load(xr[j], f);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      const float d = f[i] - shift[i];
+      acc[i].x += d;
+      acc[i].y = fmaf(d, d, acc[i].y);
+    }
+  }
+  cta_channel_sums<VEC>(acc, red, part, ch, CS, R, cl, r, p.nt, working);
+  cluster.sync();  // every CTA's ch[] is complete
+  const int K = static_cast<int>(cluster.num_blocks());
+  float2* tot = part;  // this CTA's own part[] is free again
+  for (int c = threadIdx.x; c < CS; c += blockDim.x) {
+    float2 s2 = make_float2(0.f, 0.f);
+#pragma unroll 4
+    for (int q = 0; q < K; ++q) s2 = add2(s2, *cluster.map_shared_rank(ch + c, q));
+    tot[c] = s2;
+  }
+  cluster_arrive();  // done reading the other CTAs' shared memory
+  __syncthreads();
+
+  // 3. Group statistics: per channel (a thread each) mu_c = shift_c + S1_c / HW and M2_c = S2_c - S1_c^2 / HW;
+  //    per group (a warp each) mean = avg mu_c and M2 = sum M2_c + HW * sum (mu_c - mean)^2 (Chan), both taken
+  //    relative to the shift of the group's first channel.
+  const float hw = static_cast<float>(p.HW), inv_hw = 1.f / hw;
+  for (int c = threadIdx.x; c < CS; c += blockDim.x) {  // mu_c relative to the group's first shift (no
+    const float2 t2 = tot[c];                            // large sums of large means)
+    const float s_g = shift_s[c - c % p.Cg];
+    tot[c] = make_float2((shift_s[c] - s_g) + t2.x * inv_hw, fmaxf(t2.y - t2.x * t2.x * inv_hw, 0.f));
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31, nwarps = (blockDim.x + 31) >> 5;
+  const float inv_cg = 1.f / static_cast<float>(p.Cg);
+  for (int g = threadIdx.x >> 5; g < ngs; g += nwarps) {
+    float mean = 0.f;
+    for (int i = lane; i < p.Cg; i += 32) mean += tot[g * p.Cg + i].x;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mean += __shfl_xor_sync(0xffffffffu, mean, o);
+    mean *= inv_cg;
+    float m2 = 0.f;
+    for (int i = lane; i < p.Cg; i += 32) {
+      const float2 mc = tot[g * p.Cg + i];
+      const float dm = mc.x - mean;
+      m2 += fmaf(hw * dm, dm, mc.y);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m2 += __shfl_xor_sync(0xffffffffu, m2, o);
+    if (lane == 0) {
+      mean_s[g] = shift_s[g * p.Cg] + mean;
+      rstd_s[g] = rsqrtf(m2 * inv_hw * inv_cg + p.eps);
+    }
+  }
+  __syncthreads();
+
+  // 4. Normalize from the registers and store.
+  float mean_c[VEC], a_c[VEC];
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    const int g = (cl + i) / p.Cg;
+    mean_c[i] = mean_s[g];
+    a_c[i] = rstd_s[g] * w_s[cl + i];
+  }
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int pix = pix0 + j * R;
+    if (pix >= p.HW) continue;
+    float f[VEC];
+    V_::load(xr[j], f);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      float yv = fmaf(f[i] - mean_c[i], a_c[i], b_s[cl + i]);
+      if (p.silu) yv = __fdividef(yv, 1.f + __expf(fminf(-yv, 80.f)));  // e^80 < 2^126: the fast divide holds
+      f[i] = yv;
+    }
+    *reinterpret_cast<uint4*>(static_cast<T*>(p.y) + base + static_cast<int64_t>(pix) * p.C) = V_::store(f);
+  }
+  cluster_wait();  // keep this CTA's shared memory alive until every CTA of the cluster has read it
+#endif
+}
+
+// The kernel for (T, J) with its attributes set for this launch shape, and the launch configuration.
+template <typename T, int J>
+cudaError_t prepare(const Params& p, int B, int K, int nt, cudaStream_t stream, cudaLaunchConfig_t* cfg,
+                    cudaLaunchAttribute* attr) {
+  auto kern = gn_cluster_nhwc_kernel<T, J>;
+  const size_t smem = sizeof(float) * smem_floats(p.R, p.CS, p.Cg, nt);
+  if (K > 8) {
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    if (e != cudaSuccess) return e;
+  }
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+  }
+  *cfg = cudaLaunchConfig_t{};
+  cfg->gridDim = dim3(K, B * p.nslices, 1);
+  cfg->blockDim = dim3(block_threads(nt), 1, 1);
+  cfg->dynamicSmemBytes = smem;
+  cfg->stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = K;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg->attrs = attr;
+  cfg->numAttrs = 1;
+  return cudaSuccess;
+}
+
+template <typename T, int J>
+cudaError_t launch_j(const Params& p, int B, int K, int nt, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg;
+  cudaLaunchAttribute attr[1];
+  cudaError_t e = prepare<T, J>(p, B, K, nt, stream, &cfg, attr);
+  return e != cudaSuccess ? e : cudaLaunchKernelEx(&cfg, gn_cluster_nhwc_kernel<T, J>, p);
+}
+
+template <typename T, int J>
+cudaError_t max_active_j(const Params& p, int K, int nt, int* n) {
+  cudaLaunchConfig_t cfg;
+  cudaLaunchAttribute attr[1];
+  cudaError_t e = prepare<T, J>(p, 1, K, nt, nullptr, &cfg, attr);
+  cfg.gridDim = dim3(K, 1, 1);
+  return e != cudaSuccess ? e : cudaOccupancyMaxActiveClusters(n, gn_cluster_nhwc_kernel<T, J>, &cfg);
+}
+
+#define SDFAST_GN_SWITCH_J(CALL)                 \
+  switch (J) {                                  \
+    case 1: return CALL(1);                     \
+    case 2: return CALL(2);                     \
+    case 3: return CALL(3);                     \
+    case 4: return CALL(4);                     \
+    case 5: return CALL(5);                     \
+    case 6: return CALL(6);                     \
+    case 7: return CALL(7);                     \
+    case 8: return CALL(8);                     \
+    default: return cudaErrorInvalidValue;      \
+  }
+
+template <typename T>
+cudaError_t launch_t(const Params& p, int B, int K, int J, int nt, cudaStream_t stream) {
+#define SDFAST_CALL(j) launch_j<T, j>(p, B, K, nt, stream)
+  SDFAST_GN_SWITCH_J(SDFAST_CALL)
+#undef SDFAST_CALL
+}
+
+template <typename T>
+cudaError_t max_active_t(const Params& p, int K, int J, int nt, int* n) {
+#define SDFAST_CALL(j) max_active_j<T, j>(p, K, nt, n)
+  SDFAST_GN_SWITCH_J(SDFAST_CALL)
+#undef SDFAST_CALL
+}
+
+}  // namespace
+
+// Error codes (negative: our checks; positive: a cudaError_t).
+#define SDFAST_GN_BAD_DTYPE (-1)
+#define SDFAST_GN_BAD_SPLIT (-2)
+#define SDFAST_GN_BAD_ALIGN (-3)
+
+extern "C" {
+
+// dtype: 0 fp16, 1 bf16, 2 fp32. x, res, y, pre: (B, C, H, W) channels_last, contiguous in that layout,
+// 16-byte aligned; res / cb / w / bias / pre may be null. CS channels per slice (C % CS == 0, CS % Cg == 0,
+// CS a multiple of the 16-byte vector), a cluster of K CTAs of nt = (CS / VEC) * R threads per (batch item,
+// slice), each CTA R * J pixels, K * R * J >= HW, nt <= 512, 1 <= J <= 8, K <= 16.
+int sdfast_gn_cluster_nhwc(int dtype, const void* x, const void* res, const void* cb, const void* w,
+                           const void* bias, void* y, void* pre, int B, int C, int HW, int G, int CS, int K, int R,
+                           int J, long long cb_bstride, float eps, int silu, void* stream) {
+  const int vec = dtype == 2 ? 4 : 8;
+  if (dtype < 0 || dtype > 2) return SDFAST_GN_BAD_DTYPE;
+  if (G <= 0 || C % G != 0) return SDFAST_GN_BAD_SPLIT;
+  const int Cg = C / G;
+  const int nt = CS / vec * R;
+  if (CS <= 0 || C % CS != 0 || CS % Cg != 0 || CS % vec != 0 || K < 1 || K > 16 || J < 1 || J > 8 || R < 1 ||
+      nt > 512 || static_cast<long long>(K) * R * J < HW)
+    return SDFAST_GN_BAD_SPLIT;
+  const void* ptrs[] = {x, res, y, pre};
+  for (const void* q : ptrs)
+    if (reinterpret_cast<uintptr_t>(q) % 16 != 0) return SDFAST_GN_BAD_ALIGN;
+  Params p{x, res, cb, w, bias, y, pre, HW, C, Cg, CS, C / CS, R, nt, cb_bstride, eps, silu};
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  cudaError_t e;
+  switch (dtype) {
+    case 0: e = launch_t<__half>(p, B, K, J, nt, st); break;
+    case 1: e = launch_t<__nv_bfloat16>(p, B, K, J, nt, st); break;
+    default: e = launch_t<float>(p, B, K, J, nt, st); break;
+  }
+  if (e == cudaSuccess) e = cudaGetLastError();
+  return static_cast<int>(e);
+}
+
+// How many clusters of K CTAs of this configuration can be resident at once on the current device
+// (cudaOccupancyMaxActiveClusters): 0 when K cannot launch at all, negative (-cudaError_t) on error.
+int sdfast_gn_cluster_max_active(int dtype, int C, int G, int CS, int K, int R, int J) {
+  if (dtype < 0 || dtype > 2 || G <= 0 || C % G != 0 || J < 1 || J > 8 || K < 1 || K > 16) return -1;
+  const int vec = dtype == 2 ? 4 : 8;
+  Params p{};
+  p.C = C;
+  p.Cg = C / G;
+  p.CS = CS;
+  p.R = R;
+  p.nslices = C / CS;
+  p.nt = CS / vec * R;
+  int n = 0;
+  cudaError_t e;
+  switch (dtype) {
+    case 0: e = max_active_t<__half>(p, K, J, CS / vec * R, &n); break;
+    case 1: e = max_active_t<__nv_bfloat16>(p, K, J, CS / vec * R, &n); break;
+    default: e = max_active_t<float>(p, K, J, CS / vec * R, &n); break;
+  }
+  return e == cudaSuccess ? n : -static_cast<int>(e);
+}
+
+}  // extern "C"

@@ -1,0 +1,284 @@
+"""GroupNorm for channels_last tensors in one read and one write, through Hopper thread-block clusters.
+
+The kernel (``kernels/csrc/group_norm_cluster.cu``) gives each (batch item, slice of ``CS`` channels) to a
+cluster of ``K`` CTAs that hold the slice's pixels in registers, reduce the group statistics through
+distributed shared memory and normalize from the registers (the .cu file's header has the method). The
+two-pass Triton kernels read the input twice and launch three kernels; this reads it once in one launch.
+
+It runs where all of these hold, else :func:`try_group_norm` returns None and the caller runs the Triton
+kernels (``kernels.norm.group_norm``, which logs the reason once through ``kernels.dispatch.log_fallback``):
+
+* a CUDA device of compute capability 9.0 or newer (clusters, distributed shared memory);
+* x (and the residual) channels_last and dense, fp16 / bf16 / fp32, 16-byte aligned, C a multiple of the
+  16-byte vector (8 channels in fp16/bf16, 4 in fp32); weight, bias and channel bias in x's dtype;
+* a plan exists: every unit's pixels fit in a cluster of at most ``max_cluster`` CTAs of at most 512 threads
+  holding 8 vectors each (SD's UNet shapes at 512² and 1024² do; the VAE's largest ones do not);
+* nvcc builds the library (once per source version, cached in ``~/.cache/sdfast/csrc``).
+
+Method: Wu & He 2018 (GroupNorm); the CUDA Programming Guide's thread-block clusters and distributed shared
+memory (Hopper); one-read NHWC GroupNorm as in TensorRT's and Apex's GroupNorm kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import math
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from kernels import precompile
+from kernels.dispatch import log_fallback
+
+SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "group_norm_cluster.cu"
+_DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+_ERRORS = {-1: "bad dtype", -2: "bad split (CS, K, R, J)", -3: "a pointer is not 16-byte aligned"}
+
+# Knobs read at call time (tests and benchmarks change them).
+TUNING = {
+    "enabled": os.environ.get("SDFAST_GN_CLUSTER", "1") != "0",  # SDFAST_GN_CLUSTER=0: always the Triton kernels
+    "max_cluster": 8,  # CTAs per cluster; 8 is the portable maximum (16 needs a non-portable attribute)
+    "max_threads": 512,
+    "max_vectors": 8,  # J: 16-byte vectors per thread (the kernel's template range)
+    "num_sms": None,  # None: the device's count
+    "plan": None,  # tests/benchmarks: a ClusterPlan to force
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterPlan:
+    """One launch: ``CS`` channels per slice, clusters of ``K`` CTAs, ``R`` pixel rows per pass of a CTA's
+    ``nt`` threads, ``J`` 16-byte vectors per thread (a CTA covers ``R * J`` pixels)."""
+
+    CS: int
+    K: int
+    R: int
+    J: int
+    nt: int
+    ctas: int
+    est_us: float = 0.0
+
+
+def _vec(elem_size: int) -> int:
+    return 16 // elem_size
+
+
+def candidate_plans(B: int, C: int, HW: int, G: int, elem_size: int, num_sms: int = 132):
+    """Every launch shape the kernel accepts for a (B, C, H*W) channels_last GroupNorm with G groups, each with
+    its modeled time ``est_us`` (see :func:`cluster_plan`). Yields nothing when C is not a multiple of the
+    16-byte vector or no cluster holds a unit."""
+    vec = _vec(elem_size)
+    if C % vec or C % G:
+        return
+    Cg = C // G
+    step = Cg * vec // math.gcd(Cg, vec)
+    T = TUNING
+    total = B * C * HW * elem_size * 2  # bytes in and out
+    for cs in range(step, C + 1, step):
+        if C % cs:
+            continue
+        nv = cs // vec
+        for K in (k for k in (1, 2, 4, 8, 16) if k <= T["max_cluster"]):
+            P = -(-HW // K)
+            for J in range(1, T["max_vectors"] + 1):
+                R = -(-P // J)
+                nt = nv * R
+                if nt > T["max_threads"] or (K > 1 and -(-HW // (R * J)) < K):
+                    continue  # too many threads, or a CTA of the cluster would own no pixel
+                if _smem_floats(R, cs, Cg, nt) > 12 * 1024:
+                    continue  # shared memory over 48 KB
+                ctas = B * (C // cs) * K
+                per_cta = nt * J * 16 * 2
+                per_sm = min(4, max(1, 64 // -(-nt // 32)))  # CTAs resident per SM (about 96 registers a thread)
+                waves = -(-ctas // (num_sms * per_sm))
+                busiest = per_cta * min(per_sm, -(-ctas // num_sms))
+                est = waves * max(busiest / 60e3, total / waves / 3.6e6) + (0.8 if K > 1 else 0.0) + 0.05 * J
+                yield ClusterPlan(cs, K, R, J, nt, ctas, round(est, 3))
+
+
+def _smem_floats(R: int, CS: int, Cg: int, nt: int) -> int:
+    """The kernel's shared memory in floats (``smem_floats`` in the .cu file)."""
+    Q = nt // CS if nt >= CS else 1
+    return 2 * (R * (CS + 1) + Q * CS + CS) + 3 * CS + 2 * (CS // Cg)
+
+
+def cluster_plan(B: int, C: int, HW: int, G: int, elem_size: int, num_sms: int = 132, fits=None) -> ClusterPlan | None:
+    """The plan with the lowest modeled time for a (B, C, H*W) channels_last GroupNorm with G groups, among those
+    ``fits(plan)`` accepts (the launcher passes "all clusters resident at once", from the occupancy API: a
+    second wave of clusters doubles the time), or None when no plan fits (C not a multiple of the vector, a
+    unit too large for one cluster, or none of the first 24 candidates resident in one wave).
+
+    Model (µs, H200): the busiest SM moves its CTAs' bytes at about 60 GB/s and the GPU at about 3.6 TB/s
+    (loads are all issued at once, so per-SM throughput is bounded by bytes in flight), plus 0.8 µs for the
+    two cluster barrier rounds when K > 1 and a small cost per vector kept per thread. Ties: fewer CTAs per
+    cluster, then wider slices."""
+    plans = sorted(candidate_plans(B, C, HW, G, elem_size, num_sms), key=lambda p: (p.est_us, p.K, -p.CS))
+    return next((p for p in plans[:24] if fits is None or fits(p)), None)
+
+
+# --------------------------------------------------------------------------------------------
+# library
+# --------------------------------------------------------------------------------------------
+_build_lock = threading.Lock()
+_built: dict[str, object] = {}  # "lib": the loaded library, or "error": why the build failed (not retried)
+
+
+def library() -> ctypes.CDLL:
+    """Build (first call: about 10-15 s of nvcc, cached across processes by source hash) and load the kernel
+    library. Raises RuntimeError when nvcc is missing or fails (once built or failed, never rebuilt in this
+    process)."""
+    with _build_lock:
+        if not _built:
+            try:
+                _built["lib"] = _load()
+            except (RuntimeError, OSError) as e:
+                _built["error"] = f"{type(e).__name__}: {e}"
+        if "error" in _built:
+            raise RuntimeError(_built["error"])
+        return _built["lib"]
+
+
+def _load() -> ctypes.CDLL:
+    from kernels.csrc.build import compile_shared_library
+
+    lib = ctypes.CDLL(str(compile_shared_library(SOURCE, "sdfast_group_norm_cluster")))
+    vp, i, ll, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+    lib.sdfast_gn_cluster_nhwc.argtypes = [i, vp, vp, vp, vp, vp, vp, vp, i, i, i, i, i, i, i, i, ll, f, i, vp]
+    lib.sdfast_gn_cluster_nhwc.restype = i
+    lib.sdfast_gn_cluster_max_active.argtypes = [i, i, i, i, i, i, i]
+    lib.sdfast_gn_cluster_max_active.restype = i
+    return lib
+
+
+_builder: list[threading.Thread] = []
+
+
+def _start_build() -> None:
+    """Build the library on a background thread, once (nvcc is a subprocess, so this overlaps with Triton's
+    compilations). The next real call's ``library()`` waits on the build lock and gets the result; a failed
+    build is logged there, and that call and every later one run the Triton kernels."""
+    if _builder:
+        return
+
+    def build():
+        try:
+            library()
+        except Exception:  # noqa: BLE001 - library() keeps the error; the next real call logs the fallback
+            pass
+
+    th = threading.Thread(target=build, name="sdfast-gn-cluster-build", daemon=True)
+    _builder.append(th)
+    th.start()
+
+
+@functools.lru_cache(maxsize=None)
+def _device_ok(index: int) -> tuple[bool, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.major >= 9, props.multi_processor_count
+
+
+# --------------------------------------------------------------------------------------------
+# launcher
+# --------------------------------------------------------------------------------------------
+def _unsupported(x, weight, bias, channel_bias, residual) -> str | None:
+    """Why this call cannot run the cluster kernel, or None when it can (plan aside)."""
+    if not x.is_cuda:
+        return "not a CUDA tensor"
+    ok, _ = _device_ok(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    if not ok:
+        return "needs compute capability 9.0+ (thread-block clusters)"
+    if x.dtype not in _DTYPES:
+        return f"dtype {x.dtype}"
+    B, C, H, W = x.shape
+    if not x.is_contiguous(memory_format=torch.channels_last) or (H * W > 1 and x.stride(1) != 1):
+        return "x is not dense channels_last"
+    for name, t in (("weight", weight), ("bias", bias), ("channel_bias", channel_bias)):
+        if t is not None and t.dtype != x.dtype:
+            return f"{name} dtype {t.dtype} is not x's {x.dtype}"
+    if residual is not None and (residual.stride() != x.stride() or residual.data_ptr() % 16):
+        return "residual is not laid out like x"
+    if channel_bias is not None and channel_bias.reshape(-1, C).stride(1) != 1:
+        return "channel_bias is not contiguous along C"
+    if x.data_ptr() % 16:
+        return "x is not 16-byte aligned"
+    return None
+
+
+def try_group_norm(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre) -> bool:
+    """Run the cluster kernel into ``y`` (and ``pre`` when given: the rounded ``x + channel_bias + residual``)
+    and return True; or return False (the reason logged once) when it cannot run this call. Inputs were
+    checked by ``kernels.norm.group_norm``; y and pre are fresh tensors laid out like x."""
+    if not TUNING["enabled"]:
+        return False
+    why = _unsupported(x, weight, bias, channel_bias, residual)
+    B, C, H, W = x.shape
+    plan = None
+    if why is None and not _built and precompile.active():
+        # A compile-only pass (kernels.precompile): start nvcc beside Triton's compilations and skip the launch,
+        # as that pass skips every launch of a kernel not compiled yet (its outputs are never used).
+        _start_build()
+        return True
+    if why is None:
+        try:
+            plan = TUNING["plan"] or device_plan(B, C, H * W, num_groups, x.dtype, x.device.index or 0)
+        except RuntimeError as e:
+            why = f"library build failed: {str(e)[:300]}"
+    if why is None and plan is None:
+        why = f"no cluster plan for (B, C, HW, G) = ({B}, {C}, {H * W}, {num_groups}) {x.dtype}"
+    if why is not None:
+        log_fallback("group_norm cluster", why)
+        return False
+    lib = library()
+
+    cb_bstride = 0
+    if channel_bias is not None:
+        cb2 = channel_bias.reshape(-1, C)
+        cb_bstride = cb2.stride(0) if cb2.shape[0] > 1 else 0
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+
+    with torch.cuda.device(x.device):
+        rc = lib.sdfast_gn_cluster_nhwc(
+            _DTYPES[x.dtype], ptr(x), ptr(residual), ptr(channel_bias), ptr(weight), ptr(bias), ptr(y), ptr(pre),
+            B, C, H * W, num_groups, plan.CS, plan.K, plan.R, plan.J, cb_bstride, float(eps), int(silu), stream,
+        )
+    if rc != 0:
+        raise RuntimeError(f"group_norm cluster kernel: {_ERRORS.get(rc, f'CUDA error {rc}')} ({plan})")
+    return True
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan_for(B: int, C: int, HW: int, G: int, dtype: torch.dtype, device_index: int, knobs: tuple) -> ClusterPlan | None:
+    """:func:`cluster_plan` for this device, keeping only plans whose clusters are all resident at once. Builds
+    the library (the occupancy query needs the compiled kernels); raises RuntimeError when it does not build.
+    ``knobs``: the TUNING values the plans depend on (part of the cache key)."""
+    sms = TUNING["num_sms"] or _device_ok(device_index)[1]
+    units = B * C  # clusters = B * (C // CS)
+
+    def one_wave(plan: ClusterPlan) -> bool:
+        with torch.cuda.device(device_index):
+            return units // plan.CS <= max_active_clusters(plan, C, G, dtype)
+
+    library()
+    return cluster_plan(B, C, HW, G, torch.tensor([], dtype=dtype).element_size(), sms, fits=one_wave)
+
+
+def device_plan(B: int, C: int, HW: int, G: int, dtype: torch.dtype, device_index: int = 0) -> ClusterPlan | None:
+    """The plan the launcher uses on this CUDA device: :func:`cluster_plan` with every cluster resident at once
+    (cached per shape). Raises RuntimeError when the library does not build."""
+    knobs = (TUNING["max_cluster"], TUNING["max_threads"], TUNING["max_vectors"], TUNING["num_sms"])
+    return _plan_for(B, C, HW, G, dtype, device_index, knobs)
+
+
+def max_active_clusters(plan: ClusterPlan, C: int, G: int, dtype: torch.dtype) -> int:
+    """``cudaOccupancyMaxActiveClusters`` for ``plan`` on the current device (0: K cannot launch)."""
+    return library().sdfast_gn_cluster_max_active(_DTYPES[dtype], C, G, plan.CS, plan.K, plan.R, plan.J)
+
+
+__all__ = ["ClusterPlan", "cluster_plan", "candidate_plans", "device_plan", "try_group_norm", "library", "max_active_clusters", "TUNING"]

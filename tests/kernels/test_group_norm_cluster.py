@@ -1,0 +1,114 @@
+"""CPU tests of the cluster GroupNorm's planner and dispatch (``kernels.norm.group_norm_cluster``); the kernel
+itself needs an sm_90 GPU (``test_group_norm_cluster_gpu.py``) and its source compiles in
+``test_csrc_compile.py``."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kernels import dispatch
+from kernels.norm import group_norm, group_norm_cluster as gc, group_norm_ref, sd_shapes
+
+
+def _valid(plan, B, C, HW, G, elem_size):
+    vec = 16 // elem_size
+    Cg = C // G
+    assert C % plan.CS == 0 and plan.CS % Cg == 0 and plan.CS % vec == 0
+    assert plan.nt == plan.CS // vec * plan.R <= 512
+    assert 1 <= plan.J <= 8 and 1 <= plan.K <= 8
+    assert plan.K * plan.R * plan.J >= HW  # the cluster covers every pixel
+    assert plan.K == 1 or (plan.K - 1) * plan.R * plan.J < HW  # and no CTA owns none
+    assert plan.ctas == B * (C // plan.CS) * plan.K
+
+
+@pytest.mark.parametrize("elem_size", [2, 4])
+def test_plans_are_valid_on_every_sd_shape(elem_size):
+    planned = 0
+    for _, (B, C, H, W), *_ in sd_shapes.GROUP_NORM_SITES:
+        plan = gc.cluster_plan(B, C, H * W, 32, elem_size)
+        if plan is not None:
+            _valid(plan, B, C, H * W, 32, elem_size)
+            planned += 1
+    assert planned >= 20
+
+
+def test_plans_cover_the_sd15_unet_but_not_the_largest_vae_shapes():
+    missing = {s for m, s, *_ in sd_shapes.GROUP_NORM_SITES
+               if m == "sd15-unet" and gc.cluster_plan(s[0], s[1], s[2] * s[3], 32, 2) is None}
+    assert missing == {(2, 960, 64, 64)}  # a 120-channel unit of 4096 pixels needs clusters of 16
+    assert gc.cluster_plan(1, 128, 512 * 512, 32, 2) is None
+
+
+@pytest.mark.parametrize("B,C,HW,G", [(3, 320, 65 * 65, 32), (1, 320, 63, 32), (2, 96, 25, 32), (1, 64, 1, 8)])
+def test_odd_shapes_plan(B, C, HW, G):
+    plan = gc.cluster_plan(B, C, HW, G, 2)
+    assert plan is not None
+    _valid(plan, B, C, HW, G, 2)
+
+
+def test_no_plan_when_channels_do_not_fill_the_vector():
+    assert gc.cluster_plan(1, 36, 64, 6, 2) is None  # 36 channels: not a multiple of 8 fp16 values
+    assert gc.cluster_plan(1, 36, 64, 6, 4) is not None  # fp32 vectors hold 4
+
+
+def test_cpu_tensors_never_take_the_cluster_path(caplog, monkeypatch):
+    monkeypatch.setattr(dispatch, "_logged", set())
+    x = torch.randn(1, 64, 4, 4).contiguous(memory_format=torch.channels_last)
+    with caplog.at_level(logging.INFO, logger="sdfast.kernels"):
+        assert not gc.try_group_norm(x, 8, None, None, 1e-5, None, None, False, torch.empty_like(x), None)
+    assert "not a CUDA tensor" in caplog.text
+
+
+def test_a_failed_build_falls_back_once_with_the_reason(caplog, monkeypatch):
+    """The one logged place: a library that does not build sends every call to the Triton kernels."""
+    monkeypatch.setattr(dispatch, "_logged", set())
+    monkeypatch.setattr(gc, "_unsupported", lambda *a: None)
+    monkeypatch.setattr(gc, "_device_ok", lambda index: (True, 132))
+
+    def broken():
+        raise RuntimeError("nvcc failed: boom")
+
+    monkeypatch.setattr(gc, "library", broken)
+    x = torch.randn(1, 64, 4, 4).contiguous(memory_format=torch.channels_last)
+    with caplog.at_level(logging.INFO, logger="sdfast.kernels"):
+        for _ in range(2):
+            assert not gc.try_group_norm(x, 8, None, None, 1e-5, None, None, False, torch.empty_like(x), None)
+    assert caplog.text.count("library build failed: nvcc failed: boom") == 1
+
+
+def test_disabled_knob_skips_the_path(monkeypatch):
+    monkeypatch.setitem(gc.TUNING, "enabled", False)
+    monkeypatch.setattr(gc, "_unsupported", lambda *a: pytest.fail("must not be consulted"))
+    x = torch.randn(1, 64, 4, 4).contiguous(memory_format=torch.channels_last)
+    assert not gc.try_group_norm(x, 8, None, None, 1e-5, None, None, False, torch.empty_like(x), None)
+
+
+def test_public_op_on_cpu_is_unchanged():
+    x = torch.randn(2, 64, 5, 5).contiguous(memory_format=torch.channels_last)
+    out = group_norm(x, 8, None, None, 1e-5, activation="silu")
+    torch.testing.assert_close(out, group_norm_ref(x, 8, None, None, 1e-5, activation="silu"))
+
+
+def test_compile_only_pass_starts_the_build_and_skips_the_launch(monkeypatch):
+    """Inside ``kernels.precompile.dry_run`` the first eligible call starts nvcc on a thread (beside Triton's
+    compilations) instead of building on the launching thread, and skips its launch like any uncompiled kernel."""
+    import threading
+
+    from kernels import precompile
+
+    started = threading.Event()
+    monkeypatch.setattr(gc, "_unsupported", lambda *a: None)
+    monkeypatch.setattr(gc, "_built", {})
+    monkeypatch.setattr(gc, "_builder", [])
+    monkeypatch.setattr(gc, "library", lambda: started.set())
+    monkeypatch.setattr(precompile, "active", lambda: True)
+    x = torch.randn(1, 64, 4, 4).contiguous(memory_format=torch.channels_last)
+    y = torch.full_like(x, 7.0)
+    assert gc.try_group_norm(x, 8, None, None, 1e-5, None, None, False, y, None)
+    assert started.wait(5) and len(gc._builder) == 1
+    assert torch.all(y == 7.0)  # nothing launched
+    assert gc.try_group_norm(x, 8, None, None, 1e-5, None, None, False, y, None)
+    assert len(gc._builder) == 1  # one build thread, however many calls
