@@ -90,26 +90,48 @@ def _cache_dir() -> Path:
     return Path(base) / "csrc"
 
 
-def compile_shared_library(source: Path, stem: str, arch_list: tuple[str, ...] | None = None) -> Path:
-    """``nvcc -shared`` of one pure-CUDA source into ``~/.cache/sdfast/csrc/`` (or ``$SDFAST_CACHE_DIR/csrc``),
-    named by the hash of the source and the flags, so an edited source is rebuilt and a built one is reused by
-    every process. Returns the library's path. Raises RuntimeError when nvcc is missing or fails."""
+def compile_shared_library(source: Path, stem: str, arch_list: tuple[str, ...] | None = None,
+                           parts: tuple[tuple[str, ...], ...] = ((),)) -> Path:
+    """``nvcc`` of one pure-CUDA source into a shared library in ``~/.cache/sdfast/csrc/`` (or
+    ``$SDFAST_CACHE_DIR/csrc``), named by the hash of the source and the flags, so an edited source is rebuilt and
+    a built one is reused by every process. ``parts``: extra flags per object (e.g. one ``-D`` per dtype); the
+    objects compile in parallel, then link into one library. Returns the library's path. Raises RuntimeError when
+    nvcc is missing or fails."""
     nvcc = find_nvcc()
     if nvcc is None:
         raise RuntimeError(f"{source.name}: nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
     archs = list(arch_list) if arch_list else _default_arch_list()
     flags = [*NVCC_FLAGS, "-std=c++17", *gencode_flags(archs)]
-    digest = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source.read_bytes() + repr((flags, parts)).encode()).hexdigest()[:16]
     out = _cache_dir() / f"lib{stem}_{digest}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        cmd = [nvcc, "-shared", "-Xcompiler", "-fPIC", *flags, "-o", str(tmp), str(source)]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"{source.name}: nvcc failed ({' '.join(cmd)}):\n{res.stderr[-4000:]}")
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    objs = [tmp.with_suffix(f".{os.getpid()}.{i}.o") for i in range(len(parts))]
+    try:
+        if len(parts) == 1:
+            _run([nvcc, "-shared", "-Xcompiler", "-fPIC", *flags, *parts[0], "-o", str(tmp), str(source)], source)
+        else:
+            procs = [(subprocess.Popen([nvcc, "-c", "-Xcompiler", "-fPIC", *flags, *extra, "-o", str(o), str(source)],
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), extra)
+                     for extra, o in zip(parts, objs)]
+            for proc, extra in procs:
+                _, err = proc.communicate()
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{source.name}: nvcc failed ({' '.join(extra)}):\n{err[-4000:]}")
+            _run([nvcc, "-shared", *flags, "-o", str(tmp), *map(str, objs)], source)
         tmp.replace(out)
+    finally:
+        for o in objs:
+            o.unlink(missing_ok=True)
     return out
+
+
+def _run(cmd: list[str], source: Path) -> None:
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"{source.name}: nvcc failed ({' '.join(cmd)}):\n{res.stderr[-4000:]}")
 
 
 @functools.lru_cache(maxsize=None)

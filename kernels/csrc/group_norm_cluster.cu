@@ -177,8 +177,7 @@ __global__ void __launch_bounds__(512, 1) gn_cluster_nhwc_kernel(const Params p)
   const int v = threadIdx.x % nv, r = working ? threadIdx.x / nv : R;
   const int c0 = s * CS + v * VEC;  // this thread's first channel
   const int64_t base = static_cast<int64_t>(b) * p.HW * p.C + c0;
-  const int pix_end = min(p.HW, (k + 1) * R * J);  // cluster rank k owns pixels [k R J, (k + 1) R J)
-  const int pix0 = k * R * J + r;                  // >= pix_end for the threads that do not work
+  const int pix0 = k * R * J + r;  // cluster rank k owns pixels [k R J, (k + 1) R J)
 
   float2* red = reinterpret_cast<float2*>(smem);
   float2* part = red + R * (CS + 1);
@@ -196,7 +195,7 @@ __global__ void __launch_bounds__(512, 1) gn_cluster_nhwc_kernel(const Params p)
 #pragma unroll
   for (int j = 0; j < J; ++j) {
     const int pix = pix0 + j * R;
-    xr[j] = pix < p.HW ? ldg_stream(static_cast<const T*>(p.x) + base + static_cast<int64_t>(pix) * p.C)
+    xr[j] = working && pix < p.HW ? ldg_stream(static_cast<const T*>(p.x) + base + static_cast<int64_t>(pix) * p.C)
                        : make_uint4(0, 0, 0, 0);
   }
   if (r == 0) {  // weight and bias loaded now (into shared memory), used after the barriers
@@ -224,7 +223,7 @@ __global__ void __launch_bounds__(512, 1) gn_cluster_nhwc_kernel(const Params p)
 #pragma unroll
     for (int j = 0; j < J; ++j) {
       const int pix = pix0 + j * R;
-      if (pix >= p.HW) continue;
+      if (!working || pix >= p.HW) continue;
       const int64_t off = base + static_cast<int64_t>(pix) * p.C;
       float f[VEC];
       V_::load(xr[j], f);
@@ -250,7 +249,7 @@ __global__ void __launch_bounds__(512, 1) gn_cluster_nhwc_kernel(const Params p)
   for (int i = 0; i < VEC; ++i) acc[i] = make_float2(0.f, 0.f);
 #pragma unroll
   for (int j = 0; j < J; ++j) {
-    if (pix0 + j * R >= p.HW) continue;
+    if (!working || pix0 + j * R >= p.HW) continue;
     float f[VEC];
     V_::load(xr[j], f);
 #pragma unroll
@@ -317,7 +316,7 @@ __global__ void __launch_bounds__(512, 1) gn_cluster_nhwc_kernel(const Params p)
 #pragma unroll
   for (int j = 0; j < J; ++j) {
     const int pix = pix0 + j * R;
-    if (pix >= p.HW) continue;
+    if (!working || pix >= p.HW) continue;
     float f[VEC];
     V_::load(xr[j], f);
 #pragma unroll
@@ -404,24 +403,14 @@ cudaError_t max_active_t(const Params& p, int K, int J, int nt, int* n) {
 #undef SDFAST_CALL
 }
 
-}  // namespace
-
 // Error codes (negative: our checks; positive: a cudaError_t).
-#define SDFAST_GN_BAD_DTYPE (-1)
 #define SDFAST_GN_BAD_SPLIT (-2)
 #define SDFAST_GN_BAD_ALIGN (-3)
 
-extern "C" {
-
-// dtype: 0 fp16, 1 bf16, 2 fp32. x, res, y, pre: (B, C, H, W) channels_last, contiguous in that layout,
-// 16-byte aligned; res / cb / w / bias / pre may be null. CS channels per slice (C % CS == 0, CS % Cg == 0,
-// CS a multiple of the 16-byte vector), a cluster of K CTAs of nt = (CS / VEC) * R threads per (batch item,
-// slice), each CTA R * J pixels, K * R * J >= HW, nt <= 512, 1 <= J <= 8, K <= 16.
-int sdfast_gn_cluster_nhwc(int dtype, const void* x, const void* res, const void* cb, const void* w,
-                           const void* bias, void* y, void* pre, int B, int C, int HW, int G, int CS, int K, int R,
-                           int J, long long cb_bstride, float eps, int silu, void* stream) {
-  const int vec = dtype == 2 ? 4 : 8;
-  if (dtype < 0 || dtype > 2) return SDFAST_GN_BAD_DTYPE;
+template <typename T>
+int entry(const void* x, const void* res, const void* cb, const void* w, const void* bias, void* y, void* pre, int B,
+          int C, int HW, int G, int CS, int K, int R, int J, long long cb_bstride, float eps, int silu, void* stream) {
+  constexpr int vec = 16 / static_cast<int>(sizeof(T));
   if (G <= 0 || C % G != 0) return SDFAST_GN_BAD_SPLIT;
   const int Cg = C / G;
   const int nt = CS / vec * R;
@@ -432,22 +421,15 @@ int sdfast_gn_cluster_nhwc(int dtype, const void* x, const void* res, const void
   for (const void* q : ptrs)
     if (reinterpret_cast<uintptr_t>(q) % 16 != 0) return SDFAST_GN_BAD_ALIGN;
   Params p{x, res, cb, w, bias, y, pre, HW, C, Cg, CS, C / CS, R, nt, cb_bstride, eps, silu};
-  cudaStream_t st = static_cast<cudaStream_t>(stream);
-  cudaError_t e;
-  switch (dtype) {
-    case 0: e = launch_t<__half>(p, B, K, J, nt, st); break;
-    case 1: e = launch_t<__nv_bfloat16>(p, B, K, J, nt, st); break;
-    default: e = launch_t<float>(p, B, K, J, nt, st); break;
-  }
+  cudaError_t e = launch_t<T>(p, B, K, J, nt, static_cast<cudaStream_t>(stream));
   if (e == cudaSuccess) e = cudaGetLastError();
   return static_cast<int>(e);
 }
 
-// How many clusters of K CTAs of this configuration can be resident at once on the current device
-// (cudaOccupancyMaxActiveClusters): 0 when K cannot launch at all, negative (-cudaError_t) on error.
-int sdfast_gn_cluster_max_active(int dtype, int C, int G, int CS, int K, int R, int J) {
-  if (dtype < 0 || dtype > 2 || G <= 0 || C % G != 0 || J < 1 || J > 8 || K < 1 || K > 16) return -1;
-  const int vec = dtype == 2 ? 4 : 8;
+template <typename T>
+int max_active_entry(int C, int G, int CS, int K, int R, int J) {
+  constexpr int vec = 16 / static_cast<int>(sizeof(T));
+  if (G <= 0 || C % G != 0 || CS <= 0 || J < 1 || J > 8 || K < 1 || K > 16) return SDFAST_GN_BAD_SPLIT;
   Params p{};
   p.C = C;
   p.Cg = C / G;
@@ -456,13 +438,37 @@ int sdfast_gn_cluster_max_active(int dtype, int C, int G, int CS, int K, int R, 
   p.nslices = C / CS;
   p.nt = CS / vec * R;
   int n = 0;
-  cudaError_t e;
-  switch (dtype) {
-    case 0: e = max_active_t<__half>(p, K, J, CS / vec * R, &n); break;
-    case 1: e = max_active_t<__nv_bfloat16>(p, K, J, CS / vec * R, &n); break;
-    default: e = max_active_t<float>(p, K, J, CS / vec * R, &n); break;
-  }
+  cudaError_t e = max_active_t<T>(p, K, J, p.nt, &n);
   return e == cudaSuccess ? n : -static_cast<int>(e);
 }
 
-}  // extern "C"
+}  // namespace
+
+// Entry points, one pair per dtype: sdfast_gn_cluster_nhwc_<f16|bf16|f32> launches, and
+// sdfast_gn_cluster_max_active_<...> returns how many clusters of that configuration can be resident at once
+// (cudaOccupancyMaxActiveClusters: 0 when K cannot launch, negative on error).
+// x, res, y, pre: (B, C, H, W) channels_last, contiguous in that layout, 16-byte aligned; res / cb / w / bias / pre
+// may be null. CS channels per slice (C % CS == 0, CS % Cg == 0, CS a multiple of the 16-byte vector), a cluster
+// of K CTAs of nt = (CS / VEC) * R threads per (batch item, slice), each CTA R * J pixels, K * R * J >= HW,
+// nt <= 512, 1 <= J <= 8, K <= 16. Built with -DSDFAST_GN_DTYPE=0/1/2, an object holds one dtype's kernels (the
+// library is three objects compiled in parallel); without it, all three.
+#define SDFAST_GN_ENTRIES(SUFFIX, T)                                                                               \
+  extern "C" int sdfast_gn_cluster_nhwc_##SUFFIX(const void* x, const void* res, const void* cb, const void* w,     \
+                                                 const void* bias, void* y, void* pre, int B, int C, int HW, int G, \
+                                                 int CS, int K, int R, int J, long long cb_bstride, float eps,     \
+                                                 int silu, void* stream) {                                          \
+    return entry<T>(x, res, cb, w, bias, y, pre, B, C, HW, G, CS, K, R, J, cb_bstride, eps, silu, stream);          \
+  }                                                                                                                  \
+  extern "C" int sdfast_gn_cluster_max_active_##SUFFIX(int C, int G, int CS, int K, int R, int J) {                 \
+    return max_active_entry<T>(C, G, CS, K, R, J);                                                                   \
+  }
+
+#if !defined(SDFAST_GN_DTYPE) || SDFAST_GN_DTYPE == 0
+SDFAST_GN_ENTRIES(f16, __half)
+#endif
+#if !defined(SDFAST_GN_DTYPE) || SDFAST_GN_DTYPE == 1
+SDFAST_GN_ENTRIES(bf16, __nv_bfloat16)
+#endif
+#if !defined(SDFAST_GN_DTYPE) || SDFAST_GN_DTYPE == 2
+SDFAST_GN_ENTRIES(f32, float)
+#endif

@@ -41,6 +41,7 @@ Method: Wu & He 2018 (GroupNorm); Chan, Golub & LeVeque 1979 (pairwise variance 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -927,7 +928,6 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
     B, C, H, W = x.shape
     HW = H * W
     G = num_groups
-    Cg = C // G
     y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
     pre = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) if return_sum else x.new_empty(0)
     if x.numel() == 0:
@@ -939,10 +939,22 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
     cl = _is_channels_last(x)
     silu = activation == "silu"
     write_pre = return_sum and has_add
-    if cl and x.is_cuda and group_norm_cluster.try_group_norm(
-        x, G, weight, bias, eps, channel_bias, residual, silu, y, pre if write_pre else None
+    triton_call = functools.partial(_launch_triton, x, G, weight, bias, eps, channel_bias, residual, silu, write_pre,
+                                    y, pre)
+    if cl and x.is_cuda and group_norm_cluster.run_if_faster(
+        x, G, weight, bias, eps, channel_bias, residual, silu, y, pre if write_pre else None, triton_call
     ):
         return y, pre
+    triton_call()
+    return y, pre
+
+
+def _launch_triton(x, G, weight, bias, eps, channel_bias, residual, silu, write_pre, y, pre) -> None:
+    """The Triton kernels of the plan for this call, writing ``y`` (and ``pre`` when ``write_pre``)."""
+    B, C, H, W = x.shape
+    HW = H * W
+    Cg = C // G
+    cl = _is_channels_last(x)
     hw_axis = 0 if cl else 1
     plan = group_norm_plan(B, C, HW, G, cl, x.element_size(), residual is not None)
     w = weight.contiguous() if weight is not None else x
@@ -965,7 +977,7 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
             HAS_W=weight is not None, HAS_B=bias is not None, WRITE_PRE=write_pre, SILU=silu,
             num_warps=plan.num_warps,
         )
-        return y, pre
+        return
 
     # After the statistics pass with WRITE_PRE, the apply pass reads the stored sum instead.
     src_x, a_cb, a_res = (pre, False, False) if write_pre else (x, channel_bias is not None, residual is not None)
@@ -996,7 +1008,7 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
             HAS_CB=a_cb, HAS_RES=a_res, HAS_B=bias is not None, SILU=silu,
             num_warps=plan.apply_warps,
         )
-        return y, pre
+        return
 
     S, HWS = plan.S, plan.HWS
     gpt_p2 = _p2(plan.GPT)
@@ -1034,7 +1046,6 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
             HAS_CB=a_cb, HAS_RES=a_res, HAS_W=weight is not None, HAS_B=bias is not None, SILU=silu,
             num_warps=plan.apply_warps,
         )
-    return y, pre
 
 
 # --------------------------------------------------------------------------------------------

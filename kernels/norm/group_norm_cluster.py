@@ -5,8 +5,9 @@ cluster of ``K`` CTAs that hold the slice's pixels in registers, reduce the grou
 distributed shared memory and normalize from the registers (the .cu file's header has the method). The
 two-pass Triton kernels read the input twice and launch three kernels; this reads it once in one launch.
 
-It runs where all of these hold, else :func:`try_group_norm` returns None and the caller runs the Triton
-kernels (``kernels.norm.group_norm``, which logs the reason once through ``kernels.dispatch.log_fallback``):
+``kernels.norm.group_norm`` runs it through :func:`run_if_faster`: where it can run, it is timed once per call
+signature against the Triton kernels and the faster one is kept (logged). It can run where all of these hold
+(else the reason is logged once through ``kernels.dispatch.log_fallback`` and the Triton kernels run):
 
 * a CUDA device of compute capability 9.0 or newer (clusters, distributed shared memory);
 * x (and the residual) channels_last and dense, fp16 / bf16 / fp32, 16-byte aligned, C a multiple of the
@@ -24,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
+import logging
 import math
 import os
 import threading
@@ -34,9 +36,11 @@ import torch
 from kernels import precompile
 from kernels.dispatch import log_fallback
 
+log = logging.getLogger("sdfast.kernels")
+
 SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "group_norm_cluster.cu"
-_DTYPES = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
-_ERRORS = {-1: "bad dtype", -2: "bad split (CS, K, R, J)", -3: "a pointer is not 16-byte aligned"}
+_DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}  # SDFAST_GN_DTYPE 0, 1, 2
+_ERRORS = {-2: "bad split (CS, K, R, J)", -3: "a pointer is not 16-byte aligned"}
 
 # Knobs read at call time (tests and benchmarks change them).
 TUNING = {
@@ -145,12 +149,13 @@ def library() -> ctypes.CDLL:
 def _load() -> ctypes.CDLL:
     from kernels.csrc.build import compile_shared_library
 
-    lib = ctypes.CDLL(str(compile_shared_library(SOURCE, "sdfast_group_norm_cluster")))
+    parts = tuple((f"-DSDFAST_GN_DTYPE={d}",) for d in range(len(_DTYPES)))  # one nvcc per dtype, in parallel
+    lib = ctypes.CDLL(str(compile_shared_library(SOURCE, "sdfast_group_norm_cluster", parts=parts)))
     vp, i, ll, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
-    lib.sdfast_gn_cluster_nhwc.argtypes = [i, vp, vp, vp, vp, vp, vp, vp, i, i, i, i, i, i, i, i, ll, f, i, vp]
-    lib.sdfast_gn_cluster_nhwc.restype = i
-    lib.sdfast_gn_cluster_max_active.argtypes = [i, i, i, i, i, i, i]
-    lib.sdfast_gn_cluster_max_active.restype = i
+    for suffix in _DTYPES.values():
+        launch, active = getattr(lib, f"sdfast_gn_cluster_nhwc_{suffix}"), getattr(lib, f"sdfast_gn_cluster_max_active_{suffix}")
+        launch.argtypes, launch.restype = [vp, vp, vp, vp, vp, vp, vp, i, i, i, i, i, i, i, i, ll, f, i, vp], i
+        active.argtypes, active.restype = [i, i, i, i, i, i], i
     return lib
 
 
@@ -208,20 +213,21 @@ def _unsupported(x, weight, bias, channel_bias, residual) -> str | None:
     return None
 
 
-def try_group_norm(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre) -> bool:
-    """Run the cluster kernel into ``y`` (and ``pre`` when given: the rounded ``x + channel_bias + residual``)
-    and return True; or return False (the reason logged once) when it cannot run this call. Inputs were
-    checked by ``kernels.norm.group_norm``; y and pre are fresh tensors laid out like x."""
+def launcher(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre):
+    """A zero-argument callable that runs the cluster kernel into ``y`` (and ``pre`` when given: the rounded
+    ``x + channel_bias + residual``), or None when it cannot run this call (the reason logged once). Inside a
+    compile-only pass (``kernels.precompile``) it starts building the library on a thread and returns None, so
+    that the pass goes on to the Triton kernels and queues their compilation too. Inputs were checked by
+    ``kernels.norm.group_norm``; y and pre are fresh tensors laid out like x."""
     if not TUNING["enabled"]:
-        return False
+        return None
     why = _unsupported(x, weight, bias, channel_bias, residual)
+    if why is None and precompile.active():
+        if not _built:
+            _start_build()
+        return None
     B, C, H, W = x.shape
     plan = None
-    if why is None and not _built and precompile.active():
-        # A compile-only pass (kernels.precompile): start nvcc beside Triton's compilations and skip the launch,
-        # as that pass skips every launch of a kernel not compiled yet (its outputs are never used).
-        _start_build()
-        return True
     if why is None:
         try:
             plan = TUNING["plan"] or device_plan(B, C, H * W, num_groups, x.dtype, x.device.index or 0)
@@ -231,26 +237,83 @@ def try_group_norm(x, num_groups, weight, bias, eps, channel_bias, residual, sil
         why = f"no cluster plan for (B, C, HW, G) = ({B}, {C}, {H * W}, {num_groups}) {x.dtype}"
     if why is not None:
         log_fallback("group_norm cluster", why)
-        return False
+        return None
     lib = library()
-
     cb_bstride = 0
     if channel_bias is not None:
         cb2 = channel_bias.reshape(-1, C)
         cb_bstride = cb2.stride(0) if cb2.shape[0] > 1 else 0
-    stream = torch.cuda.current_stream(x.device).cuda_stream
 
     def ptr(t):
         return None if t is None else t.data_ptr()
 
-    with torch.cuda.device(x.device):
-        rc = lib.sdfast_gn_cluster_nhwc(
-            _DTYPES[x.dtype], ptr(x), ptr(residual), ptr(channel_bias), ptr(weight), ptr(bias), ptr(y), ptr(pre),
-            B, C, H * W, num_groups, plan.CS, plan.K, plan.R, plan.J, cb_bstride, float(eps), int(silu), stream,
-        )
-    if rc != 0:
-        raise RuntimeError(f"group_norm cluster kernel: {_ERRORS.get(rc, f'CUDA error {rc}')} ({plan})")
+    fn = getattr(lib, f"sdfast_gn_cluster_nhwc_{_DTYPES[x.dtype]}")
+    args = (ptr(x), ptr(residual), ptr(channel_bias), ptr(weight), ptr(bias), ptr(y), ptr(pre),
+            B, C, H * W, num_groups, plan.CS, plan.K, plan.R, plan.J, cb_bstride, float(eps), int(silu))
+
+    def launch() -> None:
+        with torch.cuda.device(x.device):
+            rc = fn(*args, torch.cuda.current_stream(x.device).cuda_stream)
+        if rc != 0:
+            raise RuntimeError(f"group_norm cluster kernel: {_ERRORS.get(rc, f'CUDA error {rc}')} ({plan})")
+
+    return launch
+
+
+def try_group_norm(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre) -> bool:
+    """Run the cluster kernel (see :func:`launcher`) and return True, or return False when it cannot run."""
+    launch = launcher(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre)
+    if launch is None:
+        return False
+    launch()
     return True
+
+
+_choices: dict[tuple, bool] = {}
+
+
+def run_if_faster(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre, triton_call) -> bool:
+    """Run the cluster kernel and return True when it can run this call and is the faster of it and the Triton
+    kernels (``triton_call`` writes the same outputs); otherwise return False (the caller runs Triton).
+
+    The choice is measured once per call signature (shape, strides, dtype, groups, fusions, device), on the
+    caller's stream, both kernels alternating on the same L2-resident input (as in a UNet, where the norm reads
+    what the convolution before it just wrote), and logged. Measured on the H200 (run 14): the cluster kernel
+    wins at most of SD's channels_last shapes, the Triton kernels at the 8x8 ones and with a residual at 64x64.
+    Inside a CUDA graph capture nothing is timed: the cluster kernel runs, and the choice is not kept."""
+    launch = launcher(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre)
+    if launch is None:
+        return False
+    cb = None if channel_bias is None else tuple(channel_bias.shape)
+    key = (tuple(x.shape), x.stride(), x.dtype, num_groups, weight is None, bias is None, cb, residual is not None,
+           pre is not None, bool(silu), x.device)
+    faster = _choices.get(key)
+    if faster is None:
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            launch()
+            return True
+        faster = _choices[key] = _measure(key, launch, triton_call)
+    if faster:
+        launch()
+    return faster
+
+
+def _measure(key: tuple, launch, triton_call, iters: int = 10) -> bool:
+    times = {"cluster": [], "triton": []}
+    launch(), triton_call()  # warm (and compile)
+    for _ in range(2):
+        for name, fn in (("cluster", launch), ("triton", triton_call)):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            times[name].append(start.elapsed_time(end) * 1e3 / iters)
+    cluster, triton_us = min(times["cluster"]), min(times["triton"])
+    log.info("group_norm %s %s groups=%d: cluster kernel %.1f us, Triton %.1f us per call -> %s", key[0], key[2], key[3],
+             cluster, triton_us, "cluster" if cluster <= triton_us else "Triton")
+    return cluster <= triton_us
 
 
 @functools.lru_cache(maxsize=1024)
@@ -278,7 +341,9 @@ def device_plan(B: int, C: int, HW: int, G: int, dtype: torch.dtype, device_inde
 
 def max_active_clusters(plan: ClusterPlan, C: int, G: int, dtype: torch.dtype) -> int:
     """``cudaOccupancyMaxActiveClusters`` for ``plan`` on the current device (0: K cannot launch)."""
-    return library().sdfast_gn_cluster_max_active(_DTYPES[dtype], C, G, plan.CS, plan.K, plan.R, plan.J)
+    fn = getattr(library(), f"sdfast_gn_cluster_max_active_{_DTYPES[dtype]}")
+    return fn(C, G, plan.CS, plan.K, plan.R, plan.J)
 
 
-__all__ = ["ClusterPlan", "cluster_plan", "candidate_plans", "device_plan", "try_group_norm", "library", "max_active_clusters", "TUNING"]
+__all__ = ["ClusterPlan", "cluster_plan", "candidate_plans", "device_plan", "launcher", "try_group_norm", "run_if_faster",
+           "library", "max_active_clusters", "TUNING"]

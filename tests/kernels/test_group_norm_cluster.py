@@ -92,9 +92,10 @@ def test_public_op_on_cpu_is_unchanged():
     torch.testing.assert_close(out, group_norm_ref(x, 8, None, None, 1e-5, activation="silu"))
 
 
-def test_compile_only_pass_starts_the_build_and_skips_the_launch(monkeypatch):
+def test_compile_only_pass_starts_the_build_and_goes_on_to_triton(monkeypatch):
     """Inside ``kernels.precompile.dry_run`` the first eligible call starts nvcc on a thread (beside Triton's
-    compilations) instead of building on the launching thread, and skips its launch like any uncompiled kernel."""
+    compilations) instead of building on the launching thread, and declines, so that the pass reaches the Triton
+    kernels and queues their compilation too (the real pass times both)."""
     import threading
 
     from kernels import precompile
@@ -107,8 +108,33 @@ def test_compile_only_pass_starts_the_build_and_skips_the_launch(monkeypatch):
     monkeypatch.setattr(precompile, "active", lambda: True)
     x = torch.randn(1, 64, 4, 4).contiguous(memory_format=torch.channels_last)
     y = torch.full_like(x, 7.0)
-    assert gc.try_group_norm(x, 8, None, None, 1e-5, None, None, False, y, None)
+    assert not gc.try_group_norm(x, 8, None, None, 1e-5, None, None, False, y, None)
     assert started.wait(5) and len(gc._builder) == 1
     assert torch.all(y == 7.0)  # nothing launched
-    assert gc.try_group_norm(x, 8, None, None, 1e-5, None, None, False, y, None)
+    assert not gc.try_group_norm(x, 8, None, None, 1e-5, None, None, False, y, None)
     assert len(gc._builder) == 1  # one build thread, however many calls
+
+
+def test_the_faster_kernel_is_measured_once_per_signature(monkeypatch):
+    runs, measured = [], []
+    monkeypatch.setattr(gc, "_choices", {})
+    monkeypatch.setattr(gc, "launcher", lambda *a: (lambda: runs.append("cluster")))
+    verdict = {"faster": False}
+
+    def measure(key, launch, triton_call):
+        measured.append(key)
+        return verdict["faster"]
+
+    monkeypatch.setattr(gc, "_measure", measure)
+    x = torch.randn(1, 64, 4, 4).contiguous(memory_format=torch.channels_last)
+    y = torch.empty_like(x)
+
+    def call(x):
+        return gc.run_if_faster(x, 8, None, None, 1e-5, None, None, True, y, None, lambda: runs.append("triton"))
+
+    assert not call(x) and not call(x)  # Triton measured faster: the caller runs Triton, nothing timed again
+    assert len(measured) == 1 and runs == []
+    verdict["faster"] = True
+    x2 = torch.randn(2, 64, 4, 4).contiguous(memory_format=torch.channels_last)  # another signature
+    assert call(x2) and call(x2)
+    assert len(measured) == 2 and runs == ["cluster", "cluster"]

@@ -129,8 +129,11 @@ def test_large_mean_statistics():
     assert_close_rule(y, ref64, torch32, atol=1e-4, name="y, |mean| >> std")
 
 
-def test_public_op_routes_channels_last_here_and_replays_in_a_graph():
-    x, w, b, cb, r = _inputs((2, 320, 64, 64), torch.float16, cb="BC", res=True)
+def test_public_op_routes_channels_last_here_and_replays_in_a_graph(monkeypatch):
+    """With the cluster kernel measured faster, the public op runs it, also replayed from a CUDA graph."""
+    monkeypatch.setattr(gc, "_choices", {})
+    monkeypatch.setattr(gc, "_measure", lambda *a: True)
+    x, w, b, cb, r = _inputs((2, 320, 32, 32), torch.float16, cb="BC", res=True)
     expect_y, expect_pre = _run_cluster(x, 32, w, b, 1e-5, cb, r, True, True)
     y, pre = group_norm(x, 32, w, b, 1e-5, channel_bias=cb, residual=r, activation="silu", return_sum=True)
     assert torch.equal(y, expect_y) and torch.equal(pre, expect_pre)
@@ -166,3 +169,20 @@ def test_fallbacks_are_logged_and_correct(caplog, monkeypatch):
     out = group_norm(x, 32, w.float(), b, 1e-5, activation="silu")
     ref = group_norm_ref(x.float(), 32, w.float(), b.float(), 1e-5, activation="silu")
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=2e-3)
+
+
+def test_the_choice_is_measured_and_logged(caplog, monkeypatch):
+    """The public op times both kernels once per signature, logs the times, and gives the reference either way."""
+    monkeypatch.setattr(gc, "_choices", {})
+    x, w, b, cb, r = _inputs((2, 640, 32, 32), torch.float16, cb="BC", res=True)
+    with caplog.at_level(logging.INFO, logger="sdfast.kernels"):
+        y, pre = group_norm(x, 32, w, b, 1e-5, channel_bias=cb, residual=r, activation="silu", return_sum=True)
+        group_norm(x, 32, w, b, 1e-5, channel_bias=cb, residual=r, activation="silu", return_sum=True)
+    assert caplog.text.count("cluster kernel") == 1 and len(gc._choices) == 1
+    f32 = (lambda t: t.float())
+    ref = group_norm_ref(x.float(), 32, f32(w), f32(b), 1e-5, channel_bias=f32(cb), residual=f32(r),
+                         activation="silu", return_sum=True)
+    low = group_norm_ref(x, 32, w, b, 1e-5, channel_bias=cb, residual=r, activation="silu", return_sum=True,
+                         upcast=False)
+    assert_close_rule(y, ref[0], low[0], atol=ATOL[x.dtype], name="y")
+    assert_close_rule(pre, ref[1], low[1], atol=ATOL[x.dtype], name="pre")
