@@ -5,8 +5,8 @@ channels_last GroupNorm shapes SD runs, and a sweep of its launch shapes against
 
 Per shape (fp16, GroupNorm+SiLU unless the site has none; the ResNet fusion with channel bias + residual +
 ``return_sum`` at the UNet's 64x64 shape): GPU time with L2 flushed before each call (``device_time_us``) of
-the cluster kernel, of the Triton kernels (cluster path off) and of a copy of the same bytes; and the time per
-call inside a CUDA graph of 20 calls. ``--sweep`` times every candidate plan (clusters up to 16 CTAs where the
+the cluster kernel, of the Triton kernels (cluster path off) and of a copy of the same bytes; the time per
+call inside a CUDA graph of 20 calls; and which of the two the public op's measured choice runs (``chosen``). ``--sweep`` times every candidate plan (clusters up to 16 CTAs where the
 GPU can launch them) at the UNet shapes and records the model's estimate beside the measurement.
 Writes ``group_norm_cluster.json`` / ``.md`` into ``--out``.
 """
@@ -90,16 +90,23 @@ def _case(shape, eps, silu, fused) -> dict:
            "est_us": None if plan is None else plan.est_us}
     src, dst = x.clone(), torch.empty_like(x)
     row["copy_us"] = device_time_us(lambda: dst.copy_(src))
-    for name, enabled in (("cluster", True), ("triton", False)):
-        if enabled and plan is None:
-            row["cluster_us"] = row["cluster_graph_us"] = None
-            continue
-        group_norm_cluster.TUNING["enabled"] = enabled
-        try:
-            row[f"{name}_us"] = device_time_us(call)
-            row[f"{name}_graph_us"] = _graph_us(call)
-        finally:
-            group_norm_cluster.TUNING["enabled"] = True
+    if plan is None:
+        row["cluster_us"] = row["cluster_graph_us"] = None
+    else:  # the cluster kernel itself, whatever the measured choice
+        y, pre = torch.empty_like(x), (torch.empty_like(x) if fused else None)
+
+        def cluster():
+            assert group_norm_cluster.try_group_norm(x, 32, w, b, eps, cb, r, silu, y, pre)
+
+        row["cluster_us"], row["cluster_graph_us"] = device_time_us(cluster), _graph_us(cluster)
+    group_norm_cluster.TUNING["enabled"] = False
+    try:
+        row["triton_us"], row["triton_graph_us"] = device_time_us(call), _graph_us(call)
+    finally:
+        group_norm_cluster.TUNING["enabled"] = True
+    group_norm_cluster._choices.clear()
+    call()  # the public op's measured choice for this signature
+    row["chosen"] = None if plan is None else ("cluster" if any(group_norm_cluster._choices.values()) else "triton")
     if row.get("cluster_us"):
         row["cluster_frac_of_copy_ceiling"] = nbytes / (row["cluster_us"] * 1e-6) / COPY_CEILING_BPS
     row["triton_frac_of_copy_ceiling"] = nbytes / (row["triton_us"] * 1e-6) / COPY_CEILING_BPS
@@ -161,7 +168,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "group_norm_cluster.json",
                {"env": env_metadata(), "build_s": build_s, "rows": rows, "sweep": sweep})
-    cols = ["shape", "silu", "fused", "mbytes", "plan", "est_us", "cluster_us", "triton_us", "copy_us",
+    cols = ["shape", "silu", "fused", "mbytes", "plan", "chosen", "cluster_us", "triton_us", "copy_us",
             "cluster_graph_us", "triton_graph_us", "cluster_frac_of_copy_ceiling", "triton_frac_of_copy_ceiling"]
     md = [f"# cluster GroupNorm (fp16, channels_last), library build {build_s:.1f} s", "",
           markdown_table(rows, cols)]

@@ -276,9 +276,9 @@ def run_if_faster(x, num_groups, weight, bias, eps, channel_bias, residual, silu
     """Run the cluster kernel and return True when it can run this call and is the faster of it and the Triton
     kernels (``triton_call`` writes the same outputs); otherwise return False (the caller runs Triton).
 
-    The choice is measured once per call signature (shape, strides, dtype, groups, fusions, device), on the
-    caller's stream, both kernels alternating on the same L2-resident input (as in a UNet, where the norm reads
-    what the convolution before it just wrote), and logged. Measured on the H200 (run 14): the cluster kernel
+    The choice is measured once per call signature (shape, strides, dtype, groups, fusions, device), as GPU time
+    on the caller's stream (:func:`_measure`), both kernels alternating on the same L2-resident input (as in a
+    UNet, where the norm reads what the convolution before it just wrote), and logged. Measured on the H200 (run 14): the cluster kernel
     wins at most of SD's channels_last shapes, the Triton kernels at the 8x8 ones and with a residual at 64x64.
     Inside a CUDA graph capture nothing is timed: the cluster kernel runs, and the choice is not kept."""
     launch = launcher(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre)
@@ -299,11 +299,15 @@ def run_if_faster(x, num_groups, weight, bias, eps, channel_bias, residual, silu
 
 
 def _measure(key: tuple, launch, triton_call, iters: int = 10) -> bool:
+    """GPU time per call of each, the faster kept. The launches queue behind a ~1 ms ``_sleep`` kernel, so the
+    events time the GPU's work only, not the host's launches (three Triton launches from Python cost more host
+    time than their kernels take; inside the engine's CUDA graphs no host time is spent)."""
     times = {"cluster": [], "triton": []}
     launch(), triton_call()  # warm (and compile)
     for _ in range(2):
         for name, fn in (("cluster", launch), ("triton", triton_call)):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(2_000_000)  # about 1 ms at the H200's clock: longer than enqueuing the calls
             start.record()
             for _ in range(iters):
                 fn()
