@@ -38,18 +38,22 @@ SDFAST_PREFIX = "sdfast:"
 
 _KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 _JIT_DEF = re.compile(r"@triton\.jit[^\n]*\n(?:\s*@[^\n]*\n)*\s*def\s+(\w+)")
+_CUDA_DEF = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(")
+_CUDA_NAME = re.compile(r"(?:^|::|void\s+)(\w+)\s*[<(]")  # "void (anonymous namespace)::name<...>(...)" -> name
 
 
 @lru_cache(maxsize=1)
 def sdfast_kernel_names(root: str | None = None) -> frozenset[str]:
-    """Names of the ``@triton.jit`` functions under ``kernels/`` (how sdfast's kernels appear in traces)."""
+    """Names of the ``@triton.jit`` functions and the CUDA C++ ``__global__`` kernels under ``kernels/`` (how
+    sdfast's kernels appear in traces)."""
     base = Path(root) if root else _KERNELS_DIR
     names = set()
-    for path in base.rglob("*.py") if base.is_dir() else ():
-        try:
-            names.update(_JIT_DEF.findall(path.read_text(errors="replace")))
-        except OSError:
-            continue
+    for pattern, regex in (("*.py", _JIT_DEF), ("*.cu", _CUDA_DEF)):
+        for path in base.rglob(pattern) if base.is_dir() else ():
+            try:
+                names.update(regex.findall(path.read_text(errors="replace")))
+            except OSError:
+                continue
     return frozenset(names)
 
 
@@ -89,6 +93,9 @@ def categorize(name: str, *, kind: str = "kernel", sdfast_names: frozenset[str] 
     base = name.split("(")[0].split("<")[0].strip()
     if base in names or name in names:
         return SDFAST_PREFIX + (base if base in names else name)
+    cuda = next((m for m in _CUDA_NAME.findall(name) if m in names), None)  # a CUDA C++ kernel's demangled name
+    if cuda is not None:
+        return SDFAST_PREFIX + cuda
     n = name.lower()
     if kind in ("gpu_memcpy", "gpu_memset") or n.startswith(("memcpy", "memset")):
         return "memcpy/memset"

@@ -225,6 +225,16 @@ def test_sdfast_triton_kernels_by_name(tmp_path):
     assert set(profile_step.CATEGORIES) <= set(b["categories"])
 
 
+def test_sdfast_cuda_kernels_by_name(tmp_path):
+    (tmp_path / "k.cu").write_text("template <typename T, int J>\n__global__ void __launch_bounds__(512, 1) "
+                                   "gn_cluster_nhwc_kernel(const Params p) {}\n")
+    names = profile_step.sdfast_kernel_names.__wrapped__(str(tmp_path))
+    assert names == frozenset({"gn_cluster_nhwc_kernel"})
+    traced = "void (anonymous namespace)::gn_cluster_nhwc_kernel<__half, 8>((anonymous namespace)::Params)"
+    assert profile_step.categorize(traced, sdfast_names=names) == "sdfast:gn_cluster_nhwc_kernel"
+    assert profile_step.categorize("void at::native::reduce_kernel<512, 1>", sdfast_names=names) == "other"
+
+
 def test_format_helpers():
     assert fmt(None) == "—" and fmt(float("inf")) == "inf" and fmt(2.4567) == "2.46" and fmt(1234.5) == "1234"
     assert fmt(0.01234) == "0.0123"
