@@ -115,6 +115,8 @@ def _case(shape, eps, silu, fused) -> dict:
 
 
 def _sweep(shape) -> list[dict]:
+    """Every candidate plan at ``shape`` (GroupNorm+SiLU), the cluster kernel itself each time, checked against
+    the Triton kernels."""
     import torch
 
     from benchmarks.kernel_benches.device_time import device_time_us
@@ -122,30 +124,30 @@ def _sweep(shape) -> list[dict]:
 
     B, C, H, W = shape
     x, w, b, _, _ = _inputs(shape, False)
-    ref = None
+    y = torch.empty_like(x)
     rows = []
-    gc.TUNING["max_cluster"] = 16
+    old = dict(gc.TUNING)
+    gc.TUNING.update(max_cluster=16, enabled=False)
     try:
+        ref = group_norm(x, 32, w, b, 1e-5, activation="silu")  # the Triton kernels
         for plan in gc.candidate_plans(B, C, H * W, 32, 2):
             active = gc.max_active_clusters(plan, C, 32, x.dtype)
             if active < 1:
                 rows.append({"shape": "x".join(map(str, shape)), **plan.__dict__, "error": "cannot launch"})
                 continue
-            gc.TUNING["plan"] = plan
-            try:
-                y = group_norm(x, 32, w, b, 1e-5, activation="silu")
-                if ref is None:
-                    gc.TUNING["enabled"] = False
-                    ref = group_norm(x, 32, w, b, 1e-5, activation="silu")
-                    gc.TUNING["enabled"] = True
-                err = (y.float() - ref.float()).abs().max().item()
-                us = device_time_us(lambda: group_norm(x, 32, w, b, 1e-5, activation="silu"), iters=10)
-                rows.append({"shape": "x".join(map(str, shape)), **plan.__dict__, "us": us, "max_err": err,
-                             "clusters": B * C // plan.CS, "max_active": active})
-            finally:
-                gc.TUNING["plan"] = None
+            gc.TUNING.update(plan=plan, enabled=True)
+
+            def cluster():
+                assert gc.try_group_norm(x, 32, w, b, 1e-5, None, None, True, y, None)
+
+            cluster()
+            err = (y.float() - ref.float()).abs().max().item()
+            us = device_time_us(cluster, iters=10)
+            rows.append({"shape": "x".join(map(str, shape)), **plan.__dict__, "us": us, "max_err": err,
+                         "clusters": B * C // plan.CS, "max_active": active})
     finally:
-        gc.TUNING["max_cluster"] = 8
+        gc.TUNING.clear()
+        gc.TUNING.update(old)
     torch.cuda.synchronize()
     return rows
 

@@ -41,12 +41,13 @@ def can_use_triton(*tensors: torch.Tensor | None) -> tuple[bool, str]:
     return False, f"tensors on {sorted(devices)} and TRITON_INTERPRET is not set"
 
 
-def log_fallback(op: str, reason: str) -> None:
-    """Log (once per op and reason) that ``op`` ran its PyTorch reference instead of Triton."""
+def log_fallback(op: str, reason: str, instead: str = "the PyTorch reference") -> None:
+    """Log (once per op and reason) that ``op`` ran ``instead`` (by default its PyTorch reference) because of
+    ``reason``."""
     key = (op, reason)
     if key not in _logged:
         _logged.add(key)
-        log.info("sdfast kernel %s: using the PyTorch reference (%s)", op, reason)
+        log.info("sdfast kernel %s: using %s (%s)", op, instead, reason)
 
 
 def use_triton(op: str, *tensors: torch.Tensor | None) -> bool:

@@ -108,21 +108,26 @@ def compile_shared_library(source: Path, stem: str, arch_list: tuple[str, ...] |
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    objs = [tmp.with_suffix(f".{os.getpid()}.{i}.o") for i in range(len(parts))]
+    objs = [tmp.with_suffix(f".{i}.o") for i in range(len(parts))]
+    procs: list[subprocess.Popen] = []
     try:
         if len(parts) == 1:
             _run([nvcc, "-shared", "-Xcompiler", "-fPIC", *flags, *parts[0], "-o", str(tmp), str(source)], source)
         else:
-            procs = [(subprocess.Popen([nvcc, "-c", "-Xcompiler", "-fPIC", *flags, *extra, "-o", str(o), str(source)],
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), extra)
+            procs = [subprocess.Popen([nvcc, "-c", "-Xcompiler", "-fPIC", *flags, *extra, "-o", str(o), str(source)],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                      for extra, o in zip(parts, objs)]
-            for proc, extra in procs:
+            for proc, extra in zip(procs, parts):
                 _, err = proc.communicate()
                 if proc.returncode != 0:
                     raise RuntimeError(f"{source.name}: nvcc failed ({' '.join(extra)}):\n{err[-4000:]}")
             _run([nvcc, "-shared", *flags, "-o", str(tmp), *map(str, objs)], source)
         tmp.replace(out)
     finally:
+        for proc in procs:  # after a failure, the other compilers are stopped before their outputs go
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         for o in objs:
             o.unlink(missing_ok=True)
     return out

@@ -2,10 +2,10 @@
 // thread-block clusters hold a whole (batch, channel slice) in registers and reduce its statistics through
 // distributed shared memory (Hopper, sm_90+).
 //
-//     pre = x (+ channel_bias[b, c]) (+ residual)         rounded to x's dtype when anything was added
+//     pre = x (+ residual) (+ channel_bias[b, c])         added in fp32, rounded once to x's dtype
 //     y   = (pre - mean[b, g]) * rstd[b, g] * weight[c] + bias[c],  then SiLU when asked
 //
-// Work split. A "unit" is one batch item and CS channels (CS whole groups, a multiple of the 16-byte vector);
+// Work split. A "unit" is one batch item and CS channels (CS / Cg whole groups, a multiple of the 16-byte vector);
 // a cluster of K CTAs owns a unit and splits its H*W pixels into K runs of R*J pixels. Thread t of a CTA owns
 // the 16-byte vector v = t % V (V = CS / VEC) of pixel rows r, r + R, ..., r + (J-1) R (r = t / V), so a
 // CTA's loads are whole CS-channel row segments. Each thread keeps its J vectors in registers from the load to
@@ -121,8 +121,9 @@ template <> struct Vec<float> {
   __device__ static float scalar(const void* p, int64_t i) { return static_cast<const float*>(p)[i]; }
 };
 
-__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+// Not the .aligned forms: threads reach these after loops of different trip counts.
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory"); }
 
 __device__ __forceinline__ uint4 ldg_stream(const void* p) {
   return __ldcs(reinterpret_cast<const uint4*>(p));  // read once: evict-first
@@ -130,8 +131,8 @@ __device__ __forceinline__ uint4 ldg_stream(const void* p) {
 
 __device__ __forceinline__ float2 add2(float2 a, float2 b) { return make_float2(a.x + b.x, a.y + b.y); }
 
-// The CTA's per-channel (sum d, sum d^2) into ch[0..CS) (acc: this thread's VEC channels of pixel row r).
-// Ends with a __syncthreads().
+// The CTA's per-channel (sum d, sum d^2) into ch[0..CS) (acc: this thread's VEC channels of pixel row r). ch is
+// complete only after the caller's next barrier (the cluster barrier that follows).
 template <int VEC>
 __device__ __forceinline__ void cta_channel_sums(const float2* acc, float2* red, float2* part, float2* ch, int CS, int R,
                                                  int cl, int r, int nt_work, bool working) {
@@ -210,7 +211,7 @@ __global__ void __launch_bounds__(512, 1) gn_cluster_nhwc_kernel(const Params p)
 #pragma unroll
   for (int i = 0; i < VEC; ++i)
     cbv[i] = p.cb != nullptr && working ? V_::scalar(p.cb, static_cast<int64_t>(b) * p.cb_bstride + c0 + i) : 0.f;
-  if (adds && working) {  // pre = x + channel bias + residual, rounded to x's dtype (eager's separate adds)
+  if (adds && working) {  // pre = x + residual + channel bias in fp32, rounded once to x's dtype
     float rv[VEC];
     if (p.res != nullptr) {
       V_::load(*reinterpret_cast<const uint4*>(static_cast<const T*>(p.res) + base), rv);
@@ -335,20 +336,14 @@ __global__ void __launch_bounds__(512, 1) gn_cluster_nhwc_kernel(const Params p)
 template <typename T, int J>
 cudaError_t prepare(const Params& p, int B, int K, int nt, cudaStream_t stream, cudaLaunchConfig_t* cfg,
                     cudaLaunchAttribute* attr) {
-  auto kern = gn_cluster_nhwc_kernel<T, J>;
-  const size_t smem = sizeof(float) * smem_floats(p.R, p.CS, p.Cg, nt);
-  if (K > 8) {
-    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-    if (e != cudaSuccess) return e;
-  }
-  if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (K > 8) {  // clusters of more than 8 CTAs are "non-portable": opt in
+    cudaError_t e = cudaFuncSetAttribute(gn_cluster_nhwc_kernel<T, J>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (e != cudaSuccess) return e;
   }
   *cfg = cudaLaunchConfig_t{};
   cfg->gridDim = dim3(K, B * p.nslices, 1);
   cfg->blockDim = dim3(block_threads(nt), 1, 1);
-  cfg->dynamicSmemBytes = smem;
+  cfg->dynamicSmemBytes = sizeof(float) * smem_floats(p.R, p.CS, p.Cg, nt);  // <= 48 KB (checked by entry)
   cfg->stream = stream;
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = K;
@@ -420,9 +415,10 @@ int entry(const void* x, const void* res, const void* cb, const void* w, const v
   const void* ptrs[] = {x, res, y, pre};
   for (const void* q : ptrs)
     if (reinterpret_cast<uintptr_t>(q) % 16 != 0) return SDFAST_GN_BAD_ALIGN;
+  if (sizeof(float) * smem_floats(R, CS, Cg, nt) > 48 * 1024) return SDFAST_GN_BAD_SPLIT;
   Params p{x, res, cb, w, bias, y, pre, HW, C, Cg, CS, C / CS, R, nt, cb_bstride, eps, silu};
-  cudaError_t e = launch_t<T>(p, B, K, J, nt, static_cast<cudaStream_t>(stream));
-  if (e == cudaSuccess) e = cudaGetLastError();
+  const cudaError_t e = launch_t<T>(p, B, K, J, nt, static_cast<cudaStream_t>(stream));
+  if (e != cudaSuccess) cudaGetLastError();  // clear it: the caller raises; PyTorch's next check must not see it
   return static_cast<int>(e);
 }
 
@@ -437,8 +433,10 @@ int max_active_entry(int C, int G, int CS, int K, int R, int J) {
   p.R = R;
   p.nslices = C / CS;
   p.nt = CS / vec * R;
+  if (p.nt > 512 || sizeof(float) * smem_floats(R, CS, p.Cg, p.nt) > 48 * 1024) return SDFAST_GN_BAD_SPLIT;
   int n = 0;
-  cudaError_t e = max_active_t<T>(p, K, J, p.nt, &n);
+  const cudaError_t e = max_active_t<T>(p, K, J, p.nt, &n);
+  if (e != cudaSuccess) cudaGetLastError();  // a configuration that cannot launch: clear the (non-sticky) error
   return e == cudaSuccess ? n : -static_cast<int>(e);
 }
 

@@ -2,8 +2,9 @@
 
 The kernel (``kernels/csrc/group_norm_cluster.cu``) gives each (batch item, slice of ``CS`` channels) to a
 cluster of ``K`` CTAs that hold the slice's pixels in registers, reduce the group statistics through
-distributed shared memory and normalize from the registers (the .cu file's header has the method). The
-two-pass Triton kernels read the input twice and launch three kernels; this reads it once in one launch.
+distributed shared memory and normalize from the registers (the .cu file's header has the method). The Triton
+kernels read a large input twice in three launches (statistics, finalize, apply; small shapes take their
+one-launch "onepass" kernel); this reads it once in one launch.
 
 ``kernels.norm.group_norm`` runs it through :func:`run_if_faster`: where it can run, it is timed once per call
 signature against the Triton kernels and the faster one is kept (logged). It can run where all of these hold
@@ -12,8 +13,11 @@ signature against the Triton kernels and the faster one is kept (logged). It can
 * a CUDA device of compute capability 9.0 or newer (clusters, distributed shared memory);
 * x (and the residual) channels_last and dense, fp16 / bf16 / fp32, 16-byte aligned, C a multiple of the
   16-byte vector (8 channels in fp16/bf16, 4 in fp32); weight, bias and channel bias in x's dtype;
+* x (and the residual) channels_last and dense, weight and bias contiguous;
 * a plan exists: every unit's pixels fit in a cluster of at most ``max_cluster`` CTAs of at most 512 threads
-  holding 8 vectors each (SD's UNet shapes at 512² and 1024² do; the VAE's largest ones do not);
+  holding 8 vectors each, with all clusters resident at once (on the H200: SD1.5's UNet shapes but
+  (2, 960, 64, 64); SDXL's up to 32x32 and its 320- and 640-channel 64x64 ones but (2, 640, 64, 64); none of the
+  VAE's from 128x128 up);
 * nvcc builds the library (once per source version, cached in ``~/.cache/sdfast/csrc``).
 
 Method: Wu & He 2018 (GroupNorm); the CUDA Programming Guide's thread-block clusters and distributed shared
@@ -97,7 +101,8 @@ def candidate_plans(B: int, C: int, HW: int, G: int, elem_size: int, num_sms: in
                     continue  # shared memory over 48 KB
                 ctas = B * (C // cs) * K
                 per_cta = nt * J * 16 * 2
-                per_sm = min(4, max(1, 64 // -(-nt // 32)))  # CTAs resident per SM (about 96 registers a thread)
+                per_sm = min(4, max(1, 64 // -(-nt // 32)))  # CTAs per SM if 64 warps bound them (the model's
+                # guess only: registers usually allow fewer, and the occupancy query decides what launches)
                 waves = -(-ctas // (num_sms * per_sm))
                 busiest = per_cta * min(per_sm, -(-ctas // num_sms))
                 est = waves * max(busiest / 60e3, total / waves / 3.6e6) + (0.8 if K > 1 else 0.0) + 0.05 * J
@@ -139,7 +144,7 @@ def library() -> ctypes.CDLL:
         if not _built:
             try:
                 _built["lib"] = _load()
-            except (RuntimeError, OSError) as e:
+            except Exception as e:  # noqa: BLE001 - nvcc, the loader, a missing symbol: all mean "no library"
                 _built["error"] = f"{type(e).__name__}: {e}"
         if "error" in _built:
             raise RuntimeError(_built["error"])
@@ -196,6 +201,11 @@ def _unsupported(x, weight, bias, channel_bias, residual) -> str | None:
     ok, _ = _device_ok(x.device.index if x.device.index is not None else torch.cuda.current_device())
     if not ok:
         return "needs compute capability 9.0+ (thread-block clusters)"
+    return _layout_problem(x, weight, bias, channel_bias, residual)
+
+
+def _layout_problem(x, weight, bias, channel_bias, residual) -> str | None:
+    """What of the tensors' dtypes, layouts and alignment the kernel cannot take, or None."""
     if x.dtype not in _DTYPES:
         return f"dtype {x.dtype}"
     B, C, H, W = x.shape
@@ -204,6 +214,9 @@ def _unsupported(x, weight, bias, channel_bias, residual) -> str | None:
     for name, t in (("weight", weight), ("bias", bias), ("channel_bias", channel_bias)):
         if t is not None and t.dtype != x.dtype:
             return f"{name} dtype {t.dtype} is not x's {x.dtype}"
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and not t.is_contiguous():
+            return f"{name} is not contiguous (stride {t.stride()})"
     if residual is not None and (residual.stride() != x.stride() or residual.data_ptr() % 16):
         return "residual is not laid out like x"
     if channel_bias is not None and channel_bias.reshape(-1, C).stride(1) != 1:
@@ -227,18 +240,19 @@ def launcher(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, 
             _start_build()
         return None
     B, C, H, W = x.shape
-    plan = None
+    plan = lib = None
     if why is None:
         try:
-            plan = TUNING["plan"] or device_plan(B, C, H * W, num_groups, x.dtype, x.device.index or 0)
+            lib = library()
         except RuntimeError as e:
             why = f"library build failed: {str(e)[:300]}"
-    if why is None and plan is None:
-        why = f"no cluster plan for (B, C, HW, G) = ({B}, {C}, {H * W}, {num_groups}) {x.dtype}"
+    if why is None:
+        plan = TUNING["plan"] or device_plan(B, C, H * W, num_groups, x.dtype, x.device.index or 0)
+        if plan is None:
+            why = f"no cluster plan for (B, C, HW, G) = ({B}, {C}, {H * W}, {num_groups}) {x.dtype}"
     if why is not None:
-        log_fallback("group_norm cluster", why)
+        log_fallback("group_norm cluster", why, instead="the Triton kernels")
         return None
-    lib = library()
     cb_bstride = 0
     if channel_bias is not None:
         cb2 = channel_bias.reshape(-1, C)
@@ -280,7 +294,9 @@ def run_if_faster(x, num_groups, weight, bias, eps, channel_bias, residual, silu
     on the caller's stream (:func:`_measure`), both kernels alternating on the same L2-resident input (as in a
     UNet, where the norm reads what the convolution before it just wrote), and logged. Measured on the H200 (run 14): the cluster kernel
     wins at most of SD's channels_last shapes, the Triton kernels at the 8x8 ones and with a residual at 64x64.
-    Inside a CUDA graph capture nothing is timed: the cluster kernel runs, and the choice is not kept."""
+    Inside a CUDA graph capture nothing is timed: the cluster kernel runs, and the choice is not kept.
+    Timing noise can tip a close choice either way from one process to the next; the two kernels' outputs agree
+    within the tolerance rule, not to the bit. ``SDFAST_GN_CLUSTER=0`` pins the Triton kernels."""
     launch = launcher(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre)
     if launch is None:
         return False
@@ -324,8 +340,8 @@ def _measure(key: tuple, launch, triton_call, iters: int = 5) -> bool:
 
 @functools.lru_cache(maxsize=1024)
 def _plan_for(B: int, C: int, HW: int, G: int, dtype: torch.dtype, device_index: int, knobs: tuple) -> ClusterPlan | None:
-    """:func:`cluster_plan` for this device, keeping only plans whose clusters are all resident at once. Builds
-    the library (the occupancy query needs the compiled kernels); raises RuntimeError when it does not build.
+    """:func:`cluster_plan` for this device, keeping only plans whose clusters are all resident at once (the
+    occupancy query needs the compiled kernels: raises RuntimeError when the library does not build).
     ``knobs``: the TUNING values the plans depend on (part of the cache key)."""
     sms = TUNING["num_sms"] or _device_ok(device_index)[1]
     units = B * C  # clusters = B * (C // CS)

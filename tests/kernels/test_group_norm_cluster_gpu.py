@@ -186,3 +186,31 @@ def test_the_choice_is_measured_and_logged(caplog, monkeypatch):
                          upcast=False)
     assert_close_rule(y, ref[0], low[0], atol=ATOL[x.dtype], name="y")
     assert_close_rule(pre, ref[1], low[1], atol=ATOL[x.dtype], name="pre")
+
+
+def test_first_call_inside_a_capture_runs_the_cluster_kernel_untimed(monkeypatch):
+    """A signature first seen inside a CUDA graph capture cannot be timed there: the cluster kernel is captured,
+    the choice is not kept, and the replay gives the kernel's own output."""
+    monkeypatch.setattr(gc, "_choices", {})
+    monkeypatch.setattr(gc, "_measure", lambda *a: pytest.fail("nothing may be timed inside a capture"))
+    x, w, b, _, _ = _inputs((2, 640, 16, 16), torch.float16)
+    expect, _ = _run_cluster(x, 32, w, b, 1e-5, None, None, True, False)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = group_norm(x, 32, w, b, 1e-5, activation="silu")
+    y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, expect) and gc._choices == {}
+
+
+def test_strided_weight_runs_triton_and_is_right():
+    x, w, b, _, _ = _inputs((2, 320, 32, 32), torch.float16)
+    w2 = torch.stack([w, torch.zeros_like(w)], dim=1).flatten()[::2]  # w's values with stride 2
+    assert w2.stride() == (2,) and torch.equal(w2, w)
+    y = torch.empty_like(x)
+    assert not gc.try_group_norm(x, 32, w2, b, 1e-5, None, None, True, y, None)
+    out = group_norm(x, 32, w2, b, 1e-5, activation="silu")
+    ref = group_norm_ref(x.float(), 32, w.float(), b.float(), 1e-5, activation="silu")
+    low = group_norm_ref(x, 32, w, b, 1e-5, activation="silu", upcast=False)
+    assert_close_rule(out, ref, low, atol=ATOL[x.dtype], name="strided weight")
