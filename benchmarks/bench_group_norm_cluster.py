@@ -1,13 +1,14 @@
-"""The cluster GroupNorm (``kernels.norm.group_norm_cluster``) against the two-pass Triton kernels, on the
-channels_last GroupNorm shapes SD runs, and a sweep of its launch shapes against the planner's model.
+"""The cluster GroupNorm (``kernels.norm.group_norm_cluster``) against the Triton kernels, on the channels_last
+GroupNorm shapes SD runs, and a sweep of its launch shapes against the planner's model.
 
     python -m benchmarks.bench_group_norm_cluster --out DIR [--sweep] [--quick]
 
 Per shape (fp16, GroupNorm+SiLU unless the site has none; the ResNet fusion with channel bias + residual +
 ``return_sum`` at the UNet's 64x64 shape): GPU time with L2 flushed before each call (``device_time_us``) of
 the cluster kernel, of the Triton kernels (cluster path off) and of a copy of the same bytes; the time per
-call inside a CUDA graph of 20 calls; and which of the two the public op's measured choice runs (``chosen``). ``--sweep`` times every candidate plan (clusters up to 16 CTAs where the
-GPU can launch them) at the UNet shapes and records the model's estimate beside the measurement.
+call inside a CUDA graph of back-to-back calls; and which of the two the public op's measured choice runs
+(``chosen``). ``--sweep`` times every candidate plan (clusters up to 16 CTAs where the GPU can launch them) at
+the UNet shapes and records the model's estimate beside the measurement.
 Writes ``group_norm_cluster.json`` / ``.md`` into ``--out``.
 """
 
@@ -47,27 +48,11 @@ def _inputs(shape, fused: bool):
     return x, w, b, cb, r
 
 
-def _graph_us(fn, calls: int = 20, reps: int = 20) -> float:
-    import torch
+def _graph_us(fn) -> float:
+    """Mean µs per call of ``fn`` captured back to back in a CUDA graph (Triton's ``do_bench_cudagraph``)."""
+    from triton.testing import do_bench_cudagraph
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(reps):
-        g.replay()
-    e1.record()
-    torch.cuda.synchronize()
-    return e0.elapsed_time(e1) * 1e3 / (reps * calls)
+    return do_bench_cudagraph(fn, rep=20) * 1e3  # ms per call
 
 
 def _case(shape, eps, silu, fused) -> dict:

@@ -297,13 +297,15 @@ def run_if_faster(x, num_groups, weight, bias, eps, channel_bias, residual, silu
     Inside a CUDA graph capture nothing is timed: the cluster kernel runs, and the choice is not kept.
     Timing noise can tip a close choice either way from one process to the next; the two kernels' outputs agree
     within the tolerance rule, not to the bit. ``SDFAST_GN_CLUSTER=0`` pins the Triton kernels."""
-    launch = launcher(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre)
-    if launch is None:
-        return False
     cb = None if channel_bias is None else tuple(channel_bias.shape)
     key = (tuple(x.shape), x.stride(), x.dtype, num_groups, weight is None, bias is None, cb, residual is not None,
            pre is not None, bool(silu), x.device)
     faster = _choices.get(key)
+    if faster is False:  # measured slower: no checks or plan lookups on later calls
+        return False
+    launch = launcher(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre)
+    if launch is None:
+        return False
     if faster is None:
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
             launch()

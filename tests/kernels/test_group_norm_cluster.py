@@ -141,7 +141,8 @@ def test_compile_only_pass_starts_the_build_and_goes_on_to_triton(monkeypatch):
 def test_the_faster_kernel_is_measured_once_per_signature(monkeypatch):
     runs, measured = [], []
     monkeypatch.setattr(gc, "_choices", {})
-    monkeypatch.setattr(gc, "launcher", lambda *a: (lambda: runs.append("cluster")))
+    consulted = []
+    monkeypatch.setattr(gc, "launcher", lambda *a: consulted.append(1) or (lambda: runs.append("cluster")))
     verdict = {"faster": False}
 
     def measure(key, launch, triton_call):
@@ -157,6 +158,7 @@ def test_the_faster_kernel_is_measured_once_per_signature(monkeypatch):
 
     assert not call(x) and not call(x)  # Triton measured faster: the caller runs Triton, nothing timed again
     assert len(measured) == 1 and runs == []
+    assert len(consulted) == 1  # after a Triton verdict the launcher is not consulted again
     verdict["faster"] = True
     x2 = torch.randn(2, 64, 4, 4).contiguous(memory_format=torch.channels_last)  # another signature
     assert call(x2) and call(x2)
