@@ -57,7 +57,7 @@ def test_norm_pass_uses_fused_kernels(unet_inputs, monkeypatch):
     from sdfast.passes import norms as mod
 
     calls = {"gn": 0, "ln": 0, "geglu": 0}
-    gn, ln, gg = mod.group_norm, mod.layer_norm, mod.geglu
+    gn, ln, gg = mod.group_norm, mod.layer_norm, mod.geglu_projection
 
     def count(key, fn):
         def wrapped(*a, **k):
@@ -67,11 +67,30 @@ def test_norm_pass_uses_fused_kernels(unet_inputs, monkeypatch):
 
     monkeypatch.setattr(mod, "group_norm", count("gn", gn))
     monkeypatch.setattr(mod, "layer_norm", count("ln", ln))
-    monkeypatch.setattr(mod, "geglu", count("geglu", gg))
+    monkeypatch.setattr(mod, "geglu_projection", count("geglu", gg))
     unet = sdfast.load("random:tiny", optimize=False).pipe.unet
     norms.apply(unet)
     _run(unet, unet_inputs)
     assert calls["gn"] == 8 * 2 + 1 + 4 and calls["ln"] == 4 * 3 and calls["geglu"] == 4
+
+
+def test_norm_pass_runs_geglu_in_the_tma_gemm_and_keeps_output(unet_inputs, monkeypatch):
+    """With the TMA GEGLU GEMM chosen (forced: on the GPU it is measured), each GEGLU is one kernel call and the
+    UNet's output is stock's."""
+    from kernels.gemm import geglu_projection as gp
+    from kernels.gemm.geglu_tma import TileConfig
+
+    monkeypatch.setattr(gp, "_choices", {})
+    monkeypatch.setitem(gp.TUNING, "force", TileConfig(32, 32, 32, 1, 4, group_m=2))
+    calls = []
+    real = gp.geglu_linear
+    monkeypatch.setattr(gp, "geglu_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    unet = sdfast.load("random:tiny", optimize=False).pipe.unet.half()  # the kernel takes fp16/bf16
+    inputs = {k: v.half() if v.is_floating_point() else v for k, v in unet_inputs.items()}
+    stock = _run(unet, inputs).float()
+    norms.apply(unet)
+    torch.testing.assert_close(_run(unet, inputs).float(), stock, atol=2e-2, rtol=1e-2)
+    assert len(calls) == 4
 
 
 def test_norm_pass_filter_fn(unet_inputs):

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import precompile
+from kernels import choice, precompile
 from kernels.dispatch import log_fallback
 
 log = logging.getLogger("sdfast.kernels")
@@ -316,28 +316,14 @@ def run_if_faster(x, num_groups, weight, bias, eps, channel_bias, residual, silu
     return faster
 
 
-def _measure(key: tuple, launch, triton_call, iters: int = 5) -> bool:
-    """GPU time per call of each, the faster kept. The launches queue behind a ``_sleep`` kernel of about 2.5 ms,
-    longer than the host takes to enqueue them, so the events time the GPU's work only, not the host's launches
-    (a Triton GroupNorm is three launches from Python, about 0.15 ms of host time against ~10 µs of GPU time;
-    inside the engine's CUDA graphs no host time is spent). Run 14, call F: with a 1 ms sleep and 10 calls the
-    Triton kernels' host time still showed, and the slower cluster kernel was chosen for the 64x64 ResNet fusion."""
-    times = {"cluster": [], "triton": []}
-    launch(), triton_call()  # warm (and compile)
-    for _ in range(2):
-        for name, fn in (("cluster", launch), ("triton", triton_call)):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(5_000_000)  # about 2.5 ms at the H200's clock: longer than enqueuing the calls
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            times[name].append(start.elapsed_time(end) * 1e3 / iters)
-    cluster, triton_us = min(times["cluster"]), min(times["triton"])
+def _measure(key: tuple, launch, triton_call) -> bool:
+    """GPU time per call of each (:func:`kernels.choice.gpu_times_us`: the host's launches do not count; a
+    Triton GroupNorm is three launches from Python, about 0.15 ms of host time against ~10 µs of GPU time), the
+    cluster kernel kept on a tie."""
+    times = choice.gpu_times_us({"cluster": launch, "triton": triton_call})
     log.info("group_norm %s %s groups=%d: cluster kernel %.1f us, Triton %.1f us per call -> %s", key[0], key[2], key[3],
-             cluster, triton_us, "cluster" if cluster <= triton_us else "Triton")
-    return cluster <= triton_us
+             times["cluster"], times["triton"], "cluster" if choice.fastest(times) == "cluster" else "Triton")
+    return choice.fastest(times) == "cluster"
 
 
 @functools.lru_cache(maxsize=1024)

@@ -11,7 +11,8 @@ Rewrites (each per module instance, reversible with ``undo``):
 - ``conv_norm_out`` + ``conv_act`` (UNet and VAE decoder tails): GroupNorm+SiLU as one kernel.
 - every other ``nn.GroupNorm`` (Transformer2D input norm, VAE attention group_norm): the fused GroupNorm.
 - ``BasicTransformerBlock`` (norm_type "layer_norm"): norm2/norm3 fused with the residual add before them.
-- ``GEGLU``: projection, then one kernel for ``a * gelu(g)``.
+- ``GEGLU``: projection and ``a * gelu(g)`` in one GEMM where that measured faster, else the projection, then
+  one kernel for ``a * gelu(g)``.
 Sources of the fusion patterns: stable-fast, Paddle Inference and TensorRT's SD demo (GroupNorm+SiLU,
 bias-add+norm), Liger-Kernel (fused norms).
 """
@@ -26,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.elementwise import bias_residual_add
+from kernels.gemm.geglu_projection import geglu_projection
 from kernels.norm import geglu, group_norm, layer_norm
 from sdfast.passes._modules import runs_as_its_class
 
@@ -219,8 +221,15 @@ def _ff_out_projection(ff: nn.Module, a: torch.Tensor) -> nn.Linear | None:
 
 
 def fused_geglu_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """diffusers ``GEGLU.forward``: ``proj`` then ``a * gelu(g)`` as one kernel."""
-    return geglu(self.proj(hidden_states))
+    """diffusers ``GEGLU.forward``. A plain ``nn.Linear`` projection (no hooks, no autograd) runs with the activation
+    on the faster of the TMA GEMM with a GEGLU epilogue and cuBLAS + the GEGLU kernel, measured per shape
+    (``kernels.gemm.geglu_projection``); any other projection (quantized, 2:4, LoRA layers) runs, then
+    ``a * gelu(g)`` as one kernel."""
+    proj = self.proj
+    if runs_as_its_class(proj, nn.Linear) and not torch.is_grad_enabled() and not torch.is_autocast_enabled(
+            hidden_states.device.type) and proj.weight.dtype == hidden_states.dtype:
+        return geglu_projection(hidden_states, proj.weight, proj.bias)
+    return geglu(proj(hidden_states))
 
 
 def _rebind(module: nn.Module, fn) -> None:

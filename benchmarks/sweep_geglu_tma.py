@@ -1,0 +1,95 @@
+"""The TMA GEGLU GEMM's tile configs against cuBLAS + the GEGLU kernel, at SD1.5's and SDXL's GEGLU shapes (GPU).
+
+    python -m benchmarks.sweep_geglu_tma [--out DIR]
+
+For each feed-forward projection of the two UNets (fp16, batch 2 with CFG: M tokens, K in, weight (2N, K)):
+``cublas`` (``F.linear`` then ``kernels.norm.geglu``), ``cublas_gemm`` (the projection alone, for scale) and every
+``kernels.gemm.geglu_tma.CONFIGS`` entry, each timed in a CUDA graph (``triton.testing.do_bench_cudagraph``,
+median) and checked against ``geglu_linear_ref`` (max abs error). Also what ``geglu_projection``'s measured choice
+picks. Writes ``DIR/geglu_tma.json`` and ``DIR/geglu_tma.md``; prints one line per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+# (model, name, M, K, N, count per UNet step)
+SHAPES = (("sd15", "l0", 8192, 320, 1280, 5), ("sd15", "l1", 2048, 640, 2560, 5), ("sd15", "l2", 512, 1280, 5120, 5),
+          ("sd15", "mid", 128, 1280, 5120, 1), ("sdxl", "l1", 8192, 640, 2560, 10),
+          ("sdxl", "l2", 2048, 1280, 5120, 60))
+
+
+def _time(fn) -> float:
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=40) * 1e3
+
+
+def run() -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from kernels.gemm import geglu_projection as gp
+    from kernels.gemm.geglu_tma import CONFIGS, geglu_linear, geglu_linear_ref
+
+    rows = []
+    for model, name, m, k, n, count in SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=g)
+        w = (torch.randn(2 * n, k, device="cuda", generator=g) / k**0.5).half()
+        b = (torch.randn(2 * n, device="cuda", generator=g) * 0.1).half()
+        ref = geglu_linear_ref(x, w, b).float()
+        row = dict(model=model, layer=name, M=m, K=k, N=n, count=count)
+        row["cublas_us"] = _time(lambda: gp.cublas_geglu(x, w, b))
+        row["cublas_gemm_us"] = _time(lambda: F.linear(x, w, b))
+        row["cublas_err"] = float((gp.cublas_geglu(x, w, b).float() - ref).abs().max())
+        row["configs"] = {}
+        for c in CONFIGS:
+            try:
+                err = float((geglu_linear(x, w, b, c).float() - ref).abs().max())
+                row["configs"][str(c)] = dict(us=_time(lambda c=c: geglu_linear(x, w, b, c)), err=err)
+            except Exception as e:  # noqa: BLE001 - recorded: a config that does not compile here
+                row["configs"][str(c)] = dict(us=None, error=f"{type(e).__name__}: {str(e)[:200]}")
+        gp._choices.clear()
+        gp.geglu_projection(x, w, b)
+        picked = next(iter(gp._choices.values()))
+        row["measured_choice"] = "cublas" if picked is None else str(picked)
+        ok = {cfg: r["us"] for cfg, r in row["configs"].items() if r.get("us")}
+        row["best_tma"] = min(ok, key=ok.get) if ok else None
+        row["best_tma_us"] = ok[row["best_tma"]] if ok else None
+        rows.append(row)
+        print(f"{model} {name} M={m} K={k} N={n}: cuBLAS+GEGLU {row['cublas_us']:.1f} us (GEMM {row['cublas_gemm_us']:.1f}),"
+              f" best TMA {row['best_tma_us'] and round(row['best_tma_us'], 1)} us {row['best_tma']}, choice "
+              f"{row['measured_choice']}, err tma {min((r.get('err', 9) for r in row['configs'].values()), default=None)}"
+              f" cublas {row['cublas_err']:.2e}", flush=True)
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    out = ["| model | layer | M | K | N | cuBLAS + GEGLU µs | cuBLAS GEMM µs | best TMA µs | TMA / cuBLAS+GEGLU | config | x per step |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        t = r["best_tma_us"]
+        out.append(f"| {r['model']} | {r['layer']} | {r['M']} | {r['K']} | {r['N']} | {r['cublas_us']:.1f} | "
+                   f"{r['cublas_gemm_us']:.1f} | {t and f'{t:.1f}'} | {t and f'{t / r['cublas_us']:.2f}'} | "
+                   f"{r['best_tma']} | {r['count']} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    rows = run()
+    print(markdown(rows))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "geglu_tma.json").write_text(json.dumps(rows, indent=1))
+        (args.out / "geglu_tma.md").write_text(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,216 @@
+"""GEGLU projection on Hopper: a TMA-fed Triton GEMM with ``a * gelu(g)`` in its epilogue.
+
+diffusers' ``GEGLU`` computes ``proj(x)`` (``(M, K) -> (M, 2N)``, rows ``[0, N)`` of the weight give the
+value ``a``, rows ``[N, 2N)`` the gate ``g``) and then ``a * gelu(g)``. cuBLAS writes the 2N-wide product
+and a second kernel reads it back (SDXL: 60 such projections per step, about 22 µs each for the second
+kernel on the H200, run 13). Here one program computes the matching ``a`` and ``g`` tiles, rows ``n`` and
+``n + N`` of the weight, from the same ``x`` tile in two fp32 accumulators, and stores only the N-wide
+result.
+
+The tiles are loaded by the Tensor Memory Accelerator (host-side ``TensorDescriptor``s; rows and columns
+past the edges read as zeros and are not stored), Triton pipelines the loads ``num_stages`` deep and
+issues the products as Hopper warpgroup MMAs. The grid is persistent: at most one program per SM, each
+walking tiles in the grouped order of the Triton matmul tutorial (neighbouring tiles share ``x`` rows in
+L2). Methods: Shazeer 2020, "GLU Variants Improve Transformer"; Triton tutorial 09 (persistent TMA matmul).
+
+Requirements (else :func:`unsupported` says why and the caller runs cuBLAS plus ``kernels.norm.geglu``):
+CUDA, sm_90 or newer, fp16/bf16, ``x`` rows and the weight contiguous in K, K and N multiples of 8 (TMA's
+16-byte strides), 16-byte aligned base pointers.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from kernels.dispatch import interpret_mode
+from kernels.gemm._common import device_index, grouped_tile
+
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One launch shape: a ``block_m x block_n`` output tile (two such accumulators: ``a`` and ``g``), K in
+    ``block_k`` steps pipelined ``stages`` deep, ``warps`` warps (4 = one warpgroup)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    stages: int
+    warps: int
+    group_m: int = 8
+
+    def smem_bytes(self, elem_bytes: int = 2) -> int:
+        """Shared memory: ``stages`` x (one x tile + two weight tiles), plus the output tile."""
+        ring = self.stages * (self.block_m + 2 * self.block_n) * self.block_k
+        return (ring + self.block_m * self.block_n) * elem_bytes
+
+
+# Candidates for the sweep (benchmarks/sweep_geglu_tma.py) and the per-shape choice. Accumulator registers
+# per thread: 2 * block_m * block_n / (32 * warps); 128 keeps clear of spills.
+CONFIGS = (
+    TileConfig(128, 128, 64, 3, 8),
+    TileConfig(128, 128, 64, 4, 8),
+    TileConfig(128, 64, 64, 4, 4),
+    TileConfig(128, 64, 64, 5, 4),
+    TileConfig(64, 128, 64, 4, 4),
+    TileConfig(128, 128, 32, 6, 8),
+    TileConfig(256, 64, 64, 3, 8),
+    TileConfig(64, 64, 64, 6, 4),
+)
+
+
+# --------------------------------------------------------------------------------------------
+# reference
+# --------------------------------------------------------------------------------------------
+def geglu_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain PyTorch, fp32 math: ``a * gelu(g)`` with ``a, g = (x @ weight^T + bias).chunk(2, -1)``.
+
+    x: (..., K); weight: (2N, K); bias: (2N,) or None. Returns (..., N) in ``x.dtype``."""
+    y = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    a, g = y.chunk(2, dim=-1)
+    return (a * torch.nn.functional.gelu(g)).to(x.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# kernel
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _geglu_tma_kernel(
+    x_desc,  # (M, K), block (BLOCK_M, BLOCK_K)
+    wa_desc,  # weight rows [0, N): (N, K), block (BLOCK_N, BLOCK_K)
+    wg_desc,  # weight rows [N, 2N): (N, K), block (BLOCK_N, BLOCK_K)
+    out_desc,  # (M, N), block (BLOCK_M, BLOCK_N)
+    bias_ptr,  # (2N,) bias; unused when HAS_BIAS is False
+    M,
+    N,
+    K,
+    num_programs,  # the persistent grid: program p runs tiles p, p + num_programs, ...
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), num_tiles, num_programs):
+        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kt in range(k_tiles):
+            off_k = kt * BLOCK_K
+            xt = x_desc.load([off_m, off_k])
+            acc_a = tl.dot(xt, wa_desc.load([off_n, off_k]).T, acc_a)
+            acc_g = tl.dot(xt, wg_desc.load([off_n, off_k]).T, acc_g)
+        if HAS_BIAS:
+            cols = off_n + tl.arange(0, BLOCK_N)
+            in_n = cols < N
+            acc_a += tl.load(bias_ptr + cols, mask=in_n, other=0.0).to(tl.float32)[None, :]
+            acc_g += tl.load(bias_ptr + N + cols, mask=in_n, other=0.0).to(tl.float32)[None, :]
+        y = acc_a * (0.5 * acc_g * (1.0 + tl.math.erf(acc_g * 0.7071067811865476)))
+        out_desc.store([off_m, off_n], y.to(out_desc.dtype))
+
+
+# --------------------------------------------------------------------------------------------
+# launcher
+# --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.data_ptr() % 16 == 0
+
+
+def unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """Why this kernel cannot run these tensors (None when it can). Shapes are assumed already checked."""
+    if not (x.is_cuda and weight.is_cuda):
+        if not (interpret_mode() and x.device.type == weight.device.type == "cpu"):
+            return "tensors are not on a CUDA device (and TRITON_INTERPRET is not set)"
+    elif torch.cuda.get_device_capability(x.device)[0] < 9:
+        return "TMA needs sm_90 or newer"
+    if x.dtype not in _SUPPORTED_DTYPES or weight.dtype != x.dtype:
+        return f"dtype {x.dtype}/{weight.dtype} (needs fp16 or bf16, both the same)"
+    K, N = x.shape[-1], weight.shape[0] // 2
+    if K % 8 or N % 8:
+        return f"K={K} and N={N} must be multiples of 8 (16-byte TMA strides)"
+    if x.stride(-1) != 1 or weight.stride(-1) != 1 or weight.stride(0) != K:
+        return "x rows or the weight are not contiguous in K"
+    x2_ok = x.dim() == 2 or x.is_contiguous()
+    if not x2_ok:
+        return "x has leading dimensions that do not flatten without a copy"
+    if x.dim() == 2 and x.stride(0) % 8:
+        return "x's row stride is not a multiple of 8 elements"
+    if not (_aligned(x) and _aligned(weight)):
+        return "x or the weight is not 16-byte aligned"
+    if bias is not None and bias.device != x.device:
+        return f"bias is on {bias.device}, x on {x.device}"
+    return None
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if weight.dim() != 2 or weight.shape[0] % 2:
+        raise ValueError(f"geglu_linear: weight must be (2N, K), got {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"geglu_linear: x (..., K={weight.shape[1]}) expected, got {tuple(x.shape)}")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"geglu_linear: bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
+
+
+def geglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 config: TileConfig = CONFIGS[0], out: torch.Tensor | None = None) -> torch.Tensor:
+    """``a * gelu(g)`` of ``x @ weight^T + bias`` (diffusers' ``GEGLU``) in one persistent TMA GEMM.
+
+    Args:
+        x: (..., K) fp16 or bf16, rows contiguous in K (leading dims flatten without a copy).
+        weight: (2N, K), same dtype, contiguous: rows [0, N) give ``a``, rows [N, 2N) the gate ``g``.
+        bias: optional (2N,), any float dtype (read in fp32).
+        config: the tile shape (see ``CONFIGS``; the caller picks it per shape by measurement).
+        out: optional (M, N) contiguous output in ``x.dtype`` (M = rows of x), written and returned reshaped.
+
+    Returns:
+        (..., N) in ``x.dtype``; fp32 accumulation and epilogue (exact erf GELU), one rounding at the store.
+
+    Raises:
+        ValueError: shapes that do not match; RuntimeError naming the reason (:func:`unsupported`) when this
+        kernel cannot run the tensors.
+    """
+    _check(x, weight, bias)
+    why = unsupported(x, weight, bias)
+    if why is not None:
+        raise RuntimeError(f"geglu_linear: {why}")
+    K, N = weight.shape[1], weight.shape[0] // 2
+    x2 = x.reshape(-1, K)
+    M = x2.shape[0]
+    if out is None:
+        out = torch.empty((M, N), device=x.device, dtype=x.dtype)
+    elif tuple(out.shape) != (M, N) or out.dtype != x.dtype or not out.is_contiguous() or not _aligned(out):
+        raise ValueError(f"geglu_linear: out must be a contiguous, 16-byte aligned ({M}, {N}) {x.dtype} tensor")
+    if M == 0 or N == 0:
+        return out.reshape(*x.shape[:-1], N)
+    c = config
+    x_desc = TensorDescriptor.from_tensor(x2, [c.block_m, c.block_k])
+    wa_desc = TensorDescriptor.from_tensor(weight[:N], [c.block_n, c.block_k])
+    wg_desc = TensorDescriptor.from_tensor(weight[N:], [c.block_n, c.block_k])
+    out_desc = TensorDescriptor.from_tensor(out, [c.block_m, c.block_n])
+    tiles = triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n)
+    programs = min(tiles, _num_sms(device_index(x)) if x.is_cuda else 4)
+    _geglu_tma_kernel[(programs,)](
+        x_desc, wa_desc, wg_desc, out_desc, bias if bias is not None else out, M, N, K, programs,
+        HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+        num_warps=c.warps, num_stages=c.stages,
+    )
+    return out.reshape(*x.shape[:-1], N)
+
+
+__all__ = ["CONFIGS", "TileConfig", "geglu_linear", "geglu_linear_ref", "unsupported"]

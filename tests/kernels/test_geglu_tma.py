@@ -1,0 +1,132 @@
+"""kernels.gemm.geglu_tma (TMA GEMM with the GEGLU epilogue) against its fp32 reference on the CPU under
+TRITON_INTERPRET=1: partial tiles in M, N and K, several programs per tile walk, bias or none, SD's real K and N
+with few rows; what it refuses; and kernels.gemm.geglu_projection's choice (forced, measured once, never inside a
+dry run, logged fallbacks). The GPU file runs every config at the real SD shapes."""
+
+import logging
+
+import pytest
+import torch
+
+from kernels import precompile
+from kernels.gemm import geglu_projection as gp
+from kernels.gemm.geglu_tma import TileConfig, geglu_linear, geglu_linear_ref, unsupported
+from kernels.gemm.matmul import linear_ref
+from kernels.testing import assert_close_rule, poison
+
+SMALL = TileConfig(32, 32, 32, 1, 4, group_m=2)
+
+
+def _inputs(M, K, N, bias=True, dtype=torch.float16):
+    x = torch.randn(M, K).to(dtype)
+    w = (torch.randn(2 * N, K) / K**0.5).to(dtype)
+    b = (torch.randn(2 * N) * 0.5).to(dtype) if bias else None
+    return x, w, b
+
+
+def _check(ours, x, w, b, name):
+    f = lambda t: None if t is None else t.float()  # noqa: E731
+    ref32 = geglu_linear_ref(x.float(), w.float(), f(b))
+    lowp = linear_ref(x, w, b, epilogue="geglu", upcast=False)
+    assert ours.dtype == x.dtype
+    assert_close_rule(ours, ref32, lowp, 2e-3, name)
+
+
+# (M, K, N): partial M tiles, K not a multiple of BLOCK_K (zero-filled), N not a multiple of BLOCK_N, SD's real
+# K/N pairs (320 -> 2x1280, 640 -> 2x2560) with a few rows, more tiles than programs (the persistent walk)
+@pytest.mark.parametrize("M,K,N", [(37, 40, 24), (64, 64, 32), (5, 320, 1280), (3, 640, 2560), (200, 48, 96)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_matches_reference(M, K, N, bias):
+    x, w, b = _inputs(M, K, N, bias)
+    out = poison(torch.empty(M, N, dtype=x.dtype))
+    ours = geglu_linear(x, w, b, SMALL, out=out)
+    assert ours.data_ptr() == out.data_ptr()
+    _check(ours, x, w, b, f"geglu_tma M{M} K{K} N{N} bias={bias}")
+
+
+def test_leading_dims_and_fp32_bias():
+    x, w, _ = _inputs(12, 64, 40)
+    x = x.reshape(2, 6, 64)
+    b = torch.randn(80)  # fp32 bias on fp16 weights, as a module might hold
+    ours = geglu_linear(x, w, b, SMALL)
+    assert ours.shape == (2, 6, 40)
+    _check(ours, x, w, b, "3-D x")
+
+
+def test_refuses_what_it_cannot_run():
+    x, w, b = _inputs(8, 36, 16)  # K = 36: not a multiple of 8
+    assert "multiples of 8" in unsupported(x, w, b)
+    with pytest.raises(RuntimeError, match="multiples of 8"):
+        geglu_linear(x, w, b, SMALL)
+    x, w, b = _inputs(8, 32, 16)
+    assert "dtype" in unsupported(x.float(), w.float(), b)
+    assert "contiguous" in unsupported(x.t().contiguous().t(), w, b)
+    with pytest.raises(ValueError, match="2N, K"):
+        geglu_linear(x, w[:-1], b)
+    with pytest.raises(ValueError, match="bias"):
+        geglu_linear(x, w, b[:-2])
+    with pytest.raises(ValueError, match="out must be"):
+        geglu_linear(x, w, b, SMALL, out=torch.empty(8, 15, dtype=x.dtype))
+
+
+@pytest.fixture
+def clean_choices(monkeypatch):
+    monkeypatch.setattr(gp, "_choices", {})
+    monkeypatch.setitem(gp.TUNING, "configs", (SMALL,))
+    return gp._choices
+
+
+def test_forced_tma_path_runs_the_kernel(clean_choices, monkeypatch):
+    monkeypatch.setitem(gp.TUNING, "force", SMALL)
+    calls = []
+    real = gp.geglu_linear
+    monkeypatch.setattr(gp, "geglu_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, w, b = _inputs(20, 64, 48)
+    _check(gp.geglu_projection(x, w, b), x, w, b, "forced TMA")
+    assert calls and list(clean_choices.values()) == [SMALL]
+
+
+def test_cpu_without_force_runs_cublas_path_and_keeps_nothing(clean_choices, monkeypatch):
+    monkeypatch.setattr(gp, "geglu_linear", lambda *a, **k: pytest.fail("the TMA kernel must not run"))
+    x, w, b = _inputs(20, 64, 48)
+    _check(gp.geglu_projection(x, w, b), x, w, b, "cuBLAS path")
+    assert clean_choices == {}  # nothing measured on the CPU: a later CUDA call would measure
+
+
+def test_measured_once_per_signature(clean_choices, monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # reach the measuring branch
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    measured = []
+    monkeypatch.setattr(gp, "_measure", lambda key, *a: measured.append(key))  # None: cuBLAS measured faster
+    monkeypatch.setattr(gp, "unsupported", lambda *a: None)
+    x, w, b = _inputs(20, 64, 48)
+    for _ in range(3):
+        gp.geglu_projection(x, w, b)
+    gp.geglu_projection(x[:10], w, b)
+    assert len(measured) == 2 and list(clean_choices.values()) == [None, None]
+
+
+def test_dry_run_compiles_every_config_and_keeps_nothing(clean_choices, monkeypatch):
+    monkeypatch.setattr(precompile, "active", lambda: True)
+    monkeypatch.setattr(gp, "_measure", lambda *a: pytest.fail("nothing may be timed in a dry run"))
+    configs = (SMALL, TileConfig(16, 32, 32, 1, 4))
+    monkeypatch.setitem(gp.TUNING, "configs", configs)
+    monkeypatch.setattr(gp, "unsupported", lambda *a: None)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    launched = []
+    monkeypatch.setattr(gp, "geglu_linear", lambda x, w, b, c: launched.append(c))
+    x, w, b = _inputs(20, 64, 48)
+    _check(gp.geglu_projection(x, w, b), x, w, b, "dry run")
+    assert launched == list(configs) and clean_choices == {}
+
+
+def test_unsupported_and_disabled_fall_back_logged(clean_choices, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="sdfast.kernels")
+    x, w, b = _inputs(20, 36, 48)  # K = 36
+    _check(gp.geglu_projection(x, w, b), x, w, b, "K=36")
+    assert "geglu_projection" in caplog.text and "multiples of 8" in caplog.text
+    assert list(clean_choices.values()) == [None]
+    monkeypatch.setitem(gp.TUNING, "enabled", False)
+    x, w, b = _inputs(20, 64, 48)
+    gp.geglu_projection(x, w, b)
+    assert "SDFAST_GEGLU_TMA=0" in caplog.text
