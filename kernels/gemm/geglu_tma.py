@@ -45,6 +45,8 @@ class TileConfig:
     stages: int
     warps: int
     group_m: int = 8
+    persistent: bool = True  # one program per SM walking tiles; False: one program per tile
+    flatten: bool = False  # Triton flattens the tile and K loops into one pipelined loop (persistent only)
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         """Shared memory: ``stages`` x (one x tile + two weight tiles), plus the output tile."""
@@ -56,13 +58,17 @@ class TileConfig:
 # per thread: 2 * block_m * block_n / (32 * warps); 128 keeps clear of spills.
 CONFIGS = (
     TileConfig(128, 128, 64, 3, 8),
-    TileConfig(128, 128, 64, 4, 8),
+    TileConfig(128, 128, 64, 3, 8, flatten=True),
+    TileConfig(128, 128, 64, 3, 8, persistent=False),
+    TileConfig(128, 128, 64, 3, 8, group_m=4),
+    TileConfig(128, 128, 64, 3, 8, group_m=16),
+    TileConfig(128, 128, 64, 2, 8),
+    TileConfig(128, 128, 64, 4, 8, flatten=True),
+    TileConfig(256, 64, 64, 3, 8),
+    TileConfig(256, 64, 64, 3, 8, flatten=True),
     TileConfig(128, 64, 64, 4, 4),
-    TileConfig(128, 64, 64, 5, 4),
     TileConfig(64, 128, 64, 4, 4),
     TileConfig(128, 128, 32, 6, 8),
-    TileConfig(256, 64, 64, 3, 8),
-    TileConfig(64, 64, 64, 6, 4),
 )
 
 
@@ -97,10 +103,11 @@ def _geglu_tma_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_tiles, num_programs):
+    for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=FLATTEN):
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
@@ -204,10 +211,10 @@ def geglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     wg_desc = TensorDescriptor.from_tensor(weight[N:], [c.block_n, c.block_k])
     out_desc = TensorDescriptor.from_tensor(out, [c.block_m, c.block_n])
     tiles = triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n)
-    programs = min(tiles, _num_sms(device_index(x)) if x.is_cuda else 4)
+    programs = min(tiles, _num_sms(device_index(x)) if x.is_cuda else 4) if c.persistent else tiles
     _geglu_tma_kernel[(programs,)](
         x_desc, wa_desc, wg_desc, out_desc, bias if bias is not None else out, M, N, K, programs,
-        HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+        HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, FLATTEN=c.flatten and c.persistent,
         num_warps=c.warps, num_stages=c.stages,
     )
     return out.reshape(*x.shape[:-1], N)
