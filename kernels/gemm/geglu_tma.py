@@ -47,6 +47,7 @@ class TileConfig:
     group_m: int = 8
     persistent: bool = True  # one program per SM walking tiles; False: one program per tile
     flatten: bool = False  # Triton flattens the tile and K loops into one pipelined loop (persistent only)
+    single_dot: bool = False  # a and g tiles as one (block_m, 2 block_n) product from one (2, block_n, block_k) load
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         """Shared memory: ``stages`` x (one x tile + two weight tiles), plus the output tile."""
@@ -57,18 +58,16 @@ class TileConfig:
 # Candidates for the sweep (benchmarks/sweep_geglu_tma.py) and the per-shape choice. Accumulator registers
 # per thread: 2 * block_m * block_n / (32 * warps); 128 keeps clear of spills.
 CONFIGS = (
-    TileConfig(128, 128, 64, 3, 8),
-    TileConfig(128, 128, 64, 3, 8, flatten=True),
-    TileConfig(128, 128, 64, 3, 8, persistent=False),
     TileConfig(128, 128, 64, 3, 8, group_m=4),
     TileConfig(128, 128, 64, 3, 8, group_m=16),
-    TileConfig(128, 128, 64, 2, 8),
-    TileConfig(128, 128, 64, 4, 8, flatten=True),
-    TileConfig(256, 64, 64, 3, 8),
-    TileConfig(256, 64, 64, 3, 8, flatten=True),
+    TileConfig(128, 128, 64, 3, 8, group_m=4, single_dot=True),
+    TileConfig(128, 128, 64, 4, 8, group_m=4, single_dot=True),
+    TileConfig(128, 128, 64, 3, 8, group_m=16, single_dot=True),
+    TileConfig(128, 128, 64, 3, 8, group_m=4, single_dot=True, persistent=False),
+    TileConfig(256, 64, 64, 3, 8, single_dot=True),
     TileConfig(128, 64, 64, 4, 4),
-    TileConfig(64, 128, 64, 4, 4),
-    TileConfig(128, 128, 32, 6, 8),
+    TileConfig(128, 64, 64, 4, 4, single_dot=True),
+    TileConfig(64, 128, 64, 4, 4, single_dot=True),
 )
 
 
@@ -92,6 +91,7 @@ def _geglu_tma_kernel(
     x_desc,  # (M, K), block (BLOCK_M, BLOCK_K)
     wa_desc,  # weight rows [0, N): (N, K), block (BLOCK_N, BLOCK_K)
     wg_desc,  # weight rows [N, 2N): (N, K), block (BLOCK_N, BLOCK_K)
+    w2_desc,  # the weight as (2, N, K), block (2, BLOCK_N, BLOCK_K): a and g rows of one tile in one load
     out_desc,  # (M, N), block (BLOCK_M, BLOCK_N)
     bias_ptr,  # (2N,) bias; unused when HAS_BIAS is False
     M,
@@ -104,6 +104,7 @@ def _geglu_tma_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr,
+    SINGLE_DOT: tl.constexpr,  # one (BLOCK_M, 2 BLOCK_N) product per K step instead of two (BLOCK_M, BLOCK_N)
 ):
     num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
@@ -111,13 +112,21 @@ def _geglu_tma_kernel(
         pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
-        acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for kt in range(k_tiles):
-            off_k = kt * BLOCK_K
-            xt = x_desc.load([off_m, off_k])
-            acc_a = tl.dot(xt, wa_desc.load([off_n, off_k]).T, acc_a)
-            acc_g = tl.dot(xt, wg_desc.load([off_n, off_k]).T, acc_g)
+        if SINGLE_DOT:  # the x tile is read from shared memory once per K step, not twice
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+            for kt in range(k_tiles):
+                off_k = kt * BLOCK_K
+                w = tl.reshape(w2_desc.load([0, off_n, off_k]), (2 * BLOCK_N, BLOCK_K))
+                acc = tl.dot(x_desc.load([off_m, off_k]), w.T, acc)
+            acc_a, acc_g = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+        else:
+            acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for kt in range(k_tiles):
+                off_k = kt * BLOCK_K
+                xt = x_desc.load([off_m, off_k])
+                acc_a = tl.dot(xt, wa_desc.load([off_n, off_k]).T, acc_a)
+                acc_g = tl.dot(xt, wg_desc.load([off_n, off_k]).T, acc_g)
         if HAS_BIAS:
             cols = off_n + tl.arange(0, BLOCK_N)
             in_n = cols < N
@@ -209,13 +218,14 @@ def geglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     x_desc = TensorDescriptor.from_tensor(x2, [c.block_m, c.block_k])
     wa_desc = TensorDescriptor.from_tensor(weight[:N], [c.block_n, c.block_k])
     wg_desc = TensorDescriptor.from_tensor(weight[N:], [c.block_n, c.block_k])
+    w2_desc = TensorDescriptor.from_tensor(weight.view(2, N, K), [2, c.block_n, c.block_k])
     out_desc = TensorDescriptor.from_tensor(out, [c.block_m, c.block_n])
     tiles = triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n)
     programs = min(tiles, _num_sms(device_index(x)) if x.is_cuda else 4) if c.persistent else tiles
     _geglu_tma_kernel[(programs,)](
-        x_desc, wa_desc, wg_desc, out_desc, bias if bias is not None else out, M, N, K, programs,
-        HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, FLATTEN=c.flatten and c.persistent,
-        num_warps=c.warps, num_stages=c.stages,
+        x_desc, wa_desc, wg_desc, w2_desc, out_desc, bias if bias is not None else out, M, N, K, programs,
+        HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+        FLATTEN=c.flatten and c.persistent, SINGLE_DOT=c.single_dot, num_warps=c.warps, num_stages=c.stages,
     )
     return out.reshape(*x.shape[:-1], N)
 

@@ -15,6 +15,7 @@ from kernels.gemm.matmul import linear_ref
 from kernels.testing import assert_close_rule, poison
 
 SMALL = TileConfig(32, 32, 32, 1, 4, group_m=2)
+SMALL_ONE_DOT = TileConfig(32, 32, 32, 1, 4, group_m=2, single_dot=True, persistent=False)
 
 
 def _inputs(M, K, N, bias=True, dtype=torch.float16):
@@ -36,12 +37,13 @@ def _check(ours, x, w, b, name):
 # K/N pairs (320 -> 2x1280, 640 -> 2x2560) with a few rows, more tiles than programs (the persistent walk)
 @pytest.mark.parametrize("M,K,N", [(37, 40, 24), (64, 64, 32), (5, 320, 1280), (3, 640, 2560), (200, 48, 96)])
 @pytest.mark.parametrize("bias", [True, False])
-def test_matches_reference(M, K, N, bias):
+@pytest.mark.parametrize("config", [SMALL, SMALL_ONE_DOT], ids=["two-dots-persistent", "one-dot-per-tile"])
+def test_matches_reference(M, K, N, bias, config):
     x, w, b = _inputs(M, K, N, bias)
     out = poison(torch.empty(M, N, dtype=x.dtype))
-    ours = geglu_linear(x, w, b, SMALL, out=out)
+    ours = geglu_linear(x, w, b, config, out=out)
     assert ours.data_ptr() == out.data_ptr()
-    _check(ours, x, w, b, f"geglu_tma M{M} K{K} N{N} bias={bias}")
+    _check(ours, x, w, b, f"geglu_tma M{M} K{K} N{N} bias={bias} {config}")
 
 
 def test_leading_dims_and_fp32_bias():
