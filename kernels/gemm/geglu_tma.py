@@ -80,7 +80,9 @@ def geglu_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 # --------------------------------------------------------------------------------------------
 # kernel
 # --------------------------------------------------------------------------------------------
-@triton.jit
+# M and the grid size are not specialized (Triton would compile again when their divisibility by 16 changes: run 15,
+# call D, SD1.5's second image size recompiled two configs because the mid block's grid went from 40 to 80 programs)
+@triton.jit(do_not_specialize=["M", "num_programs"])
 def _geglu_tma_kernel(
     x_desc,  # (M, K), block (BLOCK_M, BLOCK_K)
     wa_desc,  # weight rows [0, N): (N, K), block (BLOCK_N, BLOCK_K)
