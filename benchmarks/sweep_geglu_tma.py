@@ -1,10 +1,10 @@
 """The TMA GEGLU GEMM's tile configs against cuBLAS + the GEGLU kernel, at SD1.5's and SDXL's GEGLU shapes (GPU).
 
-    python -m benchmarks.sweep_geglu_tma [--out DIR]
+    python -m benchmarks.sweep_geglu_tma [--out DIR] [--extra]
 
 For each feed-forward projection of the two UNets (fp16, batch 2 with CFG: M tokens, K in, weight (2N, K)):
 ``cublas`` (``F.linear`` then ``kernels.norm.geglu``), ``cublas_gemm`` (the projection alone, for scale) and every
-``kernels.gemm.geglu_tma.CONFIGS`` entry, each timed in a CUDA graph (``triton.testing.do_bench_cudagraph``,
+``kernels.gemm.geglu_tma.CONFIGS`` entry (with ``--extra``, also the larger tiles of ``EXTRA``), each timed in a CUDA graph (``triton.testing.do_bench_cudagraph``,
 median) and checked against ``geglu_linear_ref`` (max abs error). Also what ``geglu_projection``'s measured choice
 picks. Writes ``DIR/geglu_tma.json`` and ``DIR/geglu_tma.md``; prints one line per shape.
 """
@@ -21,13 +21,21 @@ SHAPES = (("sd15", "l0", 8192, 320, 1280, 5), ("sd15", "l1", 2048, 640, 2560, 5)
           ("sdxl", "l2", 2048, 1280, 5120, 60))
 
 
+def extra_configs():
+    """Tiles beyond the measured candidates: 16 warps (four warpgroups) for 256-row tiles, and BLOCK_K 128."""
+    from kernels.gemm.geglu_tma import TileConfig
+
+    return (TileConfig(256, 128, 64, 3, 16, single_dot=True), TileConfig(256, 128, 64, 2, 16, single_dot=True),
+            TileConfig(128, 128, 128, 2, 8, single_dot=True), TileConfig(256, 128, 64, 3, 16, group_m=4))
+
+
 def _time(fn) -> float:
     from triton.testing import do_bench_cudagraph
 
     return do_bench_cudagraph(fn, rep=40) * 1e3
 
 
-def run() -> list[dict]:
+def run(extra: bool = False) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
@@ -46,7 +54,7 @@ def run() -> list[dict]:
         row["cublas_gemm_us"] = _time(lambda: F.linear(x, w, b))
         row["cublas_err"] = float((gp.cublas_geglu(x, w, b).float() - ref).abs().max())
         row["configs"] = {}
-        for c in CONFIGS:
+        for c in CONFIGS + (extra_configs() if extra else ()):
             try:
                 err = float((geglu_linear(x, w, b, c).float() - ref).abs().max())
                 row["configs"][str(c)] = dict(us=_time(lambda c=c: geglu_linear(x, w, b, c)), err=err)
@@ -81,8 +89,9 @@ def markdown(rows: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--extra", action="store_true", help="also time the tiles of extra_configs()")
     args = ap.parse_args(argv)
-    rows = run()
+    rows = run(args.extra)
     print(markdown(rows))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
