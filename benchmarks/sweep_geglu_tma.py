@@ -6,13 +6,12 @@ For each feed-forward projection of the two UNets (fp16, batch 2 with CFG: M tok
 ``cublas`` (``F.linear`` then ``kernels.norm.geglu``), ``cublas_gemm`` (the projection alone, for scale) and every
 ``kernels.gemm.geglu_tma.CONFIGS`` entry (with ``--extra``, also the larger tiles of ``EXTRA``), each timed in a CUDA graph (``triton.testing.do_bench_cudagraph``,
 median) and checked against ``geglu_linear_ref`` (max abs error). Also what ``geglu_projection``'s measured choice
-picks. Writes ``DIR/geglu_tma.json`` and ``DIR/geglu_tma.md``; prints one line per shape.
+picks. Writes ``DIR/geglu_tma.json`` (with the GPU, versions and date) and ``DIR/geglu_tma.md``; prints one line per shape.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 # (model, name, M, K, N, count per UNet step)
@@ -80,9 +79,9 @@ def markdown(rows: list[dict]) -> str:
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         t = r["best_tma_us"]
+        tma, ratio = ("—", "—") if t is None else (f"{t:.1f}", f"{t / r['cublas_us']:.2f}")
         out.append(f"| {r['model']} | {r['layer']} | {r['M']} | {r['K']} | {r['N']} | {r['cublas_us']:.1f} | "
-                   f"{r['cublas_gemm_us']:.1f} | {t and f'{t:.1f}'} | {t and f'{t / r['cublas_us']:.2f}'} | "
-                   f"{r['best_tma']} | {r['count']} |")
+                   f"{r['cublas_gemm_us']:.1f} | {tma} | {ratio} | {r['best_tma']} | {r['count']} |")
     return "\n".join(out) + "\n"
 
 
@@ -94,9 +93,12 @@ def main(argv=None) -> int:
     rows = run(args.extra)
     print(markdown(rows))
     if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "geglu_tma.json").write_text(json.dumps(rows, indent=1))
-        (args.out / "geglu_tma.md").write_text(markdown(rows))
+        from benchmarks.report import env_metadata, write_json
+
+        env = env_metadata()
+        write_json(args.out / "geglu_tma.json", {"env": env, "rows": rows})
+        (args.out / "geglu_tma.md").write_text(f"GPU {env.get('gpu')}, torch {env.get('torch')}, triton "
+                                               f"{env.get('triton')}, {env.get('date')}\n\n" + markdown(rows))
     return 0
 
 

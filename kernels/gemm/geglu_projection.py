@@ -7,7 +7,8 @@
 The choice is measured once per signature (shapes, strides, dtypes, device) as GPU time
 (:func:`kernels.choice.gpu_times_us`) and logged. Where the TMA kernel cannot run, the reason is logged once and
 cuBLAS runs. Inside CUDA graph capture or a ``kernels.precompile`` dry run nothing is timed or kept: the capture
-runs cuBLAS, the dry run queues the compilation of every candidate config. ``SDFAST_GEGLU_TMA=0`` (read at
+runs cuBLAS, the dry run queues the compilation of every candidate config; under ``torch.compile`` the
+cuBLAS path is traced. ``SDFAST_GEGLU_TMA=0`` (read at
 import) pins cuBLAS; ``TUNING["force"]`` pins either path (tests).
 """
 
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 
 from kernels import choice, precompile
 from kernels.dispatch import log_fallback
-from kernels.gemm.geglu_tma import CONFIGS, TileConfig, geglu_linear, unsupported
+from kernels.gemm.geglu_tma import CONFIGS, TileConfig, geglu_linear, misaligned, unsupported
 from kernels.norm.geglu import geglu
 
 log = logging.getLogger("sdfast.kernels")
@@ -46,11 +47,13 @@ def geglu_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     Args: x (..., K); weight (2N, K) (rows [0, N) give ``a``, rows [N, 2N) the gate); bias (2N,) or None; the
     dtypes of ``F.linear``. Returns (..., N) in ``x.dtype``. Raises what ``F.linear`` raises for bad shapes.
     """
-    key = (tuple(x.shape), x.stride(), x.dtype, tuple(weight.shape), weight.stride(), weight.dtype,
-           None if bias is None else bias.dtype, x.device)
+    if torch.compiler.is_compiling():  # Dynamo cannot trace the choice (data_ptr, timing): the two-kernel path
+        return cublas_geglu(x, weight, bias)
+    key = (tuple(x.shape), x.stride(), x.dtype, type(x), tuple(weight.shape), weight.stride(), weight.dtype, type(weight),
+           None if bias is None else (bias.dtype, bias.stride(), bias.device, type(bias)), x.device, weight.device)
     if key not in _choices:
         why = None if TUNING["enabled"] else "SDFAST_GEGLU_TMA=0"
-        why = why or unsupported(x, weight, bias) or _shape_problem(x, weight, bias)
+        why = why or _shape_problem(x, weight, bias) or unsupported(x, weight, bias)
         if why is not None:
             log_fallback("geglu_projection", why, instead="cuBLAS and the GEGLU kernel")
             _choices[key] = None
@@ -65,6 +68,9 @@ def geglu_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         else:
             _choices[key] = _measure(key, x, weight, bias)
     config = _choices[key]
+    if config is not None and misaligned(x, weight):  # the one property the key does not hold: a view's offset
+        log_fallback("geglu_projection", "x or the weight is not 16-byte aligned", instead="cuBLAS and the GEGLU kernel")
+        config = None
     return cublas_geglu(x, weight, bias) if config is None else geglu_linear(x, weight, bias, config)
 
 

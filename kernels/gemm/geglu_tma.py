@@ -21,6 +21,7 @@ CUDA, sm_90 or newer, fp16/bf16, ``x`` rows and the weight contiguous in K, K an
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -144,29 +145,40 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
 
+def misaligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x or the weight starts off a 16-byte boundary (TMA needs it; a view's storage offset can break it)."""
+    return not (_aligned(x) and _aligned(weight))
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A dense tensor whose memory is its own (not a wrapper subclass such as a quantized weight: data_ptr 0)."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
+
+
 def unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
     """Why this kernel cannot run these tensors (None when it can). Shapes are assumed already checked."""
+    if not all(_plain(t) for t in (x, weight, bias) if t is not None):
+        return "a tensor subclass or a non-strided layout (TMA reads plain dense memory)"
     if not (x.is_cuda and weight.is_cuda):
         if not (interpret_mode() and x.device.type == weight.device.type == "cpu"):
             return "tensors are not on a CUDA device (and TRITON_INTERPRET is not set)"
     elif torch.cuda.get_device_capability(x.device)[0] < 9:
         return "TMA needs sm_90 or newer"
-    if x.dtype not in _SUPPORTED_DTYPES or weight.dtype != x.dtype:
-        return f"dtype {x.dtype}/{weight.dtype} (needs fp16 or bf16, both the same)"
+    if x.dtype not in _SUPPORTED_DTYPES or weight.dtype != x.dtype or weight.device != x.device:
+        return f"dtype {x.dtype}/{weight.dtype}, devices {x.device}/{weight.device} (fp16 or bf16, one dtype, one device)"
+    if bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1 or bias.device != x.device):
+        return "the bias is not contiguous, or not in x's dtype and on x's device"
     K, N = x.shape[-1], weight.shape[0] // 2
     if K % 8 or N % 8:
         return f"K={K} and N={N} must be multiples of 8 (16-byte TMA strides)"
     if x.stride(-1) != 1 or weight.stride(-1) != 1 or weight.stride(0) != K:
         return "x rows or the weight are not contiguous in K"
-    x2_ok = x.dim() == 2 or x.is_contiguous()
-    if not x2_ok:
-        return "x has leading dimensions that do not flatten without a copy"
+    if x.dim() != 2 and not x.is_contiguous():
+        return "x is not contiguous (its leading dimensions must flatten into rows without a copy)"
     if x.dim() == 2 and x.stride(0) % 8:
         return "x's row stride is not a multiple of 8 elements"
-    if not (_aligned(x) and _aligned(weight)):
+    if misaligned(x, weight):
         return "x or the weight is not 16-byte aligned"
-    if bias is not None and bias.device != x.device:
-        return f"bias is on {bias.device}, x on {x.device}"
     return None
 
 
@@ -186,7 +198,7 @@ def geglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     Args:
         x: (..., K) fp16 or bf16, rows contiguous in K (leading dims flatten without a copy).
         weight: (2N, K), same dtype, contiguous: rows [0, N) give ``a``, rows [N, 2N) the gate ``g``.
-        bias: optional (2N,), any float dtype (read in fp32).
+        bias: optional (2N,), contiguous, in x's dtype (added in fp32).
         config: the tile shape (see ``CONFIGS``; the caller picks it per shape by measurement).
         out: optional (M, N) contiguous output in ``x.dtype`` (M = rows of x), written and returned reshaped.
 
@@ -218,12 +230,13 @@ def geglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     out_desc = TensorDescriptor.from_tensor(out, [c.block_m, c.block_n])
     tiles = triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n)
     programs = min(tiles, _num_sms(device_index(x)) if x.is_cuda else 4) if c.persistent else tiles
-    _geglu_tma_kernel[(programs,)](
-        x_desc, wa_desc, wg_desc, w2_desc, out_desc, bias if bias is not None else out, M, N, K, programs,
-        HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-        FLATTEN=c.flatten and c.persistent, SINGLE_DOT=c.single_dot, num_warps=c.warps, num_stages=c.stages,
-    )
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # the launch goes to x's GPU
+        _geglu_tma_kernel[(programs,)](
+            x_desc, wa_desc, wg_desc, w2_desc, out_desc, bias if bias is not None else out, M, N, K, programs,
+            HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+            FLATTEN=c.flatten and c.persistent, SINGLE_DOT=c.single_dot, num_warps=c.warps, num_stages=c.stages,
+        )
     return out.reshape(*x.shape[:-1], N)
 
 
-__all__ = ["CONFIGS", "TileConfig", "geglu_linear", "geglu_linear_ref", "unsupported"]
+__all__ = ["CONFIGS", "TileConfig", "geglu_linear", "geglu_linear_ref", "misaligned", "unsupported"]

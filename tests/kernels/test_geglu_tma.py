@@ -46,10 +46,9 @@ def test_matches_reference(M, K, N, bias, config):
     _check(ours, x, w, b, f"geglu_tma M{M} K{K} N{N} bias={bias} {config}")
 
 
-def test_leading_dims_and_fp32_bias():
-    x, w, _ = _inputs(12, 64, 40)
+def test_leading_dims():
+    x, w, b = _inputs(12, 64, 40)
     x = x.reshape(2, 6, 64)
-    b = torch.randn(80)  # fp32 bias on fp16 weights, as a module might hold
     ours = geglu_linear(x, w, b, SMALL)
     assert ours.shape == (2, 6, 40)
     _check(ours, x, w, b, "3-D x")
@@ -69,6 +68,22 @@ def test_refuses_what_it_cannot_run():
         geglu_linear(x, w, b[:-2])
     with pytest.raises(ValueError, match="out must be"):
         geglu_linear(x, w, b, SMALL, out=torch.empty(8, 15, dtype=x.dtype))
+    strided_bias = torch.randn(64).half()[::2]  # read as if contiguous, it would be a wrong answer
+    for bad in (strided_bias, b.float()):  # the cuBLAS path rejects an fp32 bias too
+        assert "bias" in unsupported(x, w, bad)
+        with pytest.raises(RuntimeError, match="bias"):
+            geglu_linear(x, w, bad, SMALL)
+
+
+def test_refuses_tensor_subclasses():
+    """A wrapper subclass (e.g. a quantized weight that still reports fp16) has no plain memory for TMA."""
+
+    class Wrapped(torch.Tensor):
+        pass
+
+    x, w, b = _inputs(8, 32, 16)
+    assert "subclass" in unsupported(x, w.as_subclass(Wrapped), b)
+    assert unsupported(x, torch.nn.Parameter(w), b) is None
 
 
 @pytest.fixture
@@ -120,6 +135,30 @@ def test_dry_run_compiles_every_config_and_keeps_nothing(clean_choices, monkeypa
     x, w, b = _inputs(20, 64, 48)
     _check(gp.geglu_projection(x, w, b), x, w, b, "dry run")
     assert launched == list(configs) and clean_choices == {}
+
+
+def test_a_misaligned_view_with_a_cached_tma_choice_runs_cublas_logged(clean_choices, monkeypatch, caplog):
+    """Two views with one shape and strides share a choice; the one off a 16-byte boundary must not reach TMA."""
+    caplog.set_level(logging.INFO, logger="sdfast.kernels")
+    monkeypatch.setitem(gp.TUNING, "force", SMALL)
+    buf = torch.randn(20, 72).half()
+    _, w, b = _inputs(20, 64, 48)
+    ran = []
+    real = gp.geglu_linear
+    monkeypatch.setattr(gp, "geglu_linear", lambda *a, **k: ran.append(1) or real(*a, **k))
+    aligned, offset = buf[:, :64], buf[:, 4:68]  # offset: 8 bytes past the start
+    _check(gp.geglu_projection(aligned, w, b), aligned, w, b, "aligned view")
+    _check(gp.geglu_projection(offset, w, b), offset, w, b, "misaligned view")
+    assert len(ran) == 1 and len(clean_choices) == 1 and "not 16-byte aligned" in caplog.text
+
+
+def test_torch_compile_traces_the_two_kernel_path(clean_choices, monkeypatch):
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setitem(gp.TUNING, "force", SMALL)
+    monkeypatch.setattr(gp, "geglu_linear", lambda *a, **k: pytest.fail("not traceable"))
+    x, w, b = _inputs(20, 64, 48)
+    _check(gp.geglu_projection(x, w, b), x, w, b, "compiling")
+    assert clean_choices == {}
 
 
 def test_unsupported_and_disabled_fall_back_logged(clean_choices, monkeypatch, caplog):

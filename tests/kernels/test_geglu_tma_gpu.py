@@ -66,8 +66,32 @@ def test_measured_choice_is_logged_kept_and_correct(monkeypatch, caplog):
     x, w, b = _inputs(2048, 1280, 5120)
     _check(gp.geglu_projection(x, w, b), x, w, b, 1e-2, "first call")
     assert "geglu_projection" in caplog.text and len(gp._choices) == 1
+    assert "best TMA None" not in caplog.text and "failed" not in caplog.text  # every candidate config ran
     monkeypatch.setattr(gp, "_measure", lambda *a: pytest.fail("measured twice"))
     _check(gp.geglu_projection(x, w, b), x, w, b, 1e-2, "second call")
+
+
+def test_capture_after_a_tma_choice_replays_on_new_inputs(monkeypatch):
+    """The engine's order: an eager call chooses (here: the TMA kernel, forced), the capture records it, replays
+    read the static input and the weight in place."""
+    monkeypatch.setattr(gp, "_choices", {})
+    monkeypatch.setitem(gp.TUNING, "force", CONFIGS[0])
+    ran = []
+    real = gp.geglu_linear
+    monkeypatch.setattr(gp, "geglu_linear", lambda *a, **k: ran.append(1) or real(*a, **k))
+    x, w, b = _inputs(2048, 640, 2560)
+    gp.geglu_projection(x, w, b)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = gp.geglu_projection(x, w, b)
+    x.copy_(torch.randn_like(x))
+    w.mul_(0.5)
+    g.replay()
+    torch.cuda.synchronize()
+    assert len(ran) == 2
+    _check(y, x, w, b, 1e-2, "replay through geglu_projection")
 
 
 def test_capture_without_a_choice_runs_cublas_and_keeps_nothing(monkeypatch):
