@@ -81,6 +81,38 @@ def geglu_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 # --------------------------------------------------------------------------------------------
 # kernel
 # --------------------------------------------------------------------------------------------
+@triton.jit
+def _geglu_tile(tile, x_desc, wa_desc, wg_desc, w2_desc, out_desc, bias_ptr, M, N, k_tiles,
+                HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                GROUP_M: tl.constexpr, SINGLE_DOT: tl.constexpr):
+    """One (BLOCK_M, BLOCK_N) output tile: the K loop, bias, ``a * gelu(g)``, the store."""
+    pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    if SINGLE_DOT:  # the x tile is read from shared memory once per K step, not twice
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for kt in range(k_tiles):
+            off_k = kt * BLOCK_K
+            w = tl.reshape(w2_desc.load([0, off_n, off_k]), (2 * BLOCK_N, BLOCK_K))
+            acc = tl.dot(x_desc.load([off_m, off_k]), w.T, acc)
+        acc_a, acc_g = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    else:
+        acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kt in range(k_tiles):
+            off_k = kt * BLOCK_K
+            xt = x_desc.load([off_m, off_k])
+            acc_a = tl.dot(xt, wa_desc.load([off_n, off_k]).T, acc_a)
+            acc_g = tl.dot(xt, wg_desc.load([off_n, off_k]).T, acc_g)
+    if HAS_BIAS:
+        cols = off_n + tl.arange(0, BLOCK_N)
+        in_n = cols < N
+        acc_a += tl.load(bias_ptr + cols, mask=in_n, other=0.0).to(tl.float32)[None, :]
+        acc_g += tl.load(bias_ptr + N + cols, mask=in_n, other=0.0).to(tl.float32)[None, :]
+    y = acc_a * (0.5 * acc_g * (1.0 + tl.math.erf(acc_g * 0.7071067811865476)))
+    out_desc.store([off_m, off_n], y.to(out_desc.dtype))
+
+
 # M and the grid size are not specialized (Triton would compile again when their divisibility by 16 changes: run 15,
 # call D, SD1.5's second image size recompiled two configs because the mid block's grid went from 40 to 80 programs)
 @triton.jit(do_not_specialize=["M", "num_programs"])
@@ -102,35 +134,17 @@ def _geglu_tma_kernel(
     GROUP_M: tl.constexpr,
     FLATTEN: tl.constexpr,
     SINGLE_DOT: tl.constexpr,  # one (BLOCK_M, 2 BLOCK_N) product per K step instead of two (BLOCK_M, BLOCK_N)
+    K_TILES: tl.constexpr,  # > 0 (interpreter): one tile per program, this many K steps; 0: the persistent loop
 ):
-    num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=FLATTEN):
-        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
-        off_m = pid_m * BLOCK_M
-        off_n = pid_n * BLOCK_N
-        if SINGLE_DOT:  # the x tile is read from shared memory once per K step, not twice
-            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-            for kt in range(k_tiles):
-                off_k = kt * BLOCK_K
-                w = tl.reshape(w2_desc.load([0, off_n, off_k]), (2 * BLOCK_N, BLOCK_K))
-                acc = tl.dot(x_desc.load([off_m, off_k]), w.T, acc)
-            acc_a, acc_g = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-        else:
-            acc_a = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kt in range(k_tiles):
-                off_k = kt * BLOCK_K
-                xt = x_desc.load([off_m, off_k])
-                acc_a = tl.dot(xt, wa_desc.load([off_n, off_k]).T, acc_a)
-                acc_g = tl.dot(xt, wg_desc.load([off_n, off_k]).T, acc_g)
-        if HAS_BIAS:
-            cols = off_n + tl.arange(0, BLOCK_N)
-            in_n = cols < N
-            acc_a += tl.load(bias_ptr + cols, mask=in_n, other=0.0).to(tl.float32)[None, :]
-            acc_g += tl.load(bias_ptr + N + cols, mask=in_n, other=0.0).to(tl.float32)[None, :]
-        y = acc_a * (0.5 * acc_g * (1.0 + tl.math.erf(acc_g * 0.7071067811865476)))
-        out_desc.store([off_m, off_n], y.to(out_desc.dtype))
+    if K_TILES > 0:  # Triton's interpreter cannot loop to a run-time bound under numpy >= 2.4 (_common.interp_meta)
+        _geglu_tile(tl.program_id(0), x_desc, wa_desc, wg_desc, w2_desc, out_desc, bias_ptr, M, N, K_TILES,
+                    HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SINGLE_DOT)
+    else:
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=FLATTEN):
+            _geglu_tile(tile, x_desc, wa_desc, wg_desc, w2_desc, out_desc, bias_ptr, M, N, k_tiles,
+                        HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SINGLE_DOT)
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,12 +243,14 @@ def geglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     w2_desc = TensorDescriptor.from_tensor(weight.view(2, N, K), [2, c.block_n, c.block_k])
     out_desc = TensorDescriptor.from_tensor(out, [c.block_m, c.block_n])
     tiles = triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n)
-    programs = min(tiles, _num_sms(device_index(x)) if x.is_cuda else 4) if c.persistent else tiles
+    interp = not x.is_cuda  # the interpreter: one tile per program (see the kernel's K_TILES)
+    programs = tiles if interp or not c.persistent else min(tiles, _num_sms(device_index(x)))
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # the launch goes to x's GPU
         _geglu_tma_kernel[(programs,)](
             x_desc, wa_desc, wg_desc, w2_desc, out_desc, bias if bias is not None else out, M, N, K, programs,
             HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-            FLATTEN=c.flatten and c.persistent, SINGLE_DOT=c.single_dot, num_warps=c.warps, num_stages=c.stages,
+            FLATTEN=c.flatten and c.persistent, SINGLE_DOT=c.single_dot,
+            K_TILES=triton.cdiv(K, c.block_k) if interp else 0, num_warps=c.warps, num_stages=c.stages,
         )
     return out.reshape(*x.shape[:-1], N)
 

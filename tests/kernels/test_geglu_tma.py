@@ -1,6 +1,6 @@
 """kernels.gemm.geglu_tma (TMA GEMM with the GEGLU epilogue) against its fp32 reference on the CPU under
-TRITON_INTERPRET=1: partial tiles in M, N and K, several programs per tile walk, bias or none, SD's real K and N
-with few rows; what it refuses; and kernels.gemm.geglu_projection's choice (forced, measured once, never inside a
+TRITON_INTERPRET=1 (where each program runs one tile: the persistent tile walk runs in the GPU file): partial tiles
+in M, N and K, bias or none, SD's real K and N with few rows, both product variants; what it refuses; and kernels.gemm.geglu_projection's choice (forced, measured once, never inside a
 dry run, logged fallbacks). The GPU file runs every config at the real SD shapes."""
 
 import logging
@@ -34,10 +34,10 @@ def _check(ours, x, w, b, name):
 
 
 # (M, K, N): partial M tiles, K not a multiple of BLOCK_K (zero-filled), N not a multiple of BLOCK_N, SD's real
-# K/N pairs (320 -> 2x1280, 640 -> 2x2560) with a few rows, more tiles than programs (the persistent walk)
+# K/N pairs (320 -> 2x1280, 640 -> 2x2560) with a few rows, many tiles
 @pytest.mark.parametrize("M,K,N", [(37, 40, 24), (64, 64, 32), (5, 320, 1280), (3, 640, 2560), (200, 48, 96)])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("config", [SMALL, SMALL_ONE_DOT], ids=["two-dots-persistent", "one-dot-per-tile"])
+@pytest.mark.parametrize("config", [SMALL, SMALL_ONE_DOT], ids=["two-products", "one-product"])
 def test_matches_reference(M, K, N, bias, config):
     x, w, b = _inputs(M, K, N, bias)
     out = poison(torch.empty(M, N, dtype=x.dtype))
