@@ -7,9 +7,8 @@
 The choice is measured once per signature (shapes, strides, dtypes, device) as GPU time
 (:func:`kernels.choice.gpu_times_us`) and logged. Where the TMA kernel cannot run, the reason is logged once and
 cuBLAS runs. Inside CUDA graph capture or a ``kernels.precompile`` dry run nothing is timed or kept: the capture
-runs cuBLAS, the dry run queues the compilation of every candidate config; under ``torch.compile`` the
-cuBLAS path is traced. ``SDFAST_GEGLU_TMA=0`` (read at
-import) pins cuBLAS; ``TUNING["force"]`` pins either path (tests).
+runs cuBLAS, the dry run queues the compilation of every candidate config; under ``torch.compile`` the cuBLAS
+path is traced. ``SDFAST_GEGLU_TMA=0`` (read at import) pins cuBLAS; ``TUNING["force"]`` pins either path (tests).
 """
 
 from __future__ import annotations
