@@ -63,49 +63,37 @@ __host__ __device__ inline int block_threads(int nt) { return (nt + 31) / 32 * 3
 
 template <typename T> struct Vec;
 
-template <> struct Vec<__half> {
+// 16-bit types: eight values in one 16-byte vector, converted in pairs
+__device__ inline float2 to_float2(__half2 h) { return __half22float2(h); }
+__device__ inline float2 to_float2(__nv_bfloat162 h) { return __bfloat1622float2(h); }
+__device__ inline void from_floats(float a, float b, __half2* h) { *h = __floats2half2_rn(a, b); }
+__device__ inline void from_floats(float a, float b, __nv_bfloat162* h) { *h = __floats2bfloat162_rn(a, b); }
+__device__ inline float to_float(__half h) { return __half2float(h); }
+__device__ inline float to_float(__nv_bfloat16 h) { return __bfloat162float(h); }
+
+template <typename T, typename T2> struct Vec16 {
   static constexpr int N = 8;
   __device__ static void load(const uint4& u, float* f) {
-    const __half2* h = reinterpret_cast<const __half2*>(&u);
+    const T2* h = reinterpret_cast<const T2*>(&u);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      float2 p = __half22float2(h[i]);
+      float2 p = to_float2(h[i]);
       f[2 * i] = p.x;
       f[2 * i + 1] = p.y;
     }
   }
   __device__ static uint4 store(const float* f) {
     uint4 u;
-    __half2* h = reinterpret_cast<__half2*>(&u);
+    T2* h = reinterpret_cast<T2*>(&u);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+    for (int i = 0; i < 4; ++i) from_floats(f[2 * i], f[2 * i + 1], &h[i]);
     return u;
   }
-  __device__ static float scalar(const void* p, int64_t i) { return __half2float(static_cast<const __half*>(p)[i]); }
+  __device__ static float scalar(const void* p, int64_t i) { return to_float(static_cast<const T*>(p)[i]); }
 };
 
-template <> struct Vec<__nv_bfloat16> {
-  static constexpr int N = 8;
-  __device__ static void load(const uint4& u, float* f) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float2 p = __bfloat1622float2(h[i]);
-      f[2 * i] = p.x;
-      f[2 * i + 1] = p.y;
-    }
-  }
-  __device__ static uint4 store(const float* f) {
-    uint4 u;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-    return u;
-  }
-  __device__ static float scalar(const void* p, int64_t i) {
-    return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-  }
-};
+template <> struct Vec<__half> : Vec16<__half, __half2> {};
+template <> struct Vec<__nv_bfloat16> : Vec16<__nv_bfloat16, __nv_bfloat162> {};
 
 template <> struct Vec<float> {
   static constexpr int N = 4;
