@@ -16,6 +16,12 @@ def smem_limit(device_index: int) -> int:
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
 
 
+@functools.lru_cache(maxsize=None)
+def num_sms(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device (132 on the H200): the size of a persistent grid."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def device_index(t: torch.Tensor) -> int:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from kernels import choice, precompile
 from kernels.dispatch import log_fallback
-from kernels.gemm.geglu_tma import CONFIGS, TileConfig, geglu_linear, misaligned, unsupported
+from kernels.gemm.geglu_tma import CONFIGS, TileConfig, geglu_linear, misaligned, shape_problem, unsupported
 from kernels.norm.geglu import geglu
 
 log = logging.getLogger("sdfast.kernels")
@@ -52,7 +52,7 @@ def geglu_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
            None if bias is None else (bias.dtype, bias.stride(), bias.device, type(bias)), x.device, weight.device)
     if key not in _choices:
         why = None if TUNING["enabled"] else "SDFAST_GEGLU_TMA=0"
-        why = why or _shape_problem(x, weight, bias) or unsupported(x, weight, bias)
+        why = why or shape_problem(x, weight, bias) or unsupported(x, weight, bias)
         if why is not None:
             log_fallback("geglu_projection", why, instead="cuBLAS and the GEGLU kernel")
             _choices[key] = None
@@ -71,14 +71,6 @@ def geglu_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         log_fallback("geglu_projection", "x or the weight is not 16-byte aligned", instead="cuBLAS and the GEGLU kernel")
         config = None
     return cublas_geglu(x, weight, bias) if config is None else geglu_linear(x, weight, bias, config)
-
-
-def _shape_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
-    if weight.dim() != 2 or weight.shape[0] % 2 or x.shape[-1] != weight.shape[1]:
-        return f"shapes x {tuple(x.shape)}, weight {tuple(weight.shape)} are not a GEGLU projection"
-    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        return f"bias {tuple(bias.shape)} does not match weight {tuple(weight.shape)}"
-    return None
 
 
 def _measure(key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> TileConfig | None:

@@ -22,7 +22,6 @@ CUDA, sm_90 or newer, fp16/bf16, ``x`` rows and the weight contiguous in K, K an
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +30,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.dispatch import interpret_mode
-from kernels.gemm._common import device_index, grouped_tile
+from kernels.gemm._common import device_index, grouped_tile, num_sms
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -47,8 +46,6 @@ class TileConfig:
     stages: int
     warps: int
     group_m: int = 8
-    persistent: bool = True  # one program per SM walking tiles; False: one program per tile
-    flatten: bool = False  # Triton flattens the tile and K loops into one pipelined loop (persistent only)
     single_dot: bool = False  # a and g tiles as one (block_m, 2 block_n) product from one (2, block_n, block_k) load
 
 
@@ -132,7 +129,6 @@ def _geglu_tma_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr,
     SINGLE_DOT: tl.constexpr,  # one (BLOCK_M, 2 BLOCK_N) product per K step instead of two (BLOCK_M, BLOCK_N)
     K_TILES: tl.constexpr,  # > 0 (interpreter): one tile per program, this many K steps; 0: the persistent loop
 ):
@@ -142,7 +138,7 @@ def _geglu_tma_kernel(
     else:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         k_tiles = tl.cdiv(K, BLOCK_K)
-        for tile in tl.range(tl.program_id(0), num_tiles, num_programs, flatten=FLATTEN):
+        for tile in tl.range(tl.program_id(0), num_tiles, num_programs):
             _geglu_tile(tile, x_desc, wa_desc, wg_desc, w2_desc, out_desc, bias_ptr, M, N, k_tiles,
                         HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SINGLE_DOT)
 
@@ -150,11 +146,6 @@ def _geglu_tma_kernel(
 # --------------------------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _aligned(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
@@ -196,13 +187,15 @@ def unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return None
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def shape_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """Why x, weight and bias are not a GEGLU projection's ((..., K), (2N, K), (2N,) or None), or None."""
     if weight.dim() != 2 or weight.shape[0] % 2:
-        raise ValueError(f"geglu_linear: weight must be (2N, K), got {tuple(weight.shape)}")
+        return f"weight must be (2N, K), got {tuple(weight.shape)}"
     if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
-        raise ValueError(f"geglu_linear: x (..., K={weight.shape[1]}) expected, got {tuple(x.shape)}")
+        return f"x (..., K={weight.shape[1]}) expected, got {tuple(x.shape)}"
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
-        raise ValueError(f"geglu_linear: bias must be ({weight.shape[0]},), got {tuple(bias.shape)}")
+        return f"bias must be ({weight.shape[0]},), got {tuple(bias.shape)}"
+    return None
 
 
 def geglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -223,7 +216,9 @@ def geglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         ValueError: shapes that do not match; RuntimeError naming the reason (:func:`unsupported`) when this
         kernel cannot run the tensors.
     """
-    _check(x, weight, bias)
+    problem = shape_problem(x, weight, bias)
+    if problem is not None:
+        raise ValueError(f"geglu_linear: {problem}")
     why = unsupported(x, weight, bias)
     if why is not None:
         raise RuntimeError(f"geglu_linear: {why}")
@@ -244,15 +239,15 @@ def geglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     out_desc = TensorDescriptor.from_tensor(out, [c.block_m, c.block_n])
     tiles = triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n)
     interp = not x.is_cuda  # the interpreter: one tile per program (see the kernel's K_TILES)
-    programs = tiles if interp or not c.persistent else min(tiles, _num_sms(device_index(x)))
+    programs = tiles if interp else min(tiles, num_sms(device_index(x)))
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # the launch goes to x's GPU
         _geglu_tma_kernel[(programs,)](
             x_desc, wa_desc, wg_desc, w2_desc, out_desc, bias if bias is not None else out, M, N, K, programs,
             HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-            FLATTEN=c.flatten and c.persistent, SINGLE_DOT=c.single_dot,
+            SINGLE_DOT=c.single_dot,
             K_TILES=triton.cdiv(K, c.block_k) if interp else 0, num_warps=c.warps, num_stages=c.stages,
         )
     return out.reshape(*x.shape[:-1], N)
 
 
-__all__ = ["CONFIGS", "TileConfig", "geglu_linear", "geglu_linear_ref", "misaligned", "unsupported"]
+__all__ = ["CONFIGS", "TileConfig", "geglu_linear", "geglu_linear_ref", "misaligned", "shape_problem", "unsupported"]

@@ -19,7 +19,6 @@ bias-add+norm), Liger-Kernel (fused norms).
 
 from __future__ import annotations
 
-import types
 from typing import Callable
 
 import torch
@@ -29,7 +28,9 @@ from torch import nn
 from kernels.elementwise import bias_residual_add
 from kernels.gemm.geglu_projection import geglu_projection
 from kernels.norm import geglu, group_norm, layer_norm
-from sdfast.passes._modules import runs_as_its_class
+from sdfast.passes._modules import rebind_forward, runs_as_its_class
+
+_MARKER = "_sdfast_norms"  # set on every module apply changed (undo looks for it)
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -232,11 +233,6 @@ def fused_geglu_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> t
     return geglu(proj(hidden_states))
 
 
-def _rebind(module: nn.Module, fn) -> None:
-    module.forward = types.MethodType(fn, module)
-    module._sdfast_norms = True
-
-
 def apply(model: nn.Module, *, filter_fn: FilterFn | None = None) -> int:
     """Fuse the norms of ``model`` (a UNet, a VAE or any module holding them). Returns modules changed.
 
@@ -247,20 +243,20 @@ def apply(model: nn.Module, *, filter_fn: FilterFn | None = None) -> int:
     changed = 0
     seen_tails: set[int] = set()
     for name, m in list(model.named_modules()):
-        if getattr(m, "_sdfast_norms", False) or isinstance(m, FusedGroupNorm) or (filter_fn and not filter_fn(m, name)):
+        if getattr(m, _MARKER, False) or isinstance(m, FusedGroupNorm) or (filter_fn and not filter_fn(m, name)):
             continue
         if _resnet_supported(m):
-            _rebind(m, fused_resnet_forward)
+            rebind_forward(m, fused_resnet_forward, _MARKER)
         elif _block_supported(m):
-            _rebind(m, fused_transformer_block_forward)
+            rebind_forward(m, fused_transformer_block_forward, _MARKER)
         elif isinstance(m, GEGLU) and isinstance(m.proj, nn.Module):  # any projection: quantized, 2:4, LoRA
-            _rebind(m, fused_geglu_forward)
+            rebind_forward(m, fused_geglu_forward, _MARKER)
         elif type(getattr(m, "conv_norm_out", None)) is nn.GroupNorm and isinstance(getattr(m, "conv_act", None), nn.SiLU):
             m._sdfast_tail = (m.conv_norm_out, m.conv_act)
             m.conv_norm_out = FusedGroupNorm(m.conv_norm_out, activation="silu")
             m.conv_act = nn.Identity()
             seen_tails.add(id(m.conv_norm_out.source[0]))
-            m._sdfast_norms = True
+            setattr(m, _MARKER, True)
         else:
             continue
         changed += 1
@@ -272,7 +268,7 @@ def _swap_plain_group_norms(model: nn.Module, filter_fn: FilterFn | None, skip: 
     """Every remaining ``nn.GroupNorm`` that is a direct child of a module not already rebound."""
     changed = 0
     for pname, parent in list(model.named_modules()):
-        if _resnet_supported(parent) and getattr(parent, "_sdfast_norms", False):
+        if _resnet_supported(parent) and getattr(parent, _MARKER, False):
             continue  # its norms run inside the fused forward
         for cname, child in list(parent.named_children()):
             if type(child) is not nn.GroupNorm or id(child) in skip:
@@ -297,7 +293,7 @@ def undo(model: nn.Module) -> int:
     """Restore every module ``apply`` changed, with their current weights. Returns how many were restored."""
     restored = 0
     for _, m in list(model.named_modules()):
-        if getattr(m, "_sdfast_norms", False):
+        if getattr(m, _MARKER, False):
             if hasattr(m, "_sdfast_tail"):
                 norm_out, act = m._sdfast_tail
                 if isinstance(m.conv_norm_out, FusedGroupNorm):
@@ -306,7 +302,7 @@ def undo(model: nn.Module) -> int:
                 del m._sdfast_tail
             else:
                 del m.forward
-            del m._sdfast_norms
+            delattr(m, _MARKER)
             restored += 1
         for cname, child in list(m.named_children()):
             if isinstance(child, FusedGroupNorm):

@@ -15,7 +15,7 @@ from kernels.gemm.matmul import linear_ref
 from kernels.testing import assert_close_rule, poison
 
 SMALL = TileConfig(32, 32, 32, 1, 4, group_m=2)
-SMALL_ONE_DOT = TileConfig(32, 32, 32, 1, 4, group_m=2, single_dot=True, persistent=False)
+SMALL_ONE_DOT = TileConfig(32, 32, 32, 1, 4, group_m=2, single_dot=True)
 
 
 def _inputs(M, K, N, bias=True, dtype=torch.float16):
