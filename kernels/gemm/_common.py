@@ -26,6 +26,39 @@ def device_index(t: torch.Tensor) -> int:
     return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
+TMA_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def aligned16(t: torch.Tensor) -> bool:
+    """Whether ``t`` starts on a 16-byte boundary (TMA needs it; a view's storage offset can break it)."""
+    return t.data_ptr() % 16 == 0
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A dense tensor whose memory is its own (not a wrapper subclass such as a quantized weight: data_ptr 0)."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
+
+
+def tma_operands_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
+    """Why a TMA kernel of ours cannot read these operands (None when it can): plain dense tensors, on an sm_90+ GPU
+    (or the CPU under Triton's interpreter), fp16/bf16, one dtype and device, a contiguous bias in x's dtype. The
+    kernels check their own shapes, strides and alignment after this."""
+    from kernels.dispatch import interpret_mode
+
+    if not all(_plain(t) for t in (x, weight, bias) if t is not None):
+        return "a tensor subclass or a non-strided layout (TMA reads plain dense memory)"
+    if not (x.is_cuda and weight.is_cuda):
+        if not (interpret_mode() and x.device.type == weight.device.type == "cpu"):
+            return "tensors are not on a CUDA device (and TRITON_INTERPRET is not set)"
+    elif torch.cuda.get_device_capability(x.device)[0] < 9:
+        return "TMA needs sm_90 or newer"
+    if x.dtype not in TMA_DTYPES or weight.dtype != x.dtype or weight.device != x.device:
+        return f"dtype {x.dtype}/{weight.dtype}, devices {x.device}/{weight.device} (fp16 or bf16, one dtype, one device)"
+    if bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1 or bias.device != x.device):
+        return "the bias is not contiguous, or not in x's dtype and on x's device"
+    return None
+
+
 def autotune_bench(kernel_call, quantiles):
     """Autotuner timing: short warm-up and repetition (SD shapes run for microseconds; the default 100 ms
     per config makes first calls slow)."""

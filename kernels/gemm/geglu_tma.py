@@ -29,10 +29,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.dispatch import interpret_mode
-from kernels.gemm._common import device_index, grouped_tile, num_sms
-
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+from kernels.gemm._common import aligned16, device_index, grouped_tile, num_sms, tma_operands_problem
 
 
 @dataclass(frozen=True)
@@ -146,33 +143,16 @@ def _geglu_tma_kernel(
 # --------------------------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------------------------
-def _aligned(t: torch.Tensor) -> bool:
-    return t.data_ptr() % 16 == 0
-
-
 def misaligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether x or the weight starts off a 16-byte boundary (TMA needs it; a view's storage offset can break it)."""
-    return not (_aligned(x) and _aligned(weight))
-
-
-def _plain(t: torch.Tensor) -> bool:
-    """A dense tensor whose memory is its own (not a wrapper subclass such as a quantized weight: data_ptr 0)."""
-    return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
+    return not (aligned16(x) and aligned16(weight))
 
 
 def unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
     """Why this kernel cannot run these tensors (None when it can). Shapes are assumed already checked."""
-    if not all(_plain(t) for t in (x, weight, bias) if t is not None):
-        return "a tensor subclass or a non-strided layout (TMA reads plain dense memory)"
-    if not (x.is_cuda and weight.is_cuda):
-        if not (interpret_mode() and x.device.type == weight.device.type == "cpu"):
-            return "tensors are not on a CUDA device (and TRITON_INTERPRET is not set)"
-    elif torch.cuda.get_device_capability(x.device)[0] < 9:
-        return "TMA needs sm_90 or newer"
-    if x.dtype not in _SUPPORTED_DTYPES or weight.dtype != x.dtype or weight.device != x.device:
-        return f"dtype {x.dtype}/{weight.dtype}, devices {x.device}/{weight.device} (fp16 or bf16, one dtype, one device)"
-    if bias is not None and (bias.dtype != x.dtype or bias.stride(0) != 1 or bias.device != x.device):
-        return "the bias is not contiguous, or not in x's dtype and on x's device"
+    why = tma_operands_problem(x, weight, bias)
+    if why is not None:
+        return why
     K, N = x.shape[-1], weight.shape[0] // 2
     if K % 8 or N % 8:
         return f"K={K} and N={N} must be multiples of 8 (16-byte TMA strides)"
@@ -227,7 +207,7 @@ def geglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     M = x2.shape[0]
     if out is None:
         out = torch.empty((M, N), device=x.device, dtype=x.dtype)
-    elif tuple(out.shape) != (M, N) or out.dtype != x.dtype or not out.is_contiguous() or not _aligned(out):
+    elif tuple(out.shape) != (M, N) or out.dtype != x.dtype or not out.is_contiguous() or not aligned16(out):
         raise ValueError(f"geglu_linear: out must be a contiguous, 16-byte aligned ({M}, {N}) {x.dtype} tensor")
     if M == 0 or N == 0:
         return out.reshape(*x.shape[:-1], N)
