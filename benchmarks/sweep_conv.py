@@ -37,7 +37,7 @@ def run(tma: bool = False, extra: bool = False, models=("sd15", "sdxl")) -> list
     import torch.nn.functional as F
 
     from kernels.conv import conv3x3 as cv
-    from kernels.conv.conv3x3_tma import CONFIGS, conv3x3, conv3x3_ref
+    from kernels.conv.conv3x3_tma import CONFIGS, conv3x3_ref, tma_conv3x3
     from kernels.conv.sd_shapes import SD_CONV3X3_SHAPES
 
     rows = []
@@ -65,8 +65,8 @@ def run(tma: bool = False, extra: bool = False, models=("sd15", "sdxl")) -> list
         row["configs"] = {}
         for c in (CONFIGS + (extra_configs() if extra else ())) if tma else ():
             try:
-                err = float((conv3x3(x, wt, None, c).float() - ref).abs().max())
-                row["configs"][str(c)] = dict(us=_time(lambda c=c: conv3x3(x, wt, None, c)), err=err)
+                err = float((tma_conv3x3(x, wt, None, c).float() - ref).abs().max())
+                row["configs"][str(c)] = dict(us=_time(lambda c=c: tma_conv3x3(x, wt, None, c)), err=err)
             except Exception as e:  # noqa: BLE001 - recorded: a config that does not compile here
                 row["configs"][str(c)] = dict(us=None, error=f"{type(e).__name__}: {str(e)[:200]}")
         ok = {cfg: r["us"] for cfg, r in row["configs"].items() if r.get("us")}

@@ -9,9 +9,11 @@
 The GEMM path is only measured where it can win: at most ``TUNING["max_rows"]`` output pixels (its patch matrix is
 9x the input; at SD's larger levels cuDNN runs at 450-640 TFLOP/s, run 16's sweep). The choice is measured once per
 signature (shapes, strides, dtype, device) as GPU time (:func:`kernels.choice.gpu_times_us`) and logged, as is
-(once per reason) why a signature runs cuDNN unmeasured. Inside CUDA
-graph capture or a ``kernels.precompile`` dry run nothing is timed or kept (the capture runs cuDNN; the dry run
-compiles the im2col kernel); under ``torch.compile`` cuDNN is traced. ``SDFAST_CONV_GEMM=0`` (read at import) pins
+(once per reason) why a signature runs cuDNN unmeasured (such a signature is kept as cuDNN's at once). The GEMM
+path must win by ``TUNING["margin"]`` (3 %): near ties (SD1.5's 16x16 level) would otherwise flip between runs and
+give rounding-level different images. Inside CUDA graph capture or a ``kernels.precompile`` dry run no measurable
+signature is timed or kept (the capture runs cuDNN; the dry run compiles the im2col kernel); under
+``torch.compile`` cuDNN is traced. ``SDFAST_CONV_GEMM=0`` (read at import) pins
 cuDNN; ``TUNING["force"]`` pins either path (tests).
 """
 
@@ -33,7 +35,9 @@ TUNING = {
     "enabled": os.environ.get("SDFAST_CONV_GEMM", "1") != "0",
     "max_rows": 4096,  # N*H*W above this: cuDNN without measuring
     "force": None,  # None: measure; "cudnn" or "gemm": always that path (where the GEMM path can run)
+    "margin": 0.97,  # the GEMM path is kept only below this fraction of cuDNN's time (no flip-flop on ties)
 }
+_PATHS = ("cudnn", "gemm")
 
 _choices: dict[tuple, str] = {}  # signature -> "cudnn" or "gemm"
 
@@ -54,6 +58,8 @@ def gemm_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """Why the im2col + GEMM path does not take these tensors (None when it does)."""
     if not TUNING["enabled"]:
         return "SDFAST_CONV_GEMM=0"
+    if not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (x, weight, bias) if t is not None):
+        return "a tensor subclass (the im2col kernel reads plain dense memory)"
     if x.dim() != 4 or weight.dim() != 4 or tuple(weight.shape[1:]) != (x.shape[1], 3, 3):
         return "not a 3x3 convolution's x (N, Cin, H, W) and weight (Cout, Cin, 3, 3)"
     if x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype:
@@ -79,13 +85,16 @@ def conv3x3(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return cudnn_conv3x3(x, weight, bias)  # the im2col op has no autograd formula
     key = (tuple(x.shape), x.stride(), x.dtype, type(x), tuple(weight.shape), weight.stride(), weight.dtype,
-           type(weight), None if bias is None else (bias.dtype, bias.stride(), type(bias)), x.device, weight.device)
+           type(weight), None if bias is None else (tuple(bias.shape), bias.dtype, bias.stride(), type(bias), bias.device),
+           x.device, weight.device)
     if key not in _choices:
         why = gemm_problem(x, weight, bias)
         if why is not None:
             log_fallback("conv3x3", why, instead="cuDNN")
             _choices[key] = "cudnn"
         elif TUNING["force"] is not None:
+            if TUNING["force"] not in _PATHS:
+                raise ValueError(f"conv3x3: TUNING['force'] must be None or one of {_PATHS}, got {TUNING['force']!r}")
             _choices[key] = TUNING["force"]
         elif precompile.active():  # compile the im2col kernel (launches are skipped), keep nothing
             im2col3x3(x)
@@ -93,16 +102,23 @@ def conv3x3(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         elif not x.is_cuda or torch.cuda.is_current_stream_capturing():
             return cudnn_conv3x3(x, weight, bias)  # nothing is timed here; a later eager call measures
         else:
-            _choices[key] = _measure(key, x, weight, bias)
+            with torch.cuda.device(x.device):  # time on x's GPU, whichever is current
+                _choices[key] = _measure(key, x, weight, bias)
     path = gemm_conv3x3 if _choices[key] == "gemm" else cudnn_conv3x3
     return path(x, weight, bias)
 
 
 def _measure(key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
-    """Time both paths; return the faster ("cudnn" on a tie)."""
+    """Time both paths; return "gemm" when it takes less than ``TUNING["margin"]`` of cuDNN's time, else "cudnn".
+    A GEMM path that fails (e.g. out of memory for the patch matrix) is logged and cuDNN kept."""
+    try:
+        gemm_conv3x3(x, weight, bias)
+    except Exception as e:  # noqa: BLE001 - e.g. torch.cuda.OutOfMemoryError for a large patch matrix
+        log_fallback("conv3x3", f"im2col + cuBLAS failed: {type(e).__name__}: {e}", instead="cuDNN")
+        return "cudnn"
     times = choice.gpu_times_us({"cudnn": lambda: cudnn_conv3x3(x, weight, bias),
                                  "gemm": lambda: gemm_conv3x3(x, weight, bias)})
-    best = choice.fastest(times)
+    best = "gemm" if times["gemm"] < TUNING["margin"] * times["cudnn"] else "cudnn"
     log.info("conv3x3 x %s weight %s %s: cuDNN %.1f us, im2col + cuBLAS %.1f us -> %s", key[0], key[4], key[2],
              times["cudnn"], times["gemm"], best)
     return best

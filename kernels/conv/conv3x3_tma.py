@@ -23,7 +23,7 @@ split-K or warp-specialized versions; ``kernels.conv.conv3x3`` chooses between c
 Method: the implicit-GEMM convolution (cuDNN, Chetlur et al. 2014; CUTLASS's implicit GEMM), with TMA tiles as in
 CUTLASS 3's Hopper convolutions; Triton tutorial 09 (persistent TMA matmul).
 
-Requirements (else :func:`unsupported` says why and the caller runs cuDNN): CUDA sm_90+ (or Triton's interpreter
+Requirements (else :func:`unsupported` says why and :func:`tma_conv3x3` raises): CUDA sm_90+ (or Triton's interpreter
 on CPU), fp16/bf16, ``x`` and ``weight`` channels_last-contiguous, Cin a multiple of ``block_k``, Cout a multiple
 of 8, 16-byte aligned pointers. Stride, padding, dilation and groups are the caller's to check (1, 1, 1, 1).
 """
@@ -191,7 +191,7 @@ def unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return None
 
 
-def conv3x3(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def tma_conv3x3(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
             config: ConvConfig = CONFIGS[0], out: torch.Tensor | None = None) -> torch.Tensor:
     """``conv2d(x, weight, bias, stride=1, padding=1)`` as one persistent TMA implicit GEMM.
 
@@ -211,17 +211,17 @@ def conv3x3(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     """
     problem = shape_problem(x, weight, bias)
     if problem is not None:
-        raise ValueError(f"conv3x3: {problem}")
+        raise ValueError(f"tma_conv3x3: {problem}")
     why = unsupported(x, weight, bias, config)
     if why is not None:
-        raise RuntimeError(f"conv3x3: {why}")
+        raise RuntimeError(f"tma_conv3x3: {why}")
     n, cin, h, w = x.shape
     cout = weight.shape[0]
     if out is None:
         out = torch.empty((n, h, w, cout), device=x.device, dtype=x.dtype).permute(0, 3, 1, 2)
     elif (tuple(out.shape) != (n, cout, h, w) or out.dtype != x.dtype or not _channels_last(out)
           or not aligned16(out)):
-        raise ValueError(f"conv3x3: out must be a channels_last, 16-byte aligned ({n}, {cout}, {h}, {w}) {x.dtype} tensor")
+        raise ValueError(f"tma_conv3x3: out must be a channels_last, 16-byte aligned ({n}, {cout}, {h}, {w}) {x.dtype} tensor")
     if out.numel() == 0:
         return out
     c = config
@@ -243,5 +243,5 @@ def conv3x3(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     return out
 
 
-__all__ = ["CONFIGS", "ConvConfig", "conv3x3", "conv3x3_ref", "misaligned", "patch_width", "shape_problem",
+__all__ = ["CONFIGS", "ConvConfig", "conv3x3_ref", "tma_conv3x3", "misaligned", "patch_width", "shape_problem",
            "unsupported"]

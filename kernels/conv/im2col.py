@@ -13,6 +13,8 @@ memory the channels are contiguous, so loads and stores are full vectors. Method
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -79,10 +81,11 @@ def _im2col_impl(x: torch.Tensor) -> torch.Tensor:
         return a
     n, c, h, w = x.shape
     block_p, block_c, (gp, gc) = pixel_tiles(n * h * w, c, TILE_ELEMS)
-    _im2col3x3_kernel[(gp, gc, 9)](
-        x, a, c, h, w, n * h * w, *x.stride(), BLOCK_P=block_p, BLOCK_C=block_c,
-        INT64=max(max_offset(x), a.numel()) >= INT64_FROM, num_warps=4,
-    )
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # the launch goes to x's GPU
+        _im2col3x3_kernel[(gp, gc, 9)](
+            x, a, c, h, w, n * h * w, *x.stride(), BLOCK_P=block_p, BLOCK_C=block_c,
+            INT64=max(max_offset(x), a.numel()) >= INT64_FROM, num_warps=4,
+        )
     return a
 
 

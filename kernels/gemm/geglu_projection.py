@@ -49,7 +49,8 @@ def geglu_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if torch.compiler.is_compiling():  # Dynamo cannot trace the choice (data_ptr, timing): the two-kernel path
         return cublas_geglu(x, weight, bias)
     key = (tuple(x.shape), x.stride(), x.dtype, type(x), tuple(weight.shape), weight.stride(), weight.dtype, type(weight),
-           None if bias is None else (bias.dtype, bias.stride(), bias.device, type(bias)), x.device, weight.device)
+           None if bias is None else (tuple(bias.shape), bias.dtype, bias.stride(), bias.device, type(bias)), x.device,
+           weight.device)
     if key not in _choices:
         why = None if TUNING["enabled"] else "SDFAST_GEGLU_TMA=0"
         why = why or shape_problem(x, weight, bias) or unsupported(x, weight, bias)
@@ -86,7 +87,7 @@ def _measure(key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         candidates[str(config)] = lambda config=config: geglu_linear(x, weight, bias, config)
     times = choice.gpu_times_us(candidates)
     best = choice.fastest(times)
-    log.info("geglu_projection x %s weight %s %s: cuBLAS + GEGLU kernel %.1f us, best TMA %s -> %s", key[0], key[3],
+    log.info("geglu_projection x %s weight %s %s: cuBLAS + GEGLU kernel %.1f us, best TMA %s -> %s", key[0], key[4],
              key[2], times["cublas"], min(((t, n) for n, t in times.items() if n != "cublas"), default=None), best)
     return None if best == "cublas" else next(c for c in TUNING["configs"] if str(c) == best)
 

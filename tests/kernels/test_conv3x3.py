@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import precompile
 from kernels.conv import conv3x3 as cv
 from kernels.conv.im2col import im2col3x3, im2col3x3_ref
 from kernels.testing import assert_close_rule
@@ -83,11 +82,9 @@ def test_refused_signature_runs_cudnn_and_is_kept(monkeypatch):
     assert list(cv._choices.values()) == ["cudnn"]
 
 
-def test_dry_run_and_cpu_keep_nothing(monkeypatch):
+def test_cpu_keeps_nothing(monkeypatch):  # the dry run's branch runs in the GPU file (on the CPU both keep nothing)
     monkeypatch.setattr(cv, "_choices", {})
     x, wt = _x(2, 64, 8, 8), _weight(32, 64)
-    cv.conv3x3(x, wt)  # CPU: nothing is timed
-    monkeypatch.setattr(precompile, "active", lambda: True)
     cv.conv3x3(x, wt)
     assert cv._choices == {}
 
@@ -98,3 +95,45 @@ def test_autograd_runs_cudnn(monkeypatch):
     x, wt = _x(2, 16, 4, 4, torch.float32), _weight(8, 16, torch.float32).requires_grad_()
     cv.conv3x3(x.half(), wt.half()).float().sum()  # fp16 copies: not leaves, but they need grad
     assert cv._choices == {}
+
+
+def test_im2col_64_bit_index_path(monkeypatch):
+    from kernels.conv import im2col as im
+
+    monkeypatch.setattr(im, "INT64_FROM", 0)
+    x = _x(2, 64, 5, 7)
+    assert torch.equal(im2col3x3(x), im2col3x3_ref(x))
+
+
+@pytest.mark.parametrize("gemm_us,expect", [(96.0, "gemm"), (98.0, "cudnn"), (120.0, "cudnn")])
+def test_measure_keeps_the_gemm_only_by_the_margin(monkeypatch, gemm_us, expect):
+    monkeypatch.setattr(cv.choice, "gpu_times_us", lambda c: {"cudnn": 100.0, "gemm": gemm_us})
+    x, wt = _x(2, 64, 8, 8), _weight(32, 64)
+    assert cv._measure(("k",) * 5, x, wt, None) == expect
+
+
+def test_measure_keeps_cudnn_when_the_gemm_path_fails(monkeypatch, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="sdfast.kernels")
+
+    def boom(*a):
+        raise torch.cuda.OutOfMemoryError("no room for the patch matrix")
+
+    monkeypatch.setattr(cv, "gemm_conv3x3", boom)
+    monkeypatch.setattr(cv.choice, "gpu_times_us", lambda c: pytest.fail("nothing to time"))
+    x, wt = _x(2, 64, 8, 8), _weight(32, 64)
+    assert cv._measure(("k",) * 5, x, wt, None) == "cudnn"
+    assert "im2col + cuBLAS failed" in caplog.text
+
+
+def test_bad_force_value_and_bias_shape(monkeypatch):
+    monkeypatch.setattr(cv, "_choices", {})
+    x, wt = _x(2, 64, 8, 8), _weight(32, 64)
+    monkeypatch.setitem(cv.TUNING, "force", "fast")
+    with pytest.raises(ValueError, match="force"):
+        cv.conv3x3(x, wt)
+    monkeypatch.setitem(cv.TUNING, "force", "gemm")
+    cv.conv3x3(x, wt, torch.zeros(32).half())  # a (Cout,) bias: the GEMM path
+    with pytest.raises(RuntimeError):  # a (1,) bias is another signature, refused by the GEMM path: cuDNN raises
+        cv.conv3x3(x, wt, torch.zeros(1).half())

@@ -91,3 +91,16 @@ def test_capture_without_a_choice_runs_cudnn_and_keeps_nothing(monkeypatch):
     torch.cuda.synchronize()
     assert cv._choices == {}
     _check(y, x, wt, None, 1e-2, "captured cuDNN path")
+
+
+def test_dry_run_compiles_and_keeps_nothing(monkeypatch):
+    """In a compile-only pass the im2col launch is skipped (the GEMM path would look almost free): nothing is timed
+    or kept, and cuDNN's output is returned."""
+    from kernels import precompile
+
+    monkeypatch.setattr(cv, "_choices", {})
+    monkeypatch.setattr(precompile, "active", lambda: True)
+    monkeypatch.setattr(cv, "_measure", lambda *a: pytest.fail("nothing may be timed in a dry run"))
+    x, wt, _ = _inputs(1280, 1280, 8, 8)
+    _check(cv.conv3x3(x, wt), x, wt, None, 1e-2, "dry run")
+    assert cv._choices == {}

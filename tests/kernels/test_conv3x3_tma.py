@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.conv.conv3x3_tma import ConvConfig, conv3x3, conv3x3_ref, patch_width, unsupported
+from kernels.conv.conv3x3_tma import ConvConfig, conv3x3_ref, patch_width, tma_conv3x3, unsupported
 from kernels.testing import assert_close_rule, poison
 
 CL = torch.channels_last
@@ -35,12 +35,12 @@ def _check(ours, x, wt, b, name):
 def test_matches_reference(n, cin, cout, h, w, bias):
     x, wt, b = _inputs(n, cin, cout, h, w, bias)
     out = poison(torch.empty(n, cout, h, w, dtype=x.dtype).contiguous(memory_format=CL))
-    _check(conv3x3(x, wt, b, SMALL, out=out), x, wt, b, f"{n}x{cin}->{cout} {h}x{w} bias={bias}")
+    _check(tma_conv3x3(x, wt, b, SMALL, out=out), x, wt, b, f"{n}x{cin}->{cout} {h}x{w} bias={bias}")
 
 
 def test_64_pixel_patch():  # bf16 runs in the GPU file: Triton 3.6's interpreter returns garbage for bf16 TMA tiles
     x, wt, b = _inputs(1, 64, 16, 4, 24)
-    _check(conv3x3(x, wt, b, ConvConfig(64, 16, 64, 1, 4)), x, wt, b, "64-pixel patch")
+    _check(tma_conv3x3(x, wt, b, ConvConfig(64, 16, 64, 1, 4)), x, wt, b, "64-pixel patch")
 
 
 def test_patch_width():
@@ -60,8 +60,8 @@ def test_refuses_what_it_cannot_run():
     assert "fp16 or bf16" in unsupported(x.float(), wt.float(), None)
     assert "bias" in unsupported(x, wt, b.float())
     with pytest.raises(RuntimeError, match="channels_last"):
-        conv3x3(x.contiguous(), wt, b)
+        tma_conv3x3(x.contiguous(), wt, b)
     with pytest.raises(ValueError, match="Cout, Cin, 3, 3"):
-        conv3x3(x, wt[:, :, :1], b)
+        tma_conv3x3(x, wt[:, :, :1], b)
     with pytest.raises(ValueError, match="out must be"):
-        conv3x3(x, wt, b, SMALL, out=torch.empty(1, 16, 8, 8, dtype=x.dtype))
+        tma_conv3x3(x, wt, b, SMALL, out=torch.empty(1, 16, 8, 8, dtype=x.dtype))

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.conv.conv3x3_tma import CONFIGS, conv3x3, conv3x3_ref
+from kernels.conv.conv3x3_tma import CONFIGS, conv3x3_ref, tma_conv3x3
 from kernels.testing import assert_close_rule, poison
 
 pytestmark = pytest.mark.gpu
@@ -39,26 +39,26 @@ def _check(ours, x, wt, b, atol, name):
 def test_every_config_at_sd_shapes(cin, cout, h, w, config):
     x, wt, _ = _inputs(cin, cout, h, w)
     out = poison(torch.empty(2, cout, h, w, device=DEV, dtype=x.dtype).contiguous(memory_format=CL))
-    _check(conv3x3(x, wt, None, config, out=out), x, wt, None, 1e-2, f"{cin}->{cout} {h}x{w} {config}")
+    _check(tma_conv3x3(x, wt, None, config, out=out), x, wt, None, 1e-2, f"{cin}->{cout} {h}x{w} {config}")
 
 
 @pytest.mark.parametrize("h,w", [(65, 65), (9, 7), (96, 96)])
 def test_bias_and_sizes_off_the_tile(h, w):
     x, wt, b = _inputs(320, 320, h, w, n=1)
-    _check(conv3x3(x, wt, b), x, wt, b, 1e-2, f"{h}x{w}")
+    _check(tma_conv3x3(x, wt, b), x, wt, b, 1e-2, f"{h}x{w}")
 
 
 def test_bf16():
     x, wt, b = _inputs(640, 640, 32, 32, torch.bfloat16)
-    _check(conv3x3(x, wt, b), x, wt, b, 5e-2, "bf16")
+    _check(tma_conv3x3(x, wt, b), x, wt, b, 5e-2, "bf16")
 
 
 def test_graph_replay_sees_new_inputs_and_weights():
     x, wt, b = _inputs(640, 320, 64, 64)
-    conv3x3(x, wt, b)
+    tma_conv3x3(x, wt, b)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = conv3x3(x, wt, b)
+        y = tma_conv3x3(x, wt, b)
     x.copy_(torch.randn_like(x))
     wt.mul_(0.5)  # an in-place weight change (a fused LoRA) is seen too
     g.replay()
