@@ -1,15 +1,14 @@
-"""The paths of SD's stride-1 convolutions against cuDNN, at SD1.5's and SDXL's 3x3 and 1x1 shapes (GPU).
+"""The paths of a 3x3 convolution against cuDNN, at SD1.5's and SDXL's 3x3 convolution shapes (GPU).
 
     python -m benchmarks.sweep_conv [--out DIR] [--tma] [--extra] [--models sd15,sdxl]
 
-For each row of ``kernels.conv.sd_shapes.SD_CONV3X3_SHAPES`` and ``SD_CONV1X1_SHAPES`` (fp16, batch 2, channels_last,
-no bias: as the UNet's ResNet blocks run them): cuDNN (``F.conv2d``), cuDNN after ``torch.backends.cudnn.benchmark``
-picked its fastest engine, the GEMM path (``kernels.conv.conv2d.gemm_conv2d``: cuBLAS over the NHWC input or its
-im2col matrix), what ``kernels.conv.conv2d``'s measured choice picks, and with ``--tma`` every
-``kernels.conv.conv3x3_tma.CONFIGS`` entry (with ``--extra``, also ``extra_configs()``) at the 3x3 shapes, each timed
-in a CUDA graph (``triton.testing.do_bench_cudagraph``, median) and checked against fp32 ``F.conv2d`` (max abs error,
-cuDNN's beside it). Writes ``DIR/conv.json`` (with the GPU, versions and date) and ``DIR/conv.md``; prints one line
-per shape.
+For each row of ``kernels.conv.sd_shapes.SD_CONV3X3_SHAPES`` (fp16, batch 2, channels_last, no bias: as the UNet's
+ResNet blocks run them): cuDNN (``F.conv2d``), cuDNN after ``torch.backends.cudnn.benchmark`` picked its fastest
+engine, im2col + cuBLAS (``kernels.conv.conv3x3.gemm_conv3x3``), what ``kernels.conv.conv3x3``'s measured choice
+picks, and with ``--tma`` every ``kernels.conv.conv3x3_tma.CONFIGS`` entry (with ``--extra``, also ``extra_configs()``),
+each timed in a CUDA graph (``triton.testing.do_bench_cudagraph``, median) and checked against ``conv3x3_ref`` (max
+abs error, cuDNN's beside it). Writes ``DIR/conv.json`` (with the GPU, versions and date) and ``DIR/conv.md``;
+prints one line per shape.
 """
 
 from __future__ import annotations
@@ -37,36 +36,34 @@ def run(tma: bool = False, extra: bool = False, models=("sd15", "sdxl")) -> list
     import torch
     import torch.nn.functional as F
 
-    from kernels.conv import conv2d as cv
-    from kernels.conv.conv3x3_tma import CONFIGS, tma_conv3x3
-    from kernels.conv.sd_shapes import SD_CONV1X1_SHAPES, SD_CONV3X3_SHAPES
+    from kernels.conv import conv3x3 as cv
+    from kernels.conv.conv3x3_tma import CONFIGS, conv3x3_ref, tma_conv3x3
+    from kernels.conv.sd_shapes import SD_CONV3X3_SHAPES
 
     rows = []
     cl = torch.channels_last
-    shapes = [(3, *r) for r in SD_CONV3X3_SHAPES] + [(1, *r) for r in SD_CONV1X1_SHAPES]
-    for k, model, cin, cout, h, w, count in shapes:
+    for model, cin, cout, h, w, count in SD_CONV3X3_SHAPES:
         if model not in models:
             continue
         g = torch.Generator(device="cuda").manual_seed(0)
         x = torch.randn(2, cin, h, w, device="cuda", generator=g).half().contiguous(memory_format=cl)
-        wt = (torch.randn(cout, cin, k, k, device="cuda", generator=g) / (k * k * cin) ** 0.5).half()
+        wt = (torch.randn(cout, cin, 3, 3, device="cuda", generator=g) / (9 * cin) ** 0.5).half()
         wt = wt.contiguous(memory_format=cl)
-        pad = k // 2
-        ref = F.conv2d(x.float(), wt.float(), None, 1, pad)
-        gflop = 2 * 2 * h * w * cin * cout * k * k / 1e9
-        row = dict(model=model, k=k, Cin=cin, Cout=cout, H=h, W=w, count=count, gflop=gflop)
-        row["cudnn_us"] = _time(lambda: F.conv2d(x, wt, None, 1, pad))
-        row["cudnn_err"] = float((F.conv2d(x, wt, None, 1, pad).float() - ref).abs().max())
+        ref = conv3x3_ref(x, wt).float()
+        gflop = 2 * 2 * h * w * cin * cout * 9 / 1e9
+        row = dict(model=model, Cin=cin, Cout=cout, H=h, W=w, count=count, gflop=gflop)
+        row["cudnn_us"] = _time(lambda: F.conv2d(x, wt, None, 1, 1))
+        row["cudnn_err"] = float((F.conv2d(x, wt, None, 1, 1).float() - ref).abs().max())
         torch.backends.cudnn.benchmark = True
-        row["cudnn_benchmark_us"] = _time(lambda: F.conv2d(x, wt, None, 1, pad))
+        row["cudnn_benchmark_us"] = _time(lambda: F.conv2d(x, wt, None, 1, 1))
         torch.backends.cudnn.benchmark = False
-        row["gemm_us"] = _time(lambda: cv.gemm_conv2d(x, wt, None))
-        row["gemm_err"] = float((cv.gemm_conv2d(x, wt, None).float() - ref).abs().max())
+        row["gemm_us"] = _time(lambda: cv.gemm_conv3x3(x, wt, None))
+        row["gemm_err"] = float((cv.gemm_conv3x3(x, wt, None).float() - ref).abs().max())
         cv._choices.clear()
-        cv.conv2d(x, wt, None)
+        cv.conv3x3(x, wt, None)
         row["measured_choice"] = next(iter(cv._choices.values()))
         row["configs"] = {}
-        for c in (CONFIGS + (extra_configs() if extra else ())) if tma and k == 3 else ():
+        for c in (CONFIGS + (extra_configs() if extra else ())) if tma else ():
             try:
                 err = float((tma_conv3x3(x, wt, None, c).float() - ref).abs().max())
                 row["configs"][str(c)] = dict(us=_time(lambda c=c: tma_conv3x3(x, wt, None, c)), err=err)
@@ -77,7 +74,7 @@ def run(tma: bool = False, extra: bool = False, models=("sd15", "sdxl")) -> list
         row["best_tma_us"] = ok[row["best_tma"]] if ok else None
         rows.append(row)
         best = row["best_tma_us"]
-        print(f"{model} {k}x{k} {cin}->{cout} {h}x{w} x{count}: cuDNN {row['cudnn_us']:.1f} us "
+        print(f"{model} {cin}->{cout} {h}x{w} x{count}: cuDNN {row['cudnn_us']:.1f} us "
               f"({gflop / row['cudnn_us'] * 1e3:.0f} TFLOP/s), cuDNN benchmark {row['cudnn_benchmark_us']:.1f}, "
               f"im2col+cuBLAS {row['gemm_us']:.1f} (err {row['gemm_err']:.2e}), choice {row['measured_choice']}, best TMA {best and round(best, 1)} us "
               f"({best and round(gflop / best * 1e3)} TFLOP/s) {row['best_tma']}, err tma "
@@ -87,9 +84,9 @@ def run(tma: bool = False, extra: bool = False, models=("sd15", "sdxl")) -> list
 
 
 def markdown(rows: list[dict]) -> str:
-    out = ["| model | k | Cin | Cout | H×W | per step | cuDNN µs | TFLOP/s | cuDNN benchmark µs | GEMM path µs | choice "
+    out = ["| model | Cin | Cout | H×W | per step | cuDNN µs | TFLOP/s | cuDNN benchmark µs | im2col + cuBLAS µs | choice "
            "| best TMA µs | TFLOP/s | TMA / cuDNN | config |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     saved, saved_gemm = {}, {}
     for r in rows:
         t = r["best_tma_us"]
@@ -98,13 +95,13 @@ def markdown(rows: list[dict]) -> str:
         if t is not None:
             saved[r["model"]] = saved.get(r["model"], 0.0) + r["count"] * max(0.0, r["cudnn_us"] - t)
         saved_gemm[r["model"]] = saved_gemm.get(r["model"], 0.0) + r["count"] * max(0.0, r["cudnn_us"] - r["gemm_us"])
-        out.append(f"| {r['model']} | {r['k']}x{r['k']} | {r['Cin']} | {r['Cout']} | {r['H']}x{r['W']} | {r['count']} | {r['cudnn_us']:.1f} | "
+        out.append(f"| {r['model']} | {r['Cin']} | {r['Cout']} | {r['H']}x{r['W']} | {r['count']} | {r['cudnn_us']:.1f} | "
                    f"{r['gflop'] / r['cudnn_us'] * 1e3:.0f} | {r['cudnn_benchmark_us']:.1f} | {r['gemm_us']:.1f} | "
                    f"{r['measured_choice']} | {tma} | {tf} | {ratio} | {r['best_tma']} |")
     out.append("")
     out += [f"- {m}: the faster of cuDNN and the TMA kernel at every shape would save {us:.0f} µs per UNet step"
             for m, us in saved.items()]
-    out += [f"- {m}: the faster of cuDNN and the GEMM path at every shape would save {us:.0f} µs per UNet step"
+    out += [f"- {m}: the faster of cuDNN and im2col + cuBLAS at every shape would save {us:.0f} µs per UNet step"
             for m, us in saved_gemm.items()]
     return "\n".join(out) + "\n"
 

@@ -23,9 +23,8 @@ class OptimizeConfig:
         over a plain ``nn.Linear`` may run projection and activation as one TMA GEMM where that measured faster
         (SDXL 28.6 -> 27.9 ms per UNet step, H200 run 15); its a * gelu(g) is taken from the fp32 accumulators
         (stock rounds the 2N-wide product to fp16 first). The ResNet blocks' 3x3 convolutions at small latent
-        sizes may run as im2col plus one cuBLAS GEMM, and their 1x1 shortcuts as one cuBLAS GEMM, where that measured
-        faster than cuDNN (SD1.5 5.43 -> 5.30 ms per UNet step, H200 run 16; the same products with fp32
-        accumulation, summed in another order).
+        sizes may run as im2col plus one cuBLAS GEMM where that measured faster than cuDNN (SD1.5 5.43 -> 5.30 ms per
+        UNet step, H200 run 16; the same products with fp32 accumulation, summed in another order).
     batch_temb: with fuse_norms, the UNet's ResNet blocks' time-embedding projections (SiLU, a tiny GEMM and
         conv1's bias add per block: 22 of each per SD1.5 step, 17 per SDXL step) run as one SiLU, one bias add
         and one GEMM over weights packed at optimize time (``sdfast.passes.time_embedding``; the parameters

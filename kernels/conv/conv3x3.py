@@ -1,15 +1,13 @@
-"""A stride-1 convolution (3x3 with padding 1, or 1x1) on the faster of two paths, chosen per call signature.
+"""A 3x3, stride-1, padding-1 convolution on the faster of two paths, chosen per call signature.
 
 * cuDNN (``F.conv2d``);
-* one cuBLAS GEMM (``F.linear``) of the (N*H*W, k*k*Cin) input matrix by the channels_last weight seen as
-  (Cout, k*k*Cin); the (N*H*W, Cout) product is the channels_last output. For a 1x1 convolution the input matrix is
-  the NHWC input itself (a view); for a 3x3 one :func:`kernels.conv.im2col.im2col3x3` writes it (im2col). At
-  SD1.5's 8x8 level cuDNN runs the 3x3 convolutions at 170-260 TFLOP/s (H200, run 16): 128 output pixels with CFG,
-  a 29-59 MB weight; cuBLAS splits the long K of such a skinny GEMM over the SMs. At image sizes whose latent width
-  is not a power of two cuDNN's choice can be far slower still (SDXL at 1152x1024: 333 against 219 µs).
+* im2col then one cuBLAS GEMM: :func:`kernels.conv.im2col.im2col3x3` writes the (N*H*W, 9*Cin) patch matrix and
+  ``F.linear`` multiplies it by the channels_last weight seen as (Cout, 9*Cin); the (N*H*W, Cout) product is the
+  channels_last output. At SD1.5's 8x8 level cuDNN runs these convolutions at 170-260 TFLOP/s (H200, run 16): 128
+  output pixels with CFG, a 29-59 MB weight; cuBLAS splits the long K of such a skinny GEMM over the SMs.
 
-The 3x3 GEMM path is only measured where it can win: at most ``TUNING["max_rows"]`` output pixels (its patch matrix
-is 9x the input; at SD's larger levels cuDNN runs at 450-640 TFLOP/s, run 16's sweep). The choice is measured once per
+The GEMM path is only measured where it can win: at most ``TUNING["max_rows"]`` output pixels (its patch matrix is
+9x the input; at SD's larger levels cuDNN runs at 450-640 TFLOP/s, run 16's sweep). The choice is measured once per
 signature (shapes, strides, dtype, device) as GPU time (:func:`kernels.choice.gpu_times_us`) and logged, as is
 (once per reason) why a signature runs cuDNN unmeasured (such a signature is kept as cuDNN's at once). The GEMM
 path must win by ``TUNING["margin"]`` (3 %): near ties (SD1.5's 16x16 level) would otherwise flip between runs and
@@ -40,33 +38,30 @@ TUNING = {
     "margin": 0.97,  # the GEMM path is kept only below this fraction of cuDNN's time (no flip-flop on ties)
 }
 _PATHS = ("cudnn", "gemm")
-_KERNELS = {(1, 1): 0, (3, 3): 1}  # kernel size -> padding
 
 _choices: dict[tuple, str] = {}  # signature -> "cudnn" or "gemm"
 
 
-def cudnn_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.conv2d(x, weight, bias, 1, _KERNELS.get(tuple(weight.shape[2:]), 0))
+def cudnn_conv3x3(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return F.conv2d(x, weight, bias, 1, 1)
 
 
-def gemm_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The input matrix (NHWC view for 1x1, im2col for 3x3), then ``F.linear`` with the channels_last weight as
-    (Cout, k*k*Cin): a channels_last (N, Cout, H, W)."""
+def gemm_conv3x3(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """im2col, then ``F.linear`` with the channels_last weight as (Cout, 9*Cin): a channels_last (N, Cout, H, W)."""
     n, cin, h, w = x.shape
-    cout, k = weight.shape[0], weight.shape[2]
-    w2d = weight.permute(0, 2, 3, 1).reshape(cout, k * k * cin)  # a view: the weight is channels_last (gemm_problem)
-    a = x.permute(0, 2, 3, 1).reshape(n * h * w, cin) if k == 1 else im2col3x3(x)  # 1x1: a view (channels_last x)
-    return F.linear(a, w2d, bias).view(n, h, w, cout).permute(0, 3, 1, 2)
+    cout = weight.shape[0]
+    w2d = weight.permute(0, 2, 3, 1).reshape(cout, 9 * cin)  # a view: the weight is channels_last (gemm_problem)
+    return F.linear(im2col3x3(x), w2d, bias).view(n, h, w, cout).permute(0, 3, 1, 2)
 
 
 def gemm_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
-    """Why the GEMM path does not take these tensors (None when it does)."""
+    """Why the im2col + GEMM path does not take these tensors (None when it does)."""
     if not TUNING["enabled"]:
         return "SDFAST_CONV_GEMM=0"
     if not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (x, weight, bias) if t is not None):
         return "a tensor subclass (the im2col kernel reads plain dense memory)"
-    if x.dim() != 4 or weight.dim() != 4 or weight.shape[1] != x.shape[1] or tuple(weight.shape[2:]) not in _KERNELS:
-        return "not a 1x1 or 3x3 convolution's x (N, Cin, H, W) and weight (Cout, Cin, k, k)"
+    if x.dim() != 4 or weight.dim() != 4 or tuple(weight.shape[1:]) != (x.shape[1], 3, 3):
+        return "not a 3x3 convolution's x (N, Cin, H, W) and weight (Cout, Cin, 3, 3)"
     if x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype:
         return f"dtypes {x.dtype}/{weight.dtype} (fp16 or bf16, one dtype)"
     if bias is not None and (bias.dtype != x.dtype or tuple(bias.shape) != (weight.shape[0],)):
@@ -74,45 +69,42 @@ def gemm_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if not (x.is_contiguous(memory_format=torch.channels_last)
             and weight.is_contiguous(memory_format=torch.channels_last)):
         return "x or the weight is not channels_last-contiguous"
-    if weight.shape[2] == 3 and x.shape[0] * x.shape[2] * x.shape[3] > TUNING["max_rows"]:
-        return f"a 3x3 convolution of more than {TUNING['max_rows']} output pixels"
+    if x.shape[0] * x.shape[2] * x.shape[3] > TUNING["max_rows"]:
+        return f"more than {TUNING['max_rows']} output pixels"
     return None
 
 
-def conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.conv2d(x, weight, bias, stride=1, padding=k // 2)`` for a (Cout, Cin, k, k) weight, k 1 or 3, on the
-    measured path.
+def conv3x3(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.conv2d(x, weight, bias, stride=1, padding=1)`` for a (Cout, Cin, 3, 3) weight, on the measured path.
 
-    Args: x (N, Cin, H, W); weight (Cout, Cin, 1, 1) or (Cout, Cin, 3, 3); bias (Cout,) or None; the dtypes of
-    ``F.conv2d``. Returns (N, Cout, H, W): channels_last when x is (both paths). Raises what ``F.conv2d`` raises for bad
-    shapes.
+    Args: x (N, Cin, H, W); weight (Cout, Cin, 3, 3); bias (Cout,) or None; the dtypes of ``F.conv2d``. Returns
+    (N, Cout, H, W): channels_last when x is (both paths). Raises what ``F.conv2d`` raises for bad shapes.
     """
     if torch.compiler.is_compiling():  # Dynamo cannot trace the choice (timing): cuDNN
-        return cudnn_conv2d(x, weight, bias)
+        return cudnn_conv3x3(x, weight, bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
-        return cudnn_conv2d(x, weight, bias)  # the im2col op has no autograd formula
+        return cudnn_conv3x3(x, weight, bias)  # the im2col op has no autograd formula
     key = (tuple(x.shape), x.stride(), x.dtype, type(x), tuple(weight.shape), weight.stride(), weight.dtype,
            type(weight), None if bias is None else (tuple(bias.shape), bias.dtype, bias.stride(), type(bias), bias.device),
            x.device, weight.device)
     if key not in _choices:
         why = gemm_problem(x, weight, bias)
         if why is not None:
-            log_fallback("conv2d", why, instead="cuDNN")
+            log_fallback("conv3x3", why, instead="cuDNN")
             _choices[key] = "cudnn"
         elif TUNING["force"] is not None:
             if TUNING["force"] not in _PATHS:
-                raise ValueError(f"conv2d: TUNING['force'] must be None or one of {_PATHS}, got {TUNING['force']!r}")
+                raise ValueError(f"conv3x3: TUNING['force'] must be None or one of {_PATHS}, got {TUNING['force']!r}")
             _choices[key] = TUNING["force"]
         elif precompile.active():  # compile the im2col kernel (launches are skipped), keep nothing
-            if weight.shape[2] == 3:
-                im2col3x3(x)
-            return cudnn_conv2d(x, weight, bias)
+            im2col3x3(x)
+            return cudnn_conv3x3(x, weight, bias)
         elif not x.is_cuda or torch.cuda.is_current_stream_capturing():
-            return cudnn_conv2d(x, weight, bias)  # nothing is timed here; a later eager call measures
+            return cudnn_conv3x3(x, weight, bias)  # nothing is timed here; a later eager call measures
         else:
             with torch.cuda.device(x.device):  # time on x's GPU, whichever is current
                 _choices[key] = _measure(key, x, weight, bias)
-    path = gemm_conv2d if _choices[key] == "gemm" else cudnn_conv2d
+    path = gemm_conv3x3 if _choices[key] == "gemm" else cudnn_conv3x3
     return path(x, weight, bias)
 
 
@@ -120,16 +112,16 @@ def _measure(key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     """Time both paths; return "gemm" when it takes less than ``TUNING["margin"]`` of cuDNN's time, else "cudnn".
     A GEMM path that fails (e.g. out of memory for the patch matrix) is logged and cuDNN kept."""
     try:
-        gemm_conv2d(x, weight, bias)
+        gemm_conv3x3(x, weight, bias)
     except Exception as e:  # noqa: BLE001 - e.g. torch.cuda.OutOfMemoryError for a large patch matrix
-        log_fallback("conv2d", f"the GEMM path failed: {type(e).__name__}: {e}", instead="cuDNN")
+        log_fallback("conv3x3", f"im2col + cuBLAS failed: {type(e).__name__}: {e}", instead="cuDNN")
         return "cudnn"
-    times = choice.gpu_times_us({"cudnn": lambda: cudnn_conv2d(x, weight, bias),
-                                 "gemm": lambda: gemm_conv2d(x, weight, bias)})
+    times = choice.gpu_times_us({"cudnn": lambda: cudnn_conv3x3(x, weight, bias),
+                                 "gemm": lambda: gemm_conv3x3(x, weight, bias)})
     best = "gemm" if times["gemm"] < TUNING["margin"] * times["cudnn"] else "cudnn"
-    log.info("conv2d x %s weight %s %s: cuDNN %.1f us, GEMM path %.1f us -> %s", key[0], key[4], key[2],
+    log.info("conv3x3 x %s weight %s %s: cuDNN %.1f us, im2col + cuBLAS %.1f us -> %s", key[0], key[4], key[2],
              times["cudnn"], times["gemm"], best)
     return best
 
 
-__all__ = ["TUNING", "conv2d", "cudnn_conv2d", "gemm_conv2d", "gemm_problem"]
+__all__ = ["TUNING", "conv3x3", "cudnn_conv3x3", "gemm_conv3x3", "gemm_problem"]

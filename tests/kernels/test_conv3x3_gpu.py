@@ -1,5 +1,5 @@
-"""GPU tests (marker ``gpu``): the GEMM path of ``kernels.conv.conv2d`` (im2col + cuBLAS for 3x3, cuBLAS on the NHWC
-input for 1x1) at SD1.5's 8x8 and 16x16 convolution shapes against the fp32 reference (DESIGN.md's rule against cuDNN fp16), bf16 and a bias, the im2col
+"""GPU tests (marker ``gpu``): the im2col + cuBLAS path of ``kernels.conv.conv3x3`` at SD1.5's 8x8 and 16x16
+convolution shapes against the fp32 reference (DESIGN.md's rule against cuDNN fp16), bf16 and a bias, the im2col
 kernel bit-identical, the measured choice (logged, kept, not taken inside a capture), and CUDA graph replay of the
 chosen path on new inputs and an in-place weight change."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.conv import conv2d as cv
+from kernels.conv import conv3x3 as cv
 from kernels.conv.im2col import im2col3x3, im2col3x3_ref
 from kernels.testing import assert_close_rule
 
@@ -30,29 +30,19 @@ def _inputs(cin, cout, h, w, dtype=torch.float16):
 
 def _check(ours, x, wt, b, atol, name):
     f = lambda t: None if t is None else t.float()  # noqa: E731
-    pad = wt.shape[2] // 2
     assert ours.is_contiguous(memory_format=CL), f"{name}: output not channels_last"
-    assert_close_rule(ours, F.conv2d(x.float(), wt.float(), f(b), 1, pad), F.conv2d(x, wt, b, 1, pad), atol, name)
+    assert_close_rule(ours, F.conv2d(x.float(), wt.float(), f(b), 1, 1), F.conv2d(x, wt, b, 1, 1), atol, name)
 
 
 @pytest.mark.parametrize("cin,cout,h,w", SHAPES, ids=str)
 def test_gemm_path_at_sd_shapes(cin, cout, h, w):
     x, wt, _ = _inputs(cin, cout, h, w)
-    _check(cv.gemm_conv2d(x, wt, None), x, wt, None, 1e-2, f"{cin}->{cout} {h}x{w}")
-
-
-# 1x1 shortcuts (batch 2): SD1.5's up blocks at 64x64 and 8x8, SDXL's at 128x128
-@pytest.mark.parametrize("cin,cout,h,w", [(960, 320, 64, 64), (2560, 1280, 8, 8), (640, 320, 128, 128)], ids=str)
-def test_gemm_path_1x1(cin, cout, h, w):
-    x, _, b = _inputs(cin, cout, 1, 1)
-    x = torch.randn(2, cin, h, w, device=DEV).half().contiguous(memory_format=CL)
-    wt = (torch.randn(cout, cin, 1, 1, device=DEV) / cin**0.5).half().contiguous(memory_format=CL)
-    _check(cv.gemm_conv2d(x, wt, b), x, wt, b, 1e-2, f"1x1 {cin}->{cout} {h}x{w}")
+    _check(cv.gemm_conv3x3(x, wt, None), x, wt, None, 1e-2, f"{cin}->{cout} {h}x{w}")
 
 
 def test_bf16_and_bias():
     x, wt, b = _inputs(1280, 1280, 8, 8, torch.bfloat16)
-    _check(cv.gemm_conv2d(x, wt, b), x, wt, b, 5e-2, "bf16")
+    _check(cv.gemm_conv3x3(x, wt, b), x, wt, b, 5e-2, "bf16")
 
 
 def test_im2col_is_bit_identical():
@@ -64,22 +54,22 @@ def test_measured_choice_is_logged_kept_and_correct(monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="sdfast.kernels")
     monkeypatch.setattr(cv, "_choices", {})
     x, wt, _ = _inputs(1280, 1280, 8, 8)
-    _check(cv.conv2d(x, wt), x, wt, None, 1e-2, "first call")
-    assert "GEMM path" in caplog.text and len(cv._choices) == 1
+    _check(cv.conv3x3(x, wt), x, wt, None, 1e-2, "first call")
+    assert "im2col + cuBLAS" in caplog.text and len(cv._choices) == 1
     monkeypatch.setattr(cv, "_measure", lambda *a: pytest.fail("measured twice"))
-    _check(cv.conv2d(x, wt), x, wt, None, 1e-2, "second call")
+    _check(cv.conv3x3(x, wt), x, wt, None, 1e-2, "second call")
 
 
 def test_capture_after_a_gemm_choice_replays_on_new_inputs_and_weights(monkeypatch):
     monkeypatch.setattr(cv, "_choices", {})
     monkeypatch.setitem(cv.TUNING, "force", "gemm")
     x, wt, b = _inputs(2560, 1280, 8, 8)
-    cv.conv2d(x, wt, b)
+    cv.conv3x3(x, wt, b)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            y = cv.conv2d(x, wt, b)
+            y = cv.conv3x3(x, wt, b)
     x.copy_(torch.randn_like(x))
     wt.mul_(0.5)  # an in-place weight change (a fused LoRA) is seen
     g.replay()
@@ -91,12 +81,12 @@ def test_capture_without_a_choice_runs_cudnn_and_keeps_nothing(monkeypatch):
     monkeypatch.setattr(cv, "_choices", {})
     monkeypatch.setattr(cv, "_measure", lambda *a: pytest.fail("nothing may be timed inside a capture"))
     x, wt, _ = _inputs(1280, 1280, 8, 8)
-    cv.cudnn_conv2d(x, wt, None)
+    cv.cudnn_conv3x3(x, wt, None)
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            y = cv.conv2d(x, wt)
+            y = cv.conv3x3(x, wt)
     g.replay()
     torch.cuda.synchronize()
     assert cv._choices == {}
@@ -112,5 +102,5 @@ def test_dry_run_compiles_and_keeps_nothing(monkeypatch):
     monkeypatch.setattr(precompile, "active", lambda: True)
     monkeypatch.setattr(cv, "_measure", lambda *a: pytest.fail("nothing may be timed in a dry run"))
     x, wt, _ = _inputs(1280, 1280, 8, 8)
-    _check(cv.conv2d(x, wt), x, wt, None, 1e-2, "dry run")
+    _check(cv.conv3x3(x, wt), x, wt, None, 1e-2, "dry run")
     assert cv._choices == {}

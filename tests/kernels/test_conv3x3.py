@@ -1,13 +1,13 @@
 """kernels.conv.im2col (the patch matrix of a 3x3 convolution, bit-identical to its PyTorch reference, under
-TRITON_INTERPRET=1) and kernels.conv.conv2d (cuDNN or a cuBLAS GEMM over the NHWC input (1x1) or its im2col matrix
-(3x3), chosen per signature): both paths give the convolution, channels_last; what the GEMM path refuses; forced paths; nothing kept in a dry run; autograd runs
+TRITON_INTERPRET=1) and kernels.conv.conv3x3 (cuDNN or im2col + cuBLAS, chosen per signature): both paths give the
+convolution, channels_last; what the GEMM path refuses; forced paths; nothing kept in a dry run; autograd runs
 cuDNN. The measured choice itself runs in the GPU file."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.conv import conv2d as cv
+from kernels.conv import conv3x3 as cv
 from kernels.conv.im2col import im2col3x3, im2col3x3_ref
 from kernels.testing import assert_close_rule
 
@@ -18,8 +18,8 @@ def _x(n, c, h, w, dtype=torch.float16, fmt=CL):
     return torch.randn(n, c, h, w).to(dtype).contiguous(memory_format=fmt)
 
 
-def _weight(cout, cin, dtype=torch.float16, k=3):
-    return (torch.randn(cout, cin, k, k) / (k * k * cin) ** 0.5).to(dtype).contiguous(memory_format=CL)
+def _weight(cout, cin, dtype=torch.float16):
+    return (torch.randn(cout, cin, 3, 3) / (9 * cin) ** 0.5).to(dtype).contiguous(memory_format=CL)
 
 
 @pytest.mark.parametrize("n,c,h,w", [(2, 64, 8, 8), (1, 20, 5, 7), (3, 130, 9, 4), (1, 8, 1, 1), (2, 320, 3, 2)])
@@ -34,17 +34,16 @@ def test_im2col_of_a_strided_view():
     assert torch.equal(im2col3x3(x), im2col3x3_ref(x))
 
 
-@pytest.mark.parametrize("k", [3, 1])
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("n,cin,cout,h,w", [(2, 64, 40, 8, 8), (1, 32, 16, 5, 7), (3, 16, 8, 1, 1)])
-def test_gemm_path_is_the_convolution(n, cin, cout, h, w, bias, k):
-    x, wt = _x(n, cin, h, w), _weight(cout, cin, k=k)
+def test_gemm_path_is_the_convolution(n, cin, cout, h, w, bias):
+    x, wt = _x(n, cin, h, w), _weight(cout, cin)
     b = (torch.randn(cout) * 0.5).half() if bias else None
-    y = cv.gemm_conv2d(x, wt, b)
+    y = cv.gemm_conv3x3(x, wt, b)
     assert y.is_contiguous(memory_format=CL) and y.dtype == x.dtype
     f = lambda t: None if t is None else t.float()  # noqa: E731
-    ref32 = F.conv2d(x.float(), wt.float(), f(b), 1, k // 2)
-    assert_close_rule(y, ref32, F.conv2d(x, wt, b, 1, k // 2), 2e-3, f"{k}x{k} {n}x{cin}->{cout} {h}x{w}")
+    ref32 = F.conv2d(x.float(), wt.float(), f(b), 1, 1)
+    assert_close_rule(y, ref32, F.conv2d(x, wt, b, 1, 1), 2e-3, f"{n}x{cin}->{cout} {h}x{w}")
 
 
 def test_gemm_problem_names_what_it_refuses(monkeypatch):
@@ -54,9 +53,8 @@ def test_gemm_problem_names_what_it_refuses(monkeypatch):
     assert "channels_last" in cv.gemm_problem(x, wt.contiguous(), None)
     assert "fp16 or bf16" in cv.gemm_problem(x.float(), wt.float(), None)
     assert "bias" in cv.gemm_problem(x, wt, torch.zeros(32))
-    assert "1x1 or 3x3" in cv.gemm_problem(x, wt[:, :, :1], None)
+    assert "3x3" in cv.gemm_problem(x, wt[:, :, :1], None)
     assert "output pixels" in cv.gemm_problem(_x(2, 64, 64, 64), wt, None)
-    assert cv.gemm_problem(_x(2, 64, 64, 64), _weight(32, 64, k=1), None) is None  # 1x1: no im2col, any size
     monkeypatch.setitem(cv.TUNING, "enabled", False)
     assert cv.gemm_problem(x, wt, None) == "SDFAST_CONV_GEMM=0"
 
@@ -66,28 +64,28 @@ def test_forced_paths(monkeypatch, force):
     monkeypatch.setattr(cv, "_choices", {})
     monkeypatch.setitem(cv.TUNING, "force", force)
     used = []
-    for name in ("gemm_conv2d", "cudnn_conv2d"):
+    for name in ("gemm_conv3x3", "cudnn_conv3x3"):
         real = getattr(cv, name)
         monkeypatch.setattr(cv, name, lambda *a, real=real, name=name: used.append(name) or real(*a))
     x, wt = _x(2, 64, 8, 8), _weight(32, 64)
     b = torch.randn(32).half()
-    torch.testing.assert_close(cv.conv2d(x, wt, b).float(), F.conv2d(x.float(), wt.float(), b.float(), 1, 1),
+    torch.testing.assert_close(cv.conv3x3(x, wt, b).float(), F.conv2d(x.float(), wt.float(), b.float(), 1, 1),
                                atol=2e-2, rtol=1e-2)
-    assert used == [f"{force}_conv2d"] and list(cv._choices.values()) == [force]
+    assert used == [f"{force}_conv3x3"] and list(cv._choices.values()) == [force]
 
 
 def test_refused_signature_runs_cudnn_and_is_kept(monkeypatch):
     monkeypatch.setattr(cv, "_choices", {})
     monkeypatch.setitem(cv.TUNING, "force", "gemm")
     x, wt = _x(2, 64, 8, 8, torch.float32), _weight(32, 64, torch.float32)
-    torch.testing.assert_close(cv.conv2d(x, wt), F.conv2d(x, wt, None, 1, 1))
+    torch.testing.assert_close(cv.conv3x3(x, wt), F.conv2d(x, wt, None, 1, 1))
     assert list(cv._choices.values()) == ["cudnn"]
 
 
 def test_cpu_keeps_nothing(monkeypatch):  # the dry run's branch runs in the GPU file (on the CPU both keep nothing)
     monkeypatch.setattr(cv, "_choices", {})
     x, wt = _x(2, 64, 8, 8), _weight(32, 64)
-    cv.conv2d(x, wt)
+    cv.conv3x3(x, wt)
     assert cv._choices == {}
 
 
@@ -95,7 +93,7 @@ def test_autograd_runs_cudnn(monkeypatch):
     monkeypatch.setattr(cv, "_choices", {})
     monkeypatch.setitem(cv.TUNING, "force", "gemm")
     x, wt = _x(2, 16, 4, 4, torch.float32), _weight(8, 16, torch.float32).requires_grad_()
-    cv.conv2d(x.half(), wt.half()).float().sum()  # fp16 copies: not leaves, but they need grad
+    cv.conv3x3(x.half(), wt.half()).float().sum()  # fp16 copies: not leaves, but they need grad
     assert cv._choices == {}
 
 
@@ -122,11 +120,11 @@ def test_measure_keeps_cudnn_when_the_gemm_path_fails(monkeypatch, caplog):
     def boom(*a):
         raise torch.cuda.OutOfMemoryError("no room for the patch matrix")
 
-    monkeypatch.setattr(cv, "gemm_conv2d", boom)
+    monkeypatch.setattr(cv, "gemm_conv3x3", boom)
     monkeypatch.setattr(cv.choice, "gpu_times_us", lambda c: pytest.fail("nothing to time"))
     x, wt = _x(2, 64, 8, 8), _weight(32, 64)
     assert cv._measure(("k",) * 5, x, wt, None) == "cudnn"
-    assert "the GEMM path failed" in caplog.text
+    assert "im2col + cuBLAS failed" in caplog.text
 
 
 def test_bad_force_value_and_bias_shape(monkeypatch):
@@ -134,8 +132,8 @@ def test_bad_force_value_and_bias_shape(monkeypatch):
     x, wt = _x(2, 64, 8, 8), _weight(32, 64)
     monkeypatch.setitem(cv.TUNING, "force", "fast")
     with pytest.raises(ValueError, match="force"):
-        cv.conv2d(x, wt)
+        cv.conv3x3(x, wt)
     monkeypatch.setitem(cv.TUNING, "force", "gemm")
-    cv.conv2d(x, wt, torch.zeros(32).half())  # a (Cout,) bias: the GEMM path
+    cv.conv3x3(x, wt, torch.zeros(32).half())  # a (Cout,) bias: the GEMM path
     with pytest.raises(RuntimeError):  # a (1,) bias is another signature, refused by the GEMM path: cuDNN raises
-        cv.conv2d(x, wt, torch.zeros(1).half())
+        cv.conv3x3(x, wt, torch.zeros(1).half())
