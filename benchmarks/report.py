@@ -193,6 +193,15 @@ def write_json(path, obj) -> Path:
     return path
 
 
+def write_sweep(out_dir, name: str, rows: list[dict], table_md: str) -> None:
+    """A kernel sweep's results: ``out_dir/name.json`` (rows and this machine's ``env_metadata``) and
+    ``out_dir/name.md`` (a GPU / versions / date line, then ``table_md``)."""
+    env = env_metadata()
+    write_json(Path(out_dir) / f"{name}.json", {"env": env, "rows": rows})
+    (Path(out_dir) / f"{name}.md").write_text(f"GPU {env.get('gpu')}, torch {env.get('torch')}, triton "
+                                              f"{env.get('triton')}, {env.get('date')}\n\n" + table_md)
+
+
 def write_csv(path, rows: list[dict], columns: list[str] | None = None) -> Path:
     """One line per row; columns default to the union of keys in first-seen order; dicts/lists as JSON."""
     path = Path(path)

@@ -116,12 +116,9 @@ def main(argv=None) -> int:
     rows = run(args.tma, args.extra, tuple(args.models.split(",")))
     print(markdown(rows))
     if args.out:
-        from benchmarks.report import env_metadata, write_json
+        from benchmarks.report import write_sweep
 
-        env = env_metadata()
-        write_json(args.out / "conv.json", {"env": env, "rows": rows})
-        (args.out / "conv.md").write_text(f"GPU {env.get('gpu')}, torch {env.get('torch')}, triton "
-                                              f"{env.get('triton')}, {env.get('date')}\n\n" + markdown(rows))
+        write_sweep(args.out, "conv", rows, markdown(rows))
     return 0
 
 

@@ -38,9 +38,15 @@ def gpu_times_us(candidates: dict[str, Callable[[], object]], iters: int = 5, ro
     return {name: min(t) for name, t in times.items()}
 
 
+def signature(*tensors: torch.Tensor | None) -> tuple:
+    """A call signature for a per-call cache of choices: each tensor's shape, strides, dtype, class and device (None
+    for an absent one). Alignment (a view's storage offset) is not in it: callers that need it check per call."""
+    return tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, type(t), t.device) for t in tensors)
+
+
 def fastest(times: dict[str, float]) -> str:
     """The name with the smallest time; on a tie, the first listed (callers list their preferred kernel first)."""
     return min(times, key=lambda name: times[name])
 
 
-__all__ = ["fastest", "gpu_times_us"]
+__all__ = ["fastest", "gpu_times_us", "signature"]

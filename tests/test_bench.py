@@ -384,3 +384,13 @@ def test_profile_step_also_profiles_the_vae_decoder(tmp_path):
     assert [r["part"] for r in rows] == ["unet", "vae_decoder"]
     assert all(not r.get("error") and r["profile"]["kernels_per_step"] > 0 for r in rows)
     assert rows[1]["profile"]["categories"]["conv"]["us"] > 0  # the decoder is mostly convolutions
+
+
+def test_write_sweep_writes_rows_env_and_table(tmp_path):
+    from benchmarks.report import write_sweep
+
+    write_sweep(tmp_path / "sweep", "conv", [{"us": 1.5}], "| us |\n| 1.5 |\n")
+    data = json.loads((tmp_path / "sweep" / "conv.json").read_text())
+    assert data["rows"] == [{"us": 1.5}] and "torch" in data["env"]
+    md = (tmp_path / "sweep" / "conv.md").read_text()
+    assert md.startswith("GPU ") and "torch " in md and md.endswith("| 1.5 |\n")

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from kernels import choice, precompile
 from kernels.conv.im2col import im2col3x3
 from kernels.dispatch import log_fallback
+from kernels.gemm._common import plain_tensor
 
 log = logging.getLogger("sdfast.kernels")
 
@@ -58,8 +59,8 @@ def gemm_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """Why the im2col + GEMM path does not take these tensors (None when it does)."""
     if not TUNING["enabled"]:
         return "SDFAST_CONV_GEMM=0"
-    if not all(type(t) in (torch.Tensor, torch.nn.Parameter) for t in (x, weight, bias) if t is not None):
-        return "a tensor subclass (the im2col kernel reads plain dense memory)"
+    if not all(plain_tensor(t) for t in (x, weight, bias) if t is not None):
+        return "a tensor subclass or a non-strided layout (the im2col kernel reads plain dense memory)"
     if x.dim() != 4 or weight.dim() != 4 or tuple(weight.shape[1:]) != (x.shape[1], 3, 3):
         return "not a 3x3 convolution's x (N, Cin, H, W) and weight (Cout, Cin, 3, 3)"
     if x.dtype not in (torch.float16, torch.bfloat16) or weight.dtype != x.dtype:
@@ -84,9 +85,7 @@ def conv3x3(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
         return cudnn_conv3x3(x, weight, bias)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return cudnn_conv3x3(x, weight, bias)  # the im2col op has no autograd formula
-    key = (tuple(x.shape), x.stride(), x.dtype, type(x), tuple(weight.shape), weight.stride(), weight.dtype,
-           type(weight), None if bias is None else (tuple(bias.shape), bias.dtype, bias.stride(), type(bias), bias.device),
-           x.device, weight.device)
+    key = choice.signature(x, weight, bias)
     if key not in _choices:
         why = gemm_problem(x, weight, bias)
         if why is not None:
@@ -103,12 +102,12 @@ def conv3x3(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
             return cudnn_conv3x3(x, weight, bias)  # nothing is timed here; a later eager call measures
         else:
             with torch.cuda.device(x.device):  # time on x's GPU, whichever is current
-                _choices[key] = _measure(key, x, weight, bias)
+                _choices[key] = _measure(x, weight, bias)
     path = gemm_conv3x3 if _choices[key] == "gemm" else cudnn_conv3x3
     return path(x, weight, bias)
 
 
-def _measure(key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
+def _measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str:
     """Time both paths; return "gemm" when it takes less than ``TUNING["margin"]`` of cuDNN's time, else "cudnn".
     A GEMM path that fails (e.g. out of memory for the patch matrix) is logged and cuDNN kept."""
     try:
@@ -119,7 +118,8 @@ def _measure(key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     times = choice.gpu_times_us({"cudnn": lambda: cudnn_conv3x3(x, weight, bias),
                                  "gemm": lambda: gemm_conv3x3(x, weight, bias)})
     best = "gemm" if times["gemm"] < TUNING["margin"] * times["cudnn"] else "cudnn"
-    log.info("conv3x3 x %s weight %s %s: cuDNN %.1f us, im2col + cuBLAS %.1f us -> %s", key[0], key[4], key[2],
+    log.info("conv3x3 x %s weight %s %s: cuDNN %.1f us, im2col + cuBLAS %.1f us -> %s", tuple(x.shape),
+             tuple(weight.shape), x.dtype,
              times["cudnn"], times["gemm"], best)
     return best
 

@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.gemm._common import aligned16, device_index, num_sms, tma_operands_problem
+from kernels.gemm._common import aligned16, device_index, misaligned, num_sms, tma_operands_problem
 
 @dataclass(frozen=True)
 class ConvConfig:
@@ -156,11 +156,6 @@ def _nhwc_descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     dimension's stride in ``t`` can be anything)."""
     n, c, h, w = t.shape
     return TensorDescriptor(t, [n, h, w, c], [h * w * c, w * c, c, 1], block)
-
-
-def misaligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x or the weight starts off a 16-byte boundary (TMA needs it; a view's offset can break it)."""
-    return not (aligned16(x) and aligned16(weight))
 
 
 def shape_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:

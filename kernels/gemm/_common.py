@@ -34,7 +34,12 @@ def aligned16(t: torch.Tensor) -> bool:
     return t.data_ptr() % 16 == 0
 
 
-def _plain(t: torch.Tensor) -> bool:
+def misaligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether x or the weight starts off a 16-byte boundary (TMA needs it; a view's storage offset can break it)."""
+    return not (aligned16(x) and aligned16(weight))
+
+
+def plain_tensor(t: torch.Tensor) -> bool:
     """A dense tensor whose memory is its own (not a wrapper subclass such as a quantized weight: data_ptr 0)."""
     return type(t) in (torch.Tensor, torch.nn.Parameter) and t.layout == torch.strided
 
@@ -45,7 +50,7 @@ def tma_operands_problem(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     kernels check their own shapes, strides and alignment after this."""
     from kernels.dispatch import interpret_mode
 
-    if not all(_plain(t) for t in (x, weight, bias) if t is not None):
+    if not all(plain_tensor(t) for t in (x, weight, bias) if t is not None):
         return "a tensor subclass or a non-strided layout (TMA reads plain dense memory)"
     if not (x.is_cuda and weight.is_cuda):
         if not (interpret_mode() and x.device.type == weight.device.type == "cpu"):

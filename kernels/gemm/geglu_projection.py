@@ -48,9 +48,7 @@ def geglu_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """
     if torch.compiler.is_compiling():  # Dynamo cannot trace the choice (data_ptr, timing): the two-kernel path
         return cublas_geglu(x, weight, bias)
-    key = (tuple(x.shape), x.stride(), x.dtype, type(x), tuple(weight.shape), weight.stride(), weight.dtype, type(weight),
-           None if bias is None else (tuple(bias.shape), bias.dtype, bias.stride(), bias.device, type(bias)), x.device,
-           weight.device)
+    key = choice.signature(x, weight, bias)
     if key not in _choices:
         why = None if TUNING["enabled"] else "SDFAST_GEGLU_TMA=0"
         why = why or shape_problem(x, weight, bias) or unsupported(x, weight, bias)
@@ -66,7 +64,7 @@ def geglu_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         elif not x.is_cuda or torch.cuda.is_current_stream_capturing():
             return cublas_geglu(x, weight, bias)  # nothing is timed here; a later eager call measures
         else:
-            _choices[key] = _measure(key, x, weight, bias)
+            _choices[key] = _measure(x, weight, bias)
     config = _choices[key]
     if config is not None and misaligned(x, weight):  # the one property the key does not hold: a view's offset
         log_fallback("geglu_projection", "x or the weight is not 16-byte aligned", instead="cuBLAS and the GEGLU kernel")
@@ -74,7 +72,7 @@ def geglu_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return cublas_geglu(x, weight, bias) if config is None else geglu_linear(x, weight, bias, config)
 
 
-def _measure(key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> TileConfig | None:
+def _measure(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> TileConfig | None:
     """Time cuBLAS + the GEGLU kernel and every TMA config that compiles and launches; return the fastest TMA config,
     or None when cuBLAS is fastest (kept on a tie). A config that fails to compile or launch is logged and skipped."""
     candidates = {"cublas": lambda: cublas_geglu(x, weight, bias)}
@@ -87,8 +85,8 @@ def _measure(key: tuple, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         candidates[str(config)] = lambda config=config: geglu_linear(x, weight, bias, config)
     times = choice.gpu_times_us(candidates)
     best = choice.fastest(times)
-    log.info("geglu_projection x %s weight %s %s: cuBLAS + GEGLU kernel %.1f us, best TMA %s -> %s", key[0], key[4],
-             key[2], times["cublas"], min(((t, n) for n, t in times.items() if n != "cublas"), default=None), best)
+    log.info("geglu_projection x %s weight %s %s: cuBLAS + GEGLU kernel %.1f us, best TMA %s -> %s", tuple(x.shape),
+             tuple(weight.shape), x.dtype, times["cublas"], min(((t, n) for n, t in times.items() if n != "cublas"), default=None), best)
     return None if best == "cublas" else next(c for c in TUNING["configs"] if str(c) == best)
 
 

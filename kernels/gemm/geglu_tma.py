@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.gemm._common import aligned16, device_index, grouped_tile, num_sms, tma_operands_problem
+from kernels.gemm._common import aligned16, device_index, grouped_tile, misaligned, num_sms, tma_operands_problem
 
 
 @dataclass(frozen=True)
@@ -143,11 +143,6 @@ def _geglu_tma_kernel(
 # --------------------------------------------------------------------------------------------
 # launcher
 # --------------------------------------------------------------------------------------------
-def misaligned(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether x or the weight starts off a 16-byte boundary (TMA needs it; a view's storage offset can break it)."""
-    return not (aligned16(x) and aligned16(weight))
-
-
 def unsupported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> str | None:
     """Why this kernel cannot run these tensors (None when it can). Shapes are assumed already checked."""
     why = tma_operands_problem(x, weight, bias)

@@ -109,7 +109,7 @@ def test_im2col_64_bit_index_path(monkeypatch):
 def test_measure_keeps_the_gemm_only_by_the_margin(monkeypatch, gemm_us, expect):
     monkeypatch.setattr(cv.choice, "gpu_times_us", lambda c: {"cudnn": 100.0, "gemm": gemm_us})
     x, wt = _x(2, 64, 8, 8), _weight(32, 64)
-    assert cv._measure(("k",) * 5, x, wt, None) == expect
+    assert cv._measure(x, wt, None) == expect
 
 
 def test_measure_keeps_cudnn_when_the_gemm_path_fails(monkeypatch, caplog):
@@ -123,7 +123,7 @@ def test_measure_keeps_cudnn_when_the_gemm_path_fails(monkeypatch, caplog):
     monkeypatch.setattr(cv, "gemm_conv3x3", boom)
     monkeypatch.setattr(cv.choice, "gpu_times_us", lambda c: pytest.fail("nothing to time"))
     x, wt = _x(2, 64, 8, 8), _weight(32, 64)
-    assert cv._measure(("k",) * 5, x, wt, None) == "cudnn"
+    assert cv._measure(x, wt, None) == "cudnn"
     assert "im2col + cuBLAS failed" in caplog.text
 
 
@@ -137,3 +137,14 @@ def test_bad_force_value_and_bias_shape(monkeypatch):
     cv.conv3x3(x, wt, torch.zeros(32).half())  # a (Cout,) bias: the GEMM path
     with pytest.raises(RuntimeError):  # a (1,) bias is another signature, refused by the GEMM path: cuDNN raises
         cv.conv3x3(x, wt, torch.zeros(1).half())
+
+
+def test_signature_tells_apart_what_the_paths_depend_on():
+    from kernels.choice import signature
+
+    x, wt = _x(2, 64, 8, 8), _weight(32, 64)
+    base = signature(x, wt, None)
+    assert signature(_x(2, 64, 8, 8), _weight(32, 64), None) == base
+    assert signature(x.contiguous(), wt, None) != base  # strides
+    assert signature(x, wt, torch.zeros(32).half()) != base != signature(x, wt, torch.zeros(1).half())
+    assert signature(x.float(), wt, None) != base
