@@ -7,8 +7,8 @@ Per shape (fp16, GroupNorm+SiLU unless the site has none; the ResNet fusion with
 ``return_sum`` at the UNet's 64x64 shape): GPU time with L2 flushed before each call (``device_time_us``) of
 the cluster kernel, of the Triton kernels (cluster path off) and of a copy of the same bytes; the time per
 call inside a CUDA graph of back-to-back calls; and which of the two the public op's measured choice runs
-(``chosen``). ``--sweep`` times every candidate plan (clusters up to 16 CTAs where the GPU can launch them) at
-the UNet shapes and records the model's estimate beside the measurement.
+(``chosen``). ``--sweep`` times every candidate plan of both kernels (channels_last and NCHW; clusters up to 16
+CTAs and up to 1024 threads where the GPU can launch them) at the UNet shapes and marks the planner's pick.
 Writes ``group_norm_cluster.json`` / ``.md`` into ``--out``.
 """
 
@@ -71,8 +71,7 @@ def _case(shape, eps, silu, fused) -> dict:
     B, C, H, W = shape
     plan = group_norm_cluster.device_plan(B, C, H * W, 32, x.dtype)
     row = {"shape": "x".join(map(str, shape)), "silu": silu, "fused": fused, "eps": eps,
-           "plan": None if plan is None else f"CS={plan.CS} K={plan.K} R={plan.R} J={plan.J} nt={plan.nt}",
-           "est_us": None if plan is None else plan.est_us}
+           "plan": None if plan is None else f"CS={plan.CS} K={plan.K} R={plan.R} J={plan.J} nt={plan.nt}"}
     src, dst = x.clone(), torch.empty_like(x)
     row["copy_us"] = device_time_us(lambda: dst.copy_(src))
     if plan is None:
@@ -99,9 +98,9 @@ def _case(shape, eps, silu, fused) -> dict:
     return row
 
 
-def _sweep(shape) -> list[dict]:
-    """Every candidate plan at ``shape`` (GroupNorm+SiLU), the cluster kernel itself each time, checked against
-    the Triton kernels."""
+def _sweep(shape, nchw: bool = False) -> list[dict]:
+    """Every candidate plan at ``shape`` (GroupNorm+SiLU; channels_last, or NCHW with ``nchw``), the cluster kernel
+    itself each time, checked against the Triton kernels."""
     import torch
 
     from benchmarks.kernel_benches.device_time import device_time_us
@@ -109,16 +108,22 @@ def _sweep(shape) -> list[dict]:
 
     B, C, H, W = shape
     x, w, b, _, _ = _inputs(shape, False)
+    if nchw:
+        x = x.contiguous()
     y = torch.empty_like(x)
     rows = []
     old = dict(gc.TUNING)
-    gc.TUNING.update(max_cluster=16, enabled=False)
+    gc.TUNING.update(max_cluster=16, max_threads=1024, enabled=False)
+    cands = gc.nchw_candidate_plans(B, C, H * W, 32, 2) if nchw else gc.candidate_plans(B, C, H * W, 32, 2)
+    chosen = gc.device_plan(B, C, H * W, 32, x.dtype, nchw=nchw)
+    base = {"shape": "x".join(map(str, shape)), "layout": "nchw" if nchw else "nhwc"}
     try:
         ref = group_norm(x, 32, w, b, 1e-5, activation="silu")  # the Triton kernels
-        for plan in gc.candidate_plans(B, C, H * W, 32, 2):
+        for plan in cands:
             active = gc.max_active_clusters(plan, C, 32, x.dtype)
+            clusters = B * 32 if nchw else B * C // plan.CS
             if active < 1:
-                rows.append({"shape": "x".join(map(str, shape)), **plan.__dict__, "error": "cannot launch"})
+                rows.append({**base, **plan.__dict__, "error": "cannot launch"})
                 continue
             gc.TUNING.update(plan=plan, enabled=True)
 
@@ -128,8 +133,8 @@ def _sweep(shape) -> list[dict]:
             cluster()
             err = (y.float() - ref.float()).abs().max().item()
             us = device_time_us(cluster, iters=10)
-            rows.append({"shape": "x".join(map(str, shape)), **plan.__dict__, "us": us, "max_err": err,
-                         "clusters": B * C // plan.CS, "max_active": active})
+            rows.append({**base, **plan.__dict__, "us": us, "max_err": err, "clusters": clusters,
+                         "max_active": active, "one_wave": clusters <= active, "planned": plan == chosen})
     finally:
         gc.TUNING.clear()
         gc.TUNING.update(old)
@@ -151,7 +156,7 @@ def main(argv=None) -> int:
     build_s = time.perf_counter() - t0
     rows = [_case(s, eps, silu, False) for s, eps, silu in _shapes(args.quick)]
     rows.append(_case((2, 320, 64, 64), 1e-5, True, True))
-    sweep = [r for s in SWEEP_SHAPES for r in _sweep(s)] if args.sweep else []
+    sweep = [r for s in SWEEP_SHAPES for nchw in (False, True) for r in _sweep(s, nchw)] if args.sweep else []
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "group_norm_cluster.json",
                {"env": env_metadata(), "build_s": build_s, "rows": rows, "sweep": sweep})
@@ -160,8 +165,8 @@ def main(argv=None) -> int:
     md = [f"# cluster GroupNorm (fp16, channels_last), library build {build_s:.1f} s", "",
           markdown_table(rows, cols)]
     if sweep:
-        md += ["", "## sweep", "", markdown_table(sweep, ["shape", "CS", "K", "R", "J", "nt", "ctas", "est_us", "us",
-                                                          "clusters", "max_active", "max_err", "error"])]
+        md += ["", "## sweep", "", markdown_table(sweep, ["shape", "layout", "CS", "K", "R", "J", "nt", "ctas", "us", "clusters", "max_active", "one_wave", "planned",
+                                                          "max_err", "error"])]
     (args.out / "group_norm_cluster.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
     return 0

@@ -38,7 +38,7 @@ SDFAST_PREFIX = "sdfast:"
 
 _KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 _JIT_DEF = re.compile(r"@triton\.jit[^\n]*\n(?:\s*@[^\n]*\n)*\s*def\s+(\w+)")
-_CUDA_DEF = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(")
+_CUDA_DEF = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s*)?(\w+)\s*\(")
 _CUDA_NAME = re.compile(r"(?:^|::|void\s+)(\w+)\s*[<(]")  # "void (anonymous namespace)::name<...>(...)" -> name
 
 

@@ -227,9 +227,11 @@ def test_sdfast_triton_kernels_by_name(tmp_path):
 
 def test_sdfast_cuda_kernels_by_name(tmp_path):
     (tmp_path / "k.cu").write_text("template <typename T, int J>\n__global__ void __launch_bounds__(512, 1) "
-                                   "gn_cluster_nhwc_kernel(const Params p) {}\n")
+                                   "gn_cluster_nhwc_kernel(const Params p) {}\n"
+                                   "__global__ void __launch_bounds__(max_threads(J), J < 5 ? 1 : 2) "
+                                   "other_kernel(const Params p) {}\n")
     names = profile_step.sdfast_kernel_names.__wrapped__(str(tmp_path))
-    assert names == frozenset({"gn_cluster_nhwc_kernel"})
+    assert names == frozenset({"gn_cluster_nhwc_kernel", "other_kernel"})  # launch bounds with calls in them too
     traced = "void (anonymous namespace)::gn_cluster_nhwc_kernel<__half, 8>((anonymous namespace)::Params)"
     assert profile_step.categorize(traced, sdfast_names=names) == "sdfast:gn_cluster_nhwc_kernel"
     assert profile_step.categorize("void at::native::reduce_kernel<512, 1>", sdfast_names=names) == "other"

@@ -1,6 +1,7 @@
-// GroupNorm (+ channel bias, residual, SiLU) for channels_last (NHWC) tensors in ONE read and one write:
-// thread-block clusters hold a whole (batch, channel slice) in registers and reduce its statistics through
-// distributed shared memory (Hopper, sm_90+).
+// GroupNorm (+ channel bias, residual, SiLU) for channels_last (NHWC) and contiguous NCHW tensors in ONE read and
+// one write: thread-block clusters hold a whole unit in registers and reduce its statistics through distributed
+// shared memory (Hopper, sm_90+). NHWC: a unit is a (batch, channel slice), described first below; NCHW: a
+// (batch, group), whose values are contiguous (gn_cluster_nchw_kernel, further down).
 //
 //     pre = x (+ residual) (+ channel_bias[b, c])         added in fp32, rounded once to x's dtype
 //     y   = (pre - mean[b, g]) * rstd[b, g] * weight[c] + bias[c],  then SiLU when asked
@@ -148,8 +149,13 @@ __device__ __forceinline__ void cta_channel_sums(const float2* acc, float2* red,
 
 #endif  // device helpers
 
+// Threads per CTA the NHWC kernel is compiled for: up to 5 vectors per thread fit 64 registers (1024 threads);
+// more need up to 93 (nvcc 13), so 320, with two CTAs per SM (a cluster of 8 such CTAs then fits 2 per GPC's 16
+// SMs, not 1: SD1.5's (2, 320, 64, 64) needs 16 clusters at once, and the H200 holds only 15 at one CTA per SM).
+__host__ __device__ constexpr int nhwc_max_threads(int J) { return J <= 5 ? 1024 : 320; }
+
 template <typename T, int J>
-__global__ void __launch_bounds__(512, 1) gn_cluster_nhwc_kernel(const Params p) {
+__global__ void __launch_bounds__(nhwc_max_threads(J), J <= 5 ? 1 : 2) gn_cluster_nhwc_kernel(const Params p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // clusters need sm_90; the Python launcher never launches this on older GPUs
 #else
@@ -293,14 +299,19 @@ __global__ void __launch_bounds__(512, 1) gn_cluster_nhwc_kernel(const Params p)
     }
   }
   __syncthreads();
+  for (int c = threadIdx.x; c < CS; c += blockDim.x) {  // per channel (mean, rstd * weight): one division each here
+    const int g = c / p.Cg;                               // instead of VEC per thread below
+    tot[c] = make_float2(mean_s[g], rstd_s[g] * w_s[c]);
+  }
+  __syncthreads();
 
   // 4. Normalize from the registers and store.
   float mean_c[VEC], a_c[VEC];
 #pragma unroll
   for (int i = 0; i < VEC; ++i) {
-    const int g = (cl + i) / p.Cg;
-    mean_c[i] = mean_s[g];
-    a_c[i] = rstd_s[g] * w_s[cl + i];
+    const float2 ma = tot[cl + i];
+    mean_c[i] = ma.x;
+    a_c[i] = ma.y;
   }
 #pragma unroll
   for (int j = 0; j < J; ++j) {
@@ -320,18 +331,166 @@ __global__ void __launch_bounds__(512, 1) gn_cluster_nhwc_kernel(const Params p)
 #endif
 }
 
-// The kernel for (T, J) with its attributes set for this launch shape, and the launch configuration.
+// NCHW: a unit is one (batch item, group), whose Cg * HW values are contiguous; a cluster of K CTAs owns a unit,
+// CTA k the vectors [k nt J, (k + 1) nt J) of it, thread t the vectors k nt J + t + j nt (j < J: coalesced). HW is a
+// multiple of the vector, so a vector lies in one channel. The statistics are the unit's shifted sums (shift: its
+// first value, which every CTA loads), one (sum d, sum d^2) pair per CTA exchanged through distributed shared memory.
+struct NchwParams {
+  const void* x;
+  const void* res;   // like x, or null
+  const void* cb;    // channel bias (B or 1, C) in x's dtype, or null
+  const void* w;     // (C,) in x's dtype, or null
+  const void* bias;  // (C,) in x's dtype, or null
+  void* y;
+  void* pre;         // written when non-null
+  int HW, C, Cg, G, nt;  // nt working threads per CTA (the block is rounded up to warps)
+  int64_t cb_bstride;
+  float eps;
+  int silu;
+};
+
 template <typename T, int J>
-cudaError_t prepare(const Params& p, int B, int K, int nt, cudaStream_t stream, cudaLaunchConfig_t* cfg,
-                    cudaLaunchAttribute* attr) {
+__global__ void __launch_bounds__(1024) gn_cluster_nchw_kernel(const NchwParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();
+#else
+  using V_ = Vec<T>;
+  constexpr int VEC = V_::N;
+  __shared__ float2 warp_sums[32];
+  __shared__ float2 cta_sum;
+  __shared__ float stats[2];
+  cg::cluster_group cluster = cg::this_cluster();
+  const int k = static_cast<int>(cluster.block_rank()), K = static_cast<int>(cluster.num_blocks());
+  const int b = blockIdx.y / p.G, g = blockIdx.y - b * p.G;
+  const int c_first = g * p.Cg;
+  const int nvec = p.Cg * p.HW / VEC;  // vectors in the unit
+  const int64_t base = (static_cast<int64_t>(b) * p.C + c_first) * p.HW;
+  const int v0 = k * p.nt * J + threadIdx.x;
+  const bool working = threadIdx.x < p.nt;
+  const T* x = static_cast<const T*>(p.x) + base;
+
+  // 1. Load the J vectors (all issued before any use) and the unit's first value (the shift).
+  uint4 xr[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int v = v0 + j * p.nt;
+    xr[j] = working && v < nvec ? ldg_stream(x + static_cast<int64_t>(v) * VEC) : make_uint4(0, 0, 0, 0);
+  }
+  const int64_t cb_row = static_cast<int64_t>(b) * p.cb_bstride;
+  float shift = V_::scalar(x, 0);
+  if (p.res != nullptr || p.cb != nullptr) {  // pre = x + residual + channel bias in fp32, rounded once to x's dtype
+    const T* res = static_cast<const T*>(p.res) + base;
+    if (p.res != nullptr) shift += V_::scalar(res, 0);
+    if (p.cb != nullptr) shift += V_::scalar(p.cb, cb_row + c_first);
+    float sv[VEC] = {shift};
+    float rounded[VEC];
+    V_::load(V_::store(sv), rounded);
+    shift = rounded[0];
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      const int v = v0 + j * p.nt;
+      if (!working || v >= nvec) continue;
+      const int64_t off = static_cast<int64_t>(v) * VEC;
+      const float cbv = p.cb != nullptr ? V_::scalar(p.cb, cb_row + c_first + v * VEC / p.HW) : 0.f;
+      float f[VEC], rv[VEC];
+      V_::load(xr[j], f);
+      if (p.res != nullptr) {
+        V_::load(ldg_stream(res + off), rv);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) f[i] += rv[i];
+      }
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) f[i] += cbv;
+      xr[j] = V_::store(f);
+      if (p.pre != nullptr) *reinterpret_cast<uint4*>(static_cast<T*>(p.pre) + base + off) = xr[j];
+    }
+  }
+
+  // 2. Shifted sums: thread -> warp (shuffles) -> CTA (shared memory) -> cluster (distributed shared memory).
+  float2 acc = make_float2(0.f, 0.f);
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    float f[VEC];
+    V_::load(xr[j], f);
+    if (!working || v0 + j * p.nt >= nvec) continue;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      const float d = f[i] - shift;
+      acc.x += d;
+      acc.y = fmaf(d, d, acc.y);
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    acc.x += __shfl_xor_sync(0xffffffffu, acc.x, o);
+    acc.y += __shfl_xor_sync(0xffffffffu, acc.y, o);
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  if (lane == 0) warp_sums[warp] = acc;
+  __syncthreads();
+  if (warp == 0) {
+    float2 s2 = lane < nwarps ? warp_sums[lane] : make_float2(0.f, 0.f);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      s2.x += __shfl_xor_sync(0xffffffffu, s2.x, o);
+      s2.y += __shfl_xor_sync(0xffffffffu, s2.y, o);
+    }
+    if (lane == 0) cta_sum = s2;
+  }
+  cluster.sync();  // every CTA's cta_sum is written
+  if (warp == 0) {
+    float2 s2 = lane < K ? *cluster.map_shared_rank(&cta_sum, lane) : make_float2(0.f, 0.f);
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) {  // K <= 16
+      s2.x += __shfl_xor_sync(0xffffffffu, s2.x, o);
+      s2.y += __shfl_xor_sync(0xffffffffu, s2.y, o);
+    }
+    if (lane == 0) {
+      const float n = static_cast<float>(p.Cg) * static_cast<float>(p.HW);
+      const float m1 = s2.x / n;
+      stats[0] = shift + m1;
+      stats[1] = rsqrtf(fmaxf(s2.y / n - m1 * m1, 0.f) + p.eps);
+    }
+  }
+  cluster_arrive();  // done reading the other CTAs' shared memory
+  __syncthreads();
+
+  // 3. Normalize from the registers and store.
+  const float mean = stats[0], rstd = stats[1];
+  T* y = static_cast<T*>(p.y) + base;
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    const int v = v0 + j * p.nt;
+    if (!working || v >= nvec) continue;
+    const int c = c_first + v * VEC / p.HW;
+    const float a = rstd * (p.w != nullptr ? V_::scalar(p.w, c) : 1.f);
+    const float bb = p.bias != nullptr ? V_::scalar(p.bias, c) : 0.f;
+    float f[VEC];
+    V_::load(xr[j], f);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      float yv = fmaf(f[i] - mean, a, bb);
+      if (p.silu) yv = __fdividef(yv, 1.f + __expf(fminf(-yv, 80.f)));
+      f[i] = yv;
+    }
+    *reinterpret_cast<uint4*>(y + static_cast<int64_t>(v) * VEC) = V_::store(f);
+  }
+  cluster_wait();  // keep this CTA's shared memory alive until every CTA of the cluster has read it
+#endif
+}
+
+// A cluster launch of `kernel`: grid (K, units), clusters of K CTAs along x, `threads` per CTA.
+template <typename Kern>
+cudaError_t cluster_config(Kern kernel, int K, int units, int threads, size_t smem, cudaStream_t stream,
+                           cudaLaunchConfig_t* cfg, cudaLaunchAttribute* attr) {
   if (K > 8) {  // clusters of more than 8 CTAs are "non-portable": opt in
-    cudaError_t e = cudaFuncSetAttribute(gn_cluster_nhwc_kernel<T, J>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (e != cudaSuccess) return e;
   }
   *cfg = cudaLaunchConfig_t{};
-  cfg->gridDim = dim3(K, B * p.nslices, 1);
-  cfg->blockDim = dim3(block_threads(nt), 1, 1);
-  cfg->dynamicSmemBytes = sizeof(float) * smem_floats(p.R, p.CS, p.Cg, nt);  // <= 48 KB (checked by entry)
+  cfg->gridDim = dim3(K, units, 1);
+  cfg->blockDim = dim3(threads, 1, 1);
+  cfg->dynamicSmemBytes = smem;
   cfg->stream = stream;
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = K;
@@ -342,21 +501,26 @@ cudaError_t prepare(const Params& p, int B, int K, int nt, cudaStream_t stream, 
   return cudaSuccess;
 }
 
-template <typename T, int J>
-cudaError_t launch_j(const Params& p, int B, int K, int nt, cudaStream_t stream) {
+// Launch `kernel` (units > 0), or count how many of its clusters can be resident at once (units == 0).
+template <typename Kern, typename P>
+cudaError_t launch_or_count(Kern kernel, const P& p, int K, int units, int threads, size_t smem, cudaStream_t stream,
+                            int* n) {
   cudaLaunchConfig_t cfg;
   cudaLaunchAttribute attr[1];
-  cudaError_t e = prepare<T, J>(p, B, K, nt, stream, &cfg, attr);
-  return e != cudaSuccess ? e : cudaLaunchKernelEx(&cfg, gn_cluster_nhwc_kernel<T, J>, p);
+  cudaError_t e = cluster_config(kernel, K, units > 0 ? units : 1, threads, smem, stream, &cfg, attr);
+  if (e != cudaSuccess) return e;
+  return units > 0 ? cudaLaunchKernelEx(&cfg, kernel, p) : cudaOccupancyMaxActiveClusters(n, kernel, &cfg);
 }
 
 template <typename T, int J>
-cudaError_t max_active_j(const Params& p, int K, int nt, int* n) {
-  cudaLaunchConfig_t cfg;
-  cudaLaunchAttribute attr[1];
-  cudaError_t e = prepare<T, J>(p, 1, K, nt, nullptr, &cfg, attr);
-  cfg.gridDim = dim3(K, 1, 1);
-  return e != cudaSuccess ? e : cudaOccupancyMaxActiveClusters(n, gn_cluster_nhwc_kernel<T, J>, &cfg);
+cudaError_t nhwc_j(const Params& p, int B, int K, int nt, cudaStream_t stream, int* n) {
+  const size_t smem = sizeof(float) * smem_floats(p.R, p.CS, p.Cg, nt);  // <= 48 KB (checked by entry)
+  return launch_or_count(gn_cluster_nhwc_kernel<T, J>, p, K, B * p.nslices, block_threads(nt), smem, stream, n);
+}
+
+template <typename T, int J>
+cudaError_t nchw_j(const NchwParams& p, int units, int K, cudaStream_t stream, int* n) {
+  return launch_or_count(gn_cluster_nchw_kernel<T, J>, p, K, units, block_threads(p.nt), 0, stream, n);
 }
 
 #define SDFAST_GN_SWITCH_J(CALL)                 \
@@ -373,15 +537,15 @@ cudaError_t max_active_j(const Params& p, int K, int nt, int* n) {
   }
 
 template <typename T>
-cudaError_t launch_t(const Params& p, int B, int K, int J, int nt, cudaStream_t stream) {
-#define SDFAST_CALL(j) launch_j<T, j>(p, B, K, nt, stream)
+cudaError_t nhwc_t(const Params& p, int B, int K, int J, int nt, cudaStream_t stream, int* n) {
+#define SDFAST_CALL(j) nhwc_j<T, j>(p, B, K, nt, stream, n)
   SDFAST_GN_SWITCH_J(SDFAST_CALL)
 #undef SDFAST_CALL
 }
 
 template <typename T>
-cudaError_t max_active_t(const Params& p, int K, int J, int nt, int* n) {
-#define SDFAST_CALL(j) max_active_j<T, j>(p, K, nt, n)
+cudaError_t nchw_t(const NchwParams& p, int units, int K, int J, cudaStream_t stream, int* n) {
+#define SDFAST_CALL(j) nchw_j<T, j>(p, units, K, stream, n)
   SDFAST_GN_SWITCH_J(SDFAST_CALL)
 #undef SDFAST_CALL
 }
@@ -398,14 +562,14 @@ int entry(const void* x, const void* res, const void* cb, const void* w, const v
   const int Cg = C / G;
   const int nt = CS / vec * R;
   if (CS <= 0 || C % CS != 0 || CS % Cg != 0 || CS % vec != 0 || K < 1 || K > 16 || J < 1 || J > 8 || R < 1 ||
-      nt > 512 || static_cast<long long>(K) * R * J < HW)
+      nt > nhwc_max_threads(J) || static_cast<long long>(K) * R * J < HW)
     return SDFAST_GN_BAD_SPLIT;
   const void* ptrs[] = {x, res, y, pre};
   for (const void* q : ptrs)
     if (reinterpret_cast<uintptr_t>(q) % 16 != 0) return SDFAST_GN_BAD_ALIGN;
   if (sizeof(float) * smem_floats(R, CS, Cg, nt) > 48 * 1024) return SDFAST_GN_BAD_SPLIT;
   Params p{x, res, cb, w, bias, y, pre, HW, C, Cg, CS, C / CS, R, nt, cb_bstride, eps, silu};
-  const cudaError_t e = launch_t<T>(p, B, K, J, nt, static_cast<cudaStream_t>(stream));
+  const cudaError_t e = nhwc_t<T>(p, B, K, J, nt, static_cast<cudaStream_t>(stream), nullptr);
   if (e != cudaSuccess) cudaGetLastError();  // clear it: the caller raises; PyTorch's next check must not see it
   return static_cast<int>(e);
 }
@@ -421,10 +585,38 @@ int max_active_entry(int C, int G, int CS, int K, int R, int J) {
   p.R = R;
   p.nslices = C / CS;
   p.nt = CS / vec * R;
-  if (p.nt > 512 || sizeof(float) * smem_floats(R, CS, p.Cg, p.nt) > 48 * 1024) return SDFAST_GN_BAD_SPLIT;
+  if (p.nt > nhwc_max_threads(J) || sizeof(float) * smem_floats(R, CS, p.Cg, p.nt) > 48 * 1024) return SDFAST_GN_BAD_SPLIT;
   int n = 0;
-  const cudaError_t e = max_active_t<T>(p, K, J, p.nt, &n);
+  const cudaError_t e = nhwc_t<T>(p, 0, K, J, p.nt, nullptr, &n);
   if (e != cudaSuccess) cudaGetLastError();  // a configuration that cannot launch: clear the (non-sticky) error
+  return e == cudaSuccess ? n : -static_cast<int>(e);
+}
+
+template <typename T>
+int nchw_entry(const void* x, const void* res, const void* cb, const void* w, const void* bias, void* y, void* pre,
+               int B, int C, int HW, int G, int K, int nt, int J, long long cb_bstride, float eps, int silu,
+               void* stream) {
+  constexpr int vec = 16 / static_cast<int>(sizeof(T));
+  if (G <= 0 || C % G != 0 || HW % vec != 0 || K < 1 || K > 16 || J < 1 || J > 8 || nt < 1 || nt > 1024 ||
+      static_cast<long long>(K) * nt * J * vec < static_cast<long long>(C / G) * HW)
+    return SDFAST_GN_BAD_SPLIT;
+  const void* ptrs[] = {x, res, y, pre};
+  for (const void* q : ptrs)
+    if (reinterpret_cast<uintptr_t>(q) % 16 != 0) return SDFAST_GN_BAD_ALIGN;
+  NchwParams p{x, res, cb, w, bias, y, pre, HW, C, C / G, G, nt, cb_bstride, eps, silu};
+  const cudaError_t e = nchw_t<T>(p, B * G, K, J, static_cast<cudaStream_t>(stream), nullptr);
+  if (e != cudaSuccess) cudaGetLastError();  // clear it: the caller raises; PyTorch's next check must not see it
+  return static_cast<int>(e);
+}
+
+template <typename T>
+int nchw_max_active_entry(int K, int nt, int J) {
+  if (J < 1 || J > 8 || K < 1 || K > 16 || nt < 1 || nt > 1024) return SDFAST_GN_BAD_SPLIT;
+  NchwParams p{};
+  p.nt = nt;
+  int n = 0;
+  const cudaError_t e = nchw_t<T>(p, 0, K, J, nullptr, &n);
+  if (e != cudaSuccess) cudaGetLastError();
   return e == cudaSuccess ? n : -static_cast<int>(e);
 }
 
@@ -436,7 +628,7 @@ int max_active_entry(int C, int G, int CS, int K, int R, int J) {
 // x, res, y, pre: (B, C, H, W) channels_last, contiguous in that layout, 16-byte aligned; res / cb / w / bias / pre
 // may be null. CS channels per slice (C % CS == 0, CS % Cg == 0, CS a multiple of the 16-byte vector), a cluster
 // of K CTAs of nt = (CS / VEC) * R threads per (batch item, slice), each CTA R * J pixels, K * R * J >= HW,
-// nt <= 512, 1 <= J <= 8, K <= 16. Built with -DSDFAST_GN_DTYPE=0/1/2, an object holds one dtype's kernels (the
+// nt <= nhwc_max_threads(J) (1024 up to J = 5, else 320), 1 <= J <= 8, K <= 16. Built with -DSDFAST_GN_DTYPE=0/1/2, an object holds one dtype's kernels (the
 // library is three objects compiled in parallel); without it, all three.
 #define SDFAST_GN_ENTRIES(SUFFIX, T)                                                                               \
   extern "C" int sdfast_gn_cluster_nhwc_##SUFFIX(const void* x, const void* res, const void* cb, const void* w,     \
@@ -447,6 +639,15 @@ int max_active_entry(int C, int G, int CS, int K, int R, int J) {
   }                                                                                                                  \
   extern "C" int sdfast_gn_cluster_max_active_##SUFFIX(int C, int G, int CS, int K, int R, int J) {                 \
     return max_active_entry<T>(C, G, CS, K, R, J);                                                                   \
+  }                                                                                                                  \
+  extern "C" int sdfast_gn_cluster_nchw_##SUFFIX(const void* x, const void* res, const void* cb, const void* w,     \
+                                                 const void* bias, void* y, void* pre, int B, int C, int HW, int G, \
+                                                 int K, int nt, int J, long long cb_bstride, float eps, int silu,   \
+                                                 void* stream) {                                                    \
+    return nchw_entry<T>(x, res, cb, w, bias, y, pre, B, C, HW, G, K, nt, J, cb_bstride, eps, silu, stream);         \
+  }                                                                                                                  \
+  extern "C" int sdfast_gn_cluster_nchw_max_active_##SUFFIX(int K, int nt, int J) {                                 \
+    return nchw_max_active_entry<T>(K, nt, J);                                                                       \
   }
 
 #if !defined(SDFAST_GN_DTYPE) || SDFAST_GN_DTYPE == 0

@@ -34,9 +34,10 @@ group's channels with another in the same row range):
   group logic. Same fusions and the same ``S`` choice as "twopass"; no L2 chunking (a chunk would
   have to hold whole groups; chunking is off by default). Small channels_last shapes keep "onepass"
   (knob ``nhwc_onepass``).
-* channels_last on an sm_90 GPU: the CUDA C++ cluster kernel (``kernels.norm.group_norm_cluster``: one read, one
-  launch, statistics through thread-block clusters) runs instead where it can and where, timed once per call
-  signature, it is faster than the kernels above (run 14: most of SD's UNet shapes up to 5 MB of input).
+* on an sm_90 GPU, channels_last or contiguous NCHW: the CUDA C++ cluster kernels
+  (``kernels.norm.group_norm_cluster``: one read, one launch, statistics through thread-block clusters) run instead
+  where they can and where, timed once per call signature, they are faster than the kernels above (run 14: most of
+  SD's channels_last UNet shapes up to 5 MB of input).
 
 Method: Wu & He 2018 (GroupNorm); Chan, Golub & LeVeque 1979 (pairwise variance combination).
 """
@@ -944,7 +945,7 @@ def _group_norm_impl(x, num_groups, weight, bias, eps, channel_bias, residual, a
     write_pre = return_sum and has_add
     triton_call = functools.partial(_launch_triton, x, G, weight, bias, eps, channel_bias, residual, silu, write_pre,
                                     y, pre)
-    if cl and x.is_cuda and group_norm_cluster.run_if_faster(
+    if x.is_cuda and group_norm_cluster.run_if_faster(
         x, G, weight, bias, eps, channel_bias, residual, silu, y, pre if write_pre else None, triton_call
     ):
         return y, pre

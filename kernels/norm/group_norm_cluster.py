@@ -1,21 +1,25 @@
-"""GroupNorm for channels_last tensors in one read and one write, through Hopper thread-block clusters.
+"""GroupNorm in one read and one write, through Hopper thread-block clusters, for channels_last and NCHW tensors.
 
-The kernel (``kernels/csrc/group_norm_cluster.cu``) gives each (batch item, slice of ``CS`` channels) to a
-cluster of ``K`` CTAs that hold the slice's pixels in registers, reduce the group statistics through
-distributed shared memory and normalize from the registers (the .cu file's header has the method). The Triton
-kernels read a large input twice in three launches (statistics, finalize, apply; small shapes take their
-one-launch "onepass" kernel); this reads it once in one launch.
+The kernels (``kernels/csrc/group_norm_cluster.cu``) give each unit of the input to a cluster of ``K`` CTAs that
+hold the unit in registers, reduce its statistics through distributed shared memory and normalize from the
+registers (the .cu file has the method):
 
-``kernels.norm.group_norm`` runs it through :func:`run_if_faster`: where it can run, it is timed once per call
-signature against the Triton kernels and the faster one is kept (logged). It can run where all of these hold
-(else the reason is logged once through ``kernels.dispatch.log_fallback`` and the Triton kernels run):
+* channels_last: a unit is a (batch item, slice of ``CS`` channels), split in pixel runs (:class:`ClusterPlan`);
+* contiguous NCHW: a unit is a (batch item, group), whose ``Cg * H * W`` values are contiguous (:class:`NchwPlan`).
+
+The Triton kernels read a large input twice in three launches (statistics, finalize, apply; small shapes take
+their one-launch "onepass" kernel); these read it once in one launch.
+
+``kernels.norm.group_norm`` runs them through :func:`run_if_faster`: where one can run, it is timed once per call
+signature against the Triton kernels and the faster is kept (logged). They can run where all of these hold (else
+the reason is logged once through ``kernels.dispatch.log_fallback`` and the Triton kernels run):
 
 * a CUDA device of compute capability 9.0 or newer (clusters, distributed shared memory);
-* x (and the residual) channels_last and dense, fp16 / bf16 / fp32, 16-byte aligned, C a multiple of the
-  16-byte vector (8 channels in fp16/bf16, 4 in fp32); weight, bias and channel bias in x's dtype;
-* x (and the residual) channels_last and dense, weight and bias contiguous;
-* a plan exists: every unit's pixels fit in a cluster of at most ``max_cluster`` CTAs of at most 512 threads
-  holding 8 vectors each, with all clusters resident at once (on the H200: SD1.5's UNet shapes but
+* x (and the residual, laid out like x) dense channels_last or contiguous NCHW, fp16 / bf16 / fp32, 16-byte
+  aligned; channels_last: C a multiple of the 16-byte vector (8 channels in fp16/bf16, 4 in fp32); NCHW: H*W a
+  multiple of it; weight, bias and channel bias in x's dtype, weight and bias contiguous;
+* a plan exists: every unit fits in a cluster of at most ``max_cluster`` CTAs holding at most 8 vectors per
+  thread, with all clusters resident at once (channels_last on the H200: SD1.5's UNet shapes but
   (2, 960, 64, 64); SDXL's up to 32x32 and its 320- and 640-channel 64x64 ones but (2, 640, 64, 64); none of the
   VAE's from 128x128 up);
 * nvcc builds the library (once per source version, cached in ``~/.cache/sdfast/csrc``).
@@ -49,8 +53,9 @@ _ERRORS = {-2: "bad split (CS, K, R, J)", -3: "a pointer is not 16-byte aligned"
 # Knobs read at call time (tests and benchmarks change them).
 TUNING = {
     "enabled": os.environ.get("SDFAST_GN_CLUSTER", "1") != "0",  # SDFAST_GN_CLUSTER=0: always the Triton kernels
-    "max_cluster": 8,  # CTAs per cluster; 8 is the portable maximum (16 needs a non-portable attribute)
-    "max_threads": 512,
+    "max_cluster": 16,  # CTAs per cluster; 8 is the portable maximum (16: the kernels opt in to non-portable sizes)
+    "max_threads": 1024,  # NHWC kernel, at most its launch bounds (nhwc_max_threads)
+    "nchw_max_threads": 1024,  # NCHW kernel (its launch bounds)
     "max_vectors": 8,  # J: 16-byte vectors per thread (the kernel's template range)
     "num_sms": None,  # None: the device's count
     "plan": None,  # tests/benchmarks: a ClusterPlan to force
@@ -68,24 +73,21 @@ class ClusterPlan:
     J: int
     nt: int
     ctas: int
-    est_us: float = 0.0
 
 
 def _vec(elem_size: int) -> int:
     return 16 // elem_size
 
 
-def candidate_plans(B: int, C: int, HW: int, G: int, elem_size: int, num_sms: int = 132):
-    """Every launch shape the kernel accepts for a (B, C, H*W) channels_last GroupNorm with G groups, each with
-    its modeled time ``est_us`` (see :func:`cluster_plan`). Yields nothing when C is not a multiple of the
-    16-byte vector or no cluster holds a unit."""
+def candidate_plans(B: int, C: int, HW: int, G: int, elem_size: int):
+    """Every launch shape the kernel accepts for a (B, C, H*W) channels_last GroupNorm with G groups. Yields nothing
+    when C is not a multiple of the 16-byte vector or no cluster holds a unit."""
     vec = _vec(elem_size)
     if C % vec or C % G:
         return
     Cg = C // G
     step = Cg * vec // math.gcd(Cg, vec)
     T = TUNING
-    total = B * C * HW * elem_size * 2  # bytes in and out
     for cs in range(step, C + 1, step):
         if C % cs:
             continue
@@ -95,18 +97,17 @@ def candidate_plans(B: int, C: int, HW: int, G: int, elem_size: int, num_sms: in
             for J in range(1, T["max_vectors"] + 1):
                 R = -(-P // J)
                 nt = nv * R
-                if nt > T["max_threads"] or (K > 1 and -(-HW // (R * J)) < K):
+                if nt > min(T["max_threads"], nhwc_max_threads(J)) or (K > 1 and -(-HW // (R * J)) < K):
                     continue  # too many threads, or a CTA of the cluster would own no pixel
                 if _smem_floats(R, cs, Cg, nt) > 12 * 1024:
                     continue  # shared memory over 48 KB
-                ctas = B * (C // cs) * K
-                per_cta = nt * J * 16 * 2
-                per_sm = min(4, max(1, 64 // -(-nt // 32)))  # CTAs per SM if 64 warps bound them (the model's
-                # guess only: registers usually allow fewer, and the occupancy query decides what launches)
-                waves = -(-ctas // (num_sms * per_sm))
-                busiest = per_cta * min(per_sm, -(-ctas // num_sms))
-                est = waves * max(busiest / 60e3, total / waves / 3.6e6) + (0.8 if K > 1 else 0.0) + 0.05 * J
-                yield ClusterPlan(cs, K, R, J, nt, ctas, round(est, 3))
+                yield ClusterPlan(cs, K, R, J, nt, B * (C // cs) * K)
+
+
+def nhwc_max_threads(J: int) -> int:
+    """Threads per CTA the NHWC kernel is compiled for at ``J`` vectors per thread (``nhwc_max_threads`` in the .cu
+    file: 64 registers hold up to 5 vectors, more need up to 93 and two CTAs per SM)."""
+    return 1024 if J <= 5 else 320
 
 
 def _smem_floats(R: int, CS: int, Cg: int, nt: int) -> int:
@@ -116,17 +117,63 @@ def _smem_floats(R: int, CS: int, Cg: int, nt: int) -> int:
 
 
 def cluster_plan(B: int, C: int, HW: int, G: int, elem_size: int, num_sms: int = 132, fits=None) -> ClusterPlan | None:
-    """The plan with the lowest modeled time for a (B, C, H*W) channels_last GroupNorm with G groups, among those
-    ``fits(plan)`` accepts (the launcher passes "all clusters resident at once", from the occupancy API: a
-    second wave of clusters doubles the time), or None when no plan fits (C not a multiple of the vector, a
-    unit too large for one cluster, or none of the first 24 candidates resident in one wave).
+    """The first channels_last plan ``fits(plan)`` accepts (the launcher passes "all clusters resident at once", from
+    the occupancy API: a second wave of clusters doubles the time), or None when none does (C not a multiple of the
+    vector, a unit too large for one cluster, or no candidate resident in one wave).
 
-    Model (µs, H200): the busiest SM moves its CTAs' bytes at about 60 GB/s and the GPU at about 3.6 TB/s
-    (loads are all issued at once, so per-SM throughput is bounded by bytes in flight), plus 0.8 µs for the
-    two cluster barrier rounds when K > 1 and a small cost per vector kept per thread. Ties: fewer CTAs per
-    cluster, then wider slices."""
-    plans = sorted(candidate_plans(B, C, HW, G, elem_size, num_sms), key=lambda p: (p.est_us, p.K, -p.CS))
-    return next((p for p in plans[:24] if fits is None or fits(p)), None)
+    Order (measured on the H200, run 17 call B, every plan at SD's 16x16 to 64x64 shapes; a bandwidth model ranked
+    them 2-18 % off the best): plans that give nearly every SM a CTA first, then the narrowest slices (most units),
+    about 4 vectors per thread (within 5 % of the best at each shape), fewer CTAs per cluster, fewer threads."""
+    def rank(p: ClusterPlan):
+        return (p.ctas < 0.9 * num_sms, p.CS, abs(p.J - 4), p.K, p.nt)
+
+    plans = sorted(candidate_plans(B, C, HW, G, elem_size), key=rank)
+    return next((p for p in plans[:48] if fits is None or fits(p)), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class NchwPlan:
+    """One NCHW launch: a cluster of ``K`` CTAs per (batch item, group), ``nt`` threads per CTA, ``J`` 16-byte vectors
+    per thread (a CTA covers ``nt * J`` vectors of the group's contiguous ``Cg * H * W`` values)."""
+
+    K: int
+    nt: int
+    J: int
+    ctas: int
+
+
+def nchw_candidate_plans(B: int, C: int, HW: int, G: int, elem_size: int):
+    """Every launch shape the NCHW kernel accepts for a contiguous (B, C, H*W) GroupNorm with G groups. Yields nothing
+    when H*W is not a multiple of the 16-byte vector (a vector must lie in one channel) or a group does not fit one
+    cluster."""
+    vec = _vec(elem_size)
+    if HW % vec or C % G:
+        return
+    nvec = C // G * HW // vec
+    for K in (k for k in (1, 2, 4, 8, 16) if k <= TUNING["max_cluster"]):
+        for nt in range(64, TUNING["nchw_max_threads"] + 1, 64):
+            J = -(-nvec // (K * nt))
+            if J > TUNING["max_vectors"] or -(-nvec // (nt * J)) != K:
+                continue  # too many vectors per thread, or a CTA of the cluster would own none
+            yield NchwPlan(K, nt, J, B * G * K)
+
+
+def nchw_plan(B: int, C: int, HW: int, G: int, elem_size: int, num_sms: int = 132, fits=None) -> NchwPlan | None:
+    """The first NCHW plan ``fits(plan)`` accepts, in this order (measured on the H200, run 17 call A, at SD's 16x16
+    to 64x64 shapes): the fewest CTAs per cluster that still give nearly every SM a CTA (64 groups on one CTA each
+    took 1.4x longer than on two: 128 CTAs on 132 SMs), then about 20 warps per CTA (the fastest within 0.3 µs at
+    every shape; fewer when a CTA has fewer vectors than that), fewer threads on a tie. Where no cluster size fills
+    the SMs, the largest first. None when no plan fits."""
+    nvec = C // G * HW // _vec(elem_size) if C % G == 0 else 0
+
+    def rank(p: NchwPlan):
+        fills = p.ctas >= 0.9 * num_sms
+        per_cta = -(-nvec // p.K)  # vectors
+        threads = min(640, -(-per_cta // 64) * 64)
+        return (not fills, p.K if fills else -p.K, abs(p.nt - threads), p.nt)
+
+    plans = sorted(nchw_candidate_plans(B, C, HW, G, elem_size), key=rank)
+    return next((p for p in plans if fits is None or fits(p)), None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -161,6 +208,9 @@ def _load() -> ctypes.CDLL:
         launch, active = getattr(lib, f"sdfast_gn_cluster_nhwc_{suffix}"), getattr(lib, f"sdfast_gn_cluster_max_active_{suffix}")
         launch.argtypes, launch.restype = [vp, vp, vp, vp, vp, vp, vp, i, i, i, i, i, i, i, i, ll, f, i, vp], i
         active.argtypes, active.restype = [i, i, i, i, i, i], i
+        nchw, nchw_active = getattr(lib, f"sdfast_gn_cluster_nchw_{suffix}"), getattr(lib, f"sdfast_gn_cluster_nchw_max_active_{suffix}")
+        nchw.argtypes, nchw.restype = [vp, vp, vp, vp, vp, vp, vp, i, i, i, i, i, i, i, ll, f, i, vp], i
+        nchw_active.argtypes, nchw_active.restype = [i, i, i], i
     return lib
 
 
@@ -204,13 +254,25 @@ def _unsupported(x, weight, bias, channel_bias, residual) -> str | None:
     return _layout_problem(x, weight, bias, channel_bias, residual)
 
 
+def layout(x: torch.Tensor) -> str | None:
+    """"nhwc" for a dense channels_last x, "nchw" for a contiguous one (channels_last first: with H*W = 1 x is both),
+    else None."""
+    H, W = x.shape[2:]
+    if x.is_contiguous(memory_format=torch.channels_last) and (H * W == 1 or x.stride(1) == 1):
+        return "nhwc"
+    return "nchw" if x.is_contiguous() else None
+
+
 def _layout_problem(x, weight, bias, channel_bias, residual) -> str | None:
-    """What of the tensors' dtypes, layouts and alignment the kernel cannot take, or None."""
+    """What of the tensors' dtypes, layouts and alignment the kernels cannot take, or None."""
     if x.dtype not in _DTYPES:
         return f"dtype {x.dtype}"
     B, C, H, W = x.shape
-    if not x.is_contiguous(memory_format=torch.channels_last) or (H * W > 1 and x.stride(1) != 1):
-        return "x is not dense channels_last"
+    lay = layout(x)
+    if lay is None:
+        return "x is neither dense channels_last nor contiguous"
+    if lay == "nchw" and (H * W) % _vec(x.element_size()):
+        return f"NCHW with H*W = {H * W} not a multiple of the 16-byte vector"
     for name, t in (("weight", weight), ("bias", bias), ("channel_bias", channel_bias)):
         if t is not None and t.dtype != x.dtype:
             return f"{name} dtype {t.dtype} is not x's {x.dtype}"
@@ -246,10 +308,11 @@ def launcher(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, 
             lib = library()
         except RuntimeError as e:
             why = f"library build failed: {str(e)[:300]}"
+    nchw = why is None and layout(x) == "nchw"
     if why is None:
-        plan = TUNING["plan"] or device_plan(B, C, H * W, num_groups, x.dtype, x.device.index or 0)
-        if plan is None:
-            why = f"no cluster plan for (B, C, HW, G) = ({B}, {C}, {H * W}, {num_groups}) {x.dtype}"
+        plan = TUNING["plan"] or device_plan(B, C, H * W, num_groups, x.dtype, x.device.index or 0, nchw=nchw)
+        if plan is None or isinstance(plan, NchwPlan) != nchw:
+            why = f"no cluster plan for (B, C, HW, G) = ({B}, {C}, {H * W}, {num_groups}) {x.dtype} {layout(x)}"
     if why is not None:
         log_fallback("group_norm cluster", why, instead="the Triton kernels")
         return None
@@ -261,9 +324,14 @@ def launcher(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, 
     def ptr(t):
         return None if t is None else t.data_ptr()
 
-    fn = getattr(lib, f"sdfast_gn_cluster_nhwc_{_DTYPES[x.dtype]}")
-    args = (ptr(x), ptr(residual), ptr(channel_bias), ptr(weight), ptr(bias), ptr(y), ptr(pre),
-            B, C, H * W, num_groups, plan.CS, plan.K, plan.R, plan.J, cb_bstride, float(eps), int(silu))
+    tensors = (ptr(x), ptr(residual), ptr(channel_bias), ptr(weight), ptr(bias), ptr(y), ptr(pre))
+    tail = (cb_bstride, float(eps), int(silu))
+    if nchw:
+        fn = getattr(lib, f"sdfast_gn_cluster_nchw_{_DTYPES[x.dtype]}")
+        args = (*tensors, B, C, H * W, num_groups, plan.K, plan.nt, plan.J, *tail)
+    else:
+        fn = getattr(lib, f"sdfast_gn_cluster_nhwc_{_DTYPES[x.dtype]}")
+        args = (*tensors, B, C, H * W, num_groups, plan.CS, plan.K, plan.R, plan.J, *tail)
 
     def launch() -> None:
         with torch.cuda.device(x.device):
@@ -327,33 +395,41 @@ def _measure(key: tuple, launch, triton_call) -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def _plan_for(B: int, C: int, HW: int, G: int, dtype: torch.dtype, device_index: int, knobs: tuple) -> ClusterPlan | None:
-    """:func:`cluster_plan` for this device, keeping only plans whose clusters are all resident at once (the
-    occupancy query needs the compiled kernels: raises RuntimeError when the library does not build).
-    ``knobs``: the TUNING values the plans depend on (part of the cache key)."""
+def _plan_for(B: int, C: int, HW: int, G: int, dtype: torch.dtype, device_index: int, nchw: bool,
+              knobs: tuple) -> ClusterPlan | NchwPlan | None:
+    """:func:`cluster_plan` (or :func:`nchw_plan`) for this device, keeping only plans whose clusters are all
+    resident at once (the occupancy query needs the compiled kernels: raises RuntimeError when the library does not
+    build). ``knobs``: the TUNING values the plans depend on (part of the cache key)."""
     sms = TUNING["num_sms"] or _device_ok(device_index)[1]
-    units = B * C  # clusters = B * (C // CS)
 
-    def one_wave(plan: ClusterPlan) -> bool:
+    def one_wave(plan) -> bool:
+        clusters = B * G if nchw else B * C // plan.CS
         with torch.cuda.device(device_index):
-            return units // plan.CS <= max_active_clusters(plan, C, G, dtype)
+            return clusters <= max_active_clusters(plan, C, G, dtype)
 
     library()
-    return cluster_plan(B, C, HW, G, torch.tensor([], dtype=dtype).element_size(), sms, fits=one_wave)
+    planner = nchw_plan if nchw else cluster_plan
+    return planner(B, C, HW, G, torch.tensor([], dtype=dtype).element_size(), sms, fits=one_wave)
 
 
-def device_plan(B: int, C: int, HW: int, G: int, dtype: torch.dtype, device_index: int = 0) -> ClusterPlan | None:
-    """The plan the launcher uses on this CUDA device: :func:`cluster_plan` with every cluster resident at once
-    (cached per shape). Raises RuntimeError when the library does not build."""
-    knobs = (TUNING["max_cluster"], TUNING["max_threads"], TUNING["max_vectors"], TUNING["num_sms"])
-    return _plan_for(B, C, HW, G, dtype, device_index, knobs)
+def device_plan(B: int, C: int, HW: int, G: int, dtype: torch.dtype, device_index: int = 0,
+                nchw: bool = False) -> ClusterPlan | NchwPlan | None:
+    """The plan the launcher uses on this CUDA device for a channels_last (or, with ``nchw``, a contiguous) x:
+    the modeled best with every cluster resident at once (cached per shape). Raises RuntimeError when the library
+    does not build."""
+    knobs = (TUNING["max_cluster"], TUNING["max_threads"], TUNING["nchw_max_threads"], TUNING["max_vectors"],
+             TUNING["num_sms"])
+    return _plan_for(B, C, HW, G, dtype, device_index, nchw, knobs)
 
 
-def max_active_clusters(plan: ClusterPlan, C: int, G: int, dtype: torch.dtype) -> int:
+def max_active_clusters(plan: ClusterPlan | NchwPlan, C: int, G: int, dtype: torch.dtype) -> int:
     """``cudaOccupancyMaxActiveClusters`` for ``plan`` on the current device (0: K cannot launch)."""
+    if isinstance(plan, NchwPlan):
+        return getattr(library(), f"sdfast_gn_cluster_nchw_max_active_{_DTYPES[dtype]}")(plan.K, plan.nt, plan.J)
     fn = getattr(library(), f"sdfast_gn_cluster_max_active_{_DTYPES[dtype]}")
     return fn(C, G, plan.CS, plan.K, plan.R, plan.J)
 
 
-__all__ = ["ClusterPlan", "cluster_plan", "candidate_plans", "device_plan", "launcher", "try_group_norm", "run_if_faster",
+__all__ = ["ClusterPlan", "NchwPlan", "cluster_plan", "candidate_plans", "nchw_plan", "nchw_candidate_plans",
+           "nhwc_max_threads", "layout", "device_plan", "launcher", "try_group_norm", "run_if_faster",
            "library", "max_active_clusters", "TUNING"]

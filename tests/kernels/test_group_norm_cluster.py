@@ -17,8 +17,8 @@ def _valid(plan, B, C, HW, G, elem_size):
     vec = 16 // elem_size
     Cg = C // G
     assert C % plan.CS == 0 and plan.CS % Cg == 0 and plan.CS % vec == 0
-    assert plan.nt == plan.CS // vec * plan.R <= 512
-    assert 1 <= plan.J <= 8 and 1 <= plan.K <= 8
+    assert plan.nt == plan.CS // vec * plan.R <= gc.nhwc_max_threads(plan.J)
+    assert 1 <= plan.J <= 8 and 1 <= plan.K <= 16
     assert plan.K * plan.R * plan.J >= HW  # the cluster covers every pixel
     assert plan.K == 1 or (plan.K - 1) * plan.R * plan.J < HW  # and no CTA owns none
     assert plan.ctas == B * (C // plan.CS) * plan.K
@@ -87,8 +87,9 @@ def test_disabled_knob_skips_the_path(monkeypatch):
 
 
 def test_layouts_the_kernel_cannot_take_are_named():
-    """A strided weight or bias, another dtype, NCHW, a residual laid out otherwise: each is a logged reason, so
-    the call runs the Triton kernels (which make their own contiguous copies)."""
+    """A strided weight or bias, another dtype, a strided x, NCHW with H*W not a multiple of the vector, a residual
+    laid out otherwise: each is a logged reason, so the call runs the Triton kernels (which make their own
+    contiguous copies)."""
     cl = torch.channels_last
     x = torch.randn(2, 64, 4, 4).contiguous(memory_format=cl)
     w = torch.randn(128)[::2]
@@ -96,8 +97,44 @@ def test_layouts_the_kernel_cannot_take_are_named():
     assert "weight is not contiguous" in gc._layout_problem(x, w, None, None, None)
     assert "bias is not contiguous" in gc._layout_problem(x, None, w, None, None)
     assert "dtype" in gc._layout_problem(x, torch.randn(64, dtype=torch.float64), None, None, None)
-    assert "channels_last" in gc._layout_problem(x.contiguous(), None, None, None, None)
+    assert gc._layout_problem(x.contiguous(), None, None, None, None) is None  # NCHW: the NCHW kernel
+    assert "NCHW with H*W = 9" in gc._layout_problem(torch.randn(2, 64, 3, 3), None, None, None, None)
+    assert "neither" in gc._layout_problem(x.contiguous()[:, ::2], None, None, None, None)
     assert "residual" in gc._layout_problem(x, None, None, None, x.contiguous())
+    assert "residual" in gc._layout_problem(x.contiguous(), None, None, None, x)
+
+
+def test_layout_prefers_channels_last_when_both_hold():
+    assert gc.layout(torch.randn(2, 64, 1, 1)) == "nhwc"  # H*W = 1: both layouts; the NHWC kernel takes it
+    assert gc.layout(torch.randn(2, 64, 4, 4)) == "nchw"
+    assert gc.layout(torch.randn(2, 64, 4, 4).contiguous(memory_format=torch.channels_last)) == "nhwc"
+    assert gc.layout(torch.randn(2, 64, 4, 8)[..., ::2]) is None
+
+
+def _valid_nchw(plan, B, C, HW, G, elem_size):
+    nvec = C // G * HW // (16 // elem_size)
+    assert 1 <= plan.J <= 8 and 1 <= plan.K <= gc.TUNING["max_cluster"] and plan.nt <= 1024 and plan.nt % 32 == 0
+    assert plan.K * plan.nt * plan.J >= nvec  # the cluster covers the group
+    assert (plan.K - 1) * plan.nt * plan.J < nvec  # and no CTA owns none
+    assert plan.ctas == B * G * plan.K
+
+
+@pytest.mark.parametrize("elem_size", [2, 4])
+def test_nchw_plans_are_valid_on_every_sd_unet_shape(elem_size):
+    unet = {s for m, s, *_ in sd_shapes.GROUP_NORM_SITES if m.endswith("unet")}
+    for B, C, H, W in unet:
+        plans = list(gc.nchw_candidate_plans(B, C, H * W, 32, elem_size))
+        too_big = C // 32 * H * W > gc.TUNING["max_cluster"] * 1024 * 8 * (16 // elem_size)
+        assert plans or (elem_size == 4 and too_big), (B, C, H, W)  # fp16: every UNet shape
+        for plan in plans:
+            _valid_nchw(plan, B, C, H * W, 32, elem_size)
+        assert gc.nchw_plan(B, C, H * W, 32, elem_size) in (plans or [None])
+
+
+def test_nchw_has_no_plan_when_a_vector_would_cross_channels_or_a_group_is_too_large():
+    assert gc.nchw_plan(1, 64, 9, 8, 2) is None  # H*W = 9 is not a multiple of 8 fp16 values
+    assert gc.nchw_plan(1, 64, 12, 8, 4) is not None  # fp32 vectors hold 4
+    assert gc.nchw_plan(1, 128, 1024 * 1024, 32, 2) is None  # SDXL's VAE: 4 M values, over 16 x 1024 x 8 vectors
 
 
 def test_a_failed_build_is_remembered(monkeypatch):

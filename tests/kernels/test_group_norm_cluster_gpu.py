@@ -1,4 +1,4 @@
-"""GPU tests of the cluster GroupNorm (``kernels.norm.group_norm_cluster``, sm_90+): every channels_last
+"""GPU tests of the cluster GroupNorm (``kernels.norm.group_norm_cluster``, sm_90+): every channels_last and NCHW
 GroupNorm shape of the SD UNets it plans for, the ResNet-block fusion, bf16/fp32, odd H*W and channel counts,
 every launch shape at a small size, the statistics of an input with a large mean, CUDA-graph replay, and the
 fallbacks. Outputs are poisoned (NaN) before the call, so an element the kernel forgets stays NaN."""
@@ -23,27 +23,29 @@ ATOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 5e-5}
 CL = torch.channels_last
 
 
-def _inputs(shape, dtype, *, cb=None, res=False, G=32, shift=0.5, scale=2.0):
+def _inputs(shape, dtype, *, cb=None, res=False, G=32, shift=0.5, scale=2.0, fmt=CL):
     g = torch.Generator(device="cuda").manual_seed(0)
     B, C, H, W = shape
 
     def rnd(*s, scale=1.0, shift=0.0):
         return (torch.randn(*s, device="cuda", generator=g) * scale + shift).to(dtype)
 
-    x = rnd(B, C, H, W, scale=scale, shift=shift).contiguous(memory_format=CL)
+    x = rnd(B, C, H, W, scale=scale, shift=shift).contiguous(memory_format=fmt)
     w, b = rnd(C, scale=0.5, shift=1.0), rnd(C)
     channel_bias = None if cb is None else (rnd(B, C) if cb == "BC" else rnd(C))
-    r = rnd(B, C, H, W).contiguous(memory_format=CL) if res else None
+    r = rnd(B, C, H, W).contiguous(memory_format=fmt) if res else None
     return x, w, b, channel_bias, r
 
 
 def _run_cluster(x, G, w, b, eps, cb, r, silu, return_sum):
     """The cluster kernel into NaN-filled outputs; asserts it ran (skips when no plan fits this GPU in one wave)."""
     B, C, H, W = x.shape
-    if gc.TUNING["plan"] is None and gc.device_plan(B, C, H * W, G, x.dtype) is None:
-        first = sorted(gc.candidate_plans(B, C, H * W, G, x.element_size()), key=lambda p: p.est_us)[:4]
-        active = [(p.CS, p.K, p.J, p.nt, gc.max_active_clusters(p, C, G, x.dtype)) for p in first]
-        pytest.skip(f"no one-wave cluster plan for {tuple(x.shape)} on this GPU: (CS, K, J, nt, max_active) {active}")
+    nchw = gc.layout(x) == "nchw"
+    if gc.TUNING["plan"] is None and gc.device_plan(B, C, H * W, G, x.dtype, nchw=nchw) is None:
+        cands = gc.nchw_candidate_plans if nchw else gc.candidate_plans
+        first = list(cands(B, C, H * W, G, x.element_size()))[:4]
+        active = [(p, gc.max_active_clusters(p, C, G, x.dtype)) for p in first]
+        pytest.skip(f"no one-wave cluster plan for {tuple(x.shape)} on this GPU: (plan, max_active) {active}")
     y = torch.full_like(x, float("nan"))
     pre = torch.full_like(x, float("nan")) if return_sum else None
     assert gc.try_group_norm(x, G, w, b, eps, cb, r, silu, y, pre), "the cluster path did not run"
@@ -59,7 +61,7 @@ def _check(x, G, w, b, eps, cb, r, silu, return_sum, atol=None):
     lowp = group_norm_ref(x, G, w, b, eps, channel_bias=cb, residual=r, activation=act, return_sum=True,
                           upcast=False)
     atol = atol or ATOL[x.dtype]
-    assert y.is_contiguous(memory_format=CL)
+    assert y.stride() == x.stride()
     assert_close_rule(y, ref32[0], lowp[0], atol=atol, name=f"y {tuple(x.shape)}")
     if return_sum:
         assert_close_rule(pre, ref32[1], lowp[1], atol=atol, name=f"pre {tuple(x.shape)}")
@@ -129,6 +131,79 @@ def test_large_mean_statistics():
     assert_close_rule(y, ref64, torch32, atol=1e-4, name="y, |mean| >> std")
 
 
+_NCHW_UNET = sorted({(s, eps, silu) for m, s, eps, silu, _ in sd_shapes.GROUP_NORM_SITES if m.endswith("unet")})
+NCHW = torch.contiguous_format
+
+
+@pytest.mark.parametrize("shape,eps,silu", _NCHW_UNET, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v))
+def test_nchw_sd_unet_shapes(shape, eps, silu):
+    x, w, b, _, _ = _inputs(shape, torch.float16, fmt=NCHW)
+    _check(x, 32, w, b, eps, None, None, silu, False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cb", ["BC", "C"])
+def test_nchw_resnet_fusion(dtype, cb):
+    """channel bias + residual + SiLU + the sum written out, NCHW, at SD1.5's 64x64 level."""
+    x, w, b, cb, r = _inputs((2, 320, 64, 64), dtype, cb=cb, res=True, fmt=NCHW)
+    _check(x, 32, w, b, 1e-5, cb, r, True, True)
+
+
+@pytest.mark.parametrize("shape,G", [((3, 320, 8, 7), 32), ((1, 320, 24, 20), 32), ((2, 96, 4, 2), 32),
+                                     ((1, 64, 2, 4), 8), ((3, 640, 16, 11), 32), ((2, 48, 33, 8), 16),
+                                     ((1, 120, 8, 8), 40)], ids=str)
+def test_nchw_odd_shapes(shape, G):
+    """Channels per group 3 to 10 (not powers of two), H*W not a power of two, batch 1 and 3."""
+    x, w, b, cb, r = _inputs(shape, torch.float16, cb="BC", res=True, G=G, fmt=NCHW)
+    _check(x, G, w, b, 1e-5, cb, r, True, True)
+    _check(x, G, None, None, 1e-6, None, None, False, False)
+
+
+def test_nchw_every_launch_shape_agrees():
+    """Every NCHW candidate plan (clusters of 1 to 16 CTAs where the GPU can launch them) at a small shape."""
+    B, C, H, W = 2, 320, 24, 16
+    x, w, b, cb, r = _inputs((B, C, H, W), torch.float16, cb="BC", res=True, fmt=NCHW)
+    old = gc.TUNING["max_cluster"]
+    gc.TUNING["max_cluster"] = 16
+    ran = 0
+    try:
+        for plan in gc.nchw_candidate_plans(B, C, H * W, 32, 2):
+            if gc.max_active_clusters(plan, C, 32, x.dtype) < 1:
+                continue
+            gc.TUNING["plan"] = plan
+            _check(x, 32, w, b, 1e-5, cb, r, True, True)
+            ran += 1
+    finally:
+        gc.TUNING["plan"], gc.TUNING["max_cluster"] = None, old
+    assert ran >= 10
+
+
+def test_nchw_large_mean_statistics():
+    """As test_large_mean_statistics, NCHW: the unit's shifted sums keep the variance at |mean| = 3000 std."""
+    x, w, b, _, _ = _inputs((2, 320, 32, 32), torch.float32, shift=300.0, scale=0.1, fmt=NCHW)
+    y, _ = _run_cluster(x, 32, w, b, 1e-6, None, None, False, False)
+    ref64 = group_norm_ref(x.double(), 32, w.double(), b.double(), 1e-6)
+    torch32 = torch.nn.functional.group_norm(x, 32, w, b, 1e-6)
+    assert_close_rule(y, ref64, torch32, atol=1e-4, name="y, |mean| >> std, NCHW")
+
+
+def test_nchw_public_op_routes_here_and_replays_in_a_graph(monkeypatch):
+    monkeypatch.setattr(gc, "_choices", {})
+    monkeypatch.setattr(gc, "_measure", lambda *a: True)
+    x, w, b, cb, r = _inputs((2, 320, 32, 32), torch.float16, cb="BC", res=True, fmt=NCHW)
+    expect_y, expect_pre = _run_cluster(x, 32, w, b, 1e-5, cb, r, True, True)
+    y, pre = group_norm(x, 32, w, b, 1e-5, channel_bias=cb, residual=r, activation="silu", return_sum=True)
+    assert torch.equal(y, expect_y) and torch.equal(pre, expect_pre) and y.is_contiguous()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gy, gpre = group_norm(x, 32, w, b, 1e-5, channel_bias=cb, residual=r, activation="silu", return_sum=True)
+    for _ in range(3):
+        gy.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(gy, expect_y) and torch.equal(gpre, expect_pre)
+
+
 def test_public_op_routes_channels_last_here_and_replays_in_a_graph(monkeypatch):
     """With the cluster kernel measured faster, the public op runs it, also replayed from a CUDA graph."""
     monkeypatch.setattr(gc, "_choices", {})
@@ -161,10 +236,10 @@ def test_fallbacks_are_logged_and_correct(caplog, monkeypatch):
         assert not gc.try_group_norm(x, 32, w.float(), b, 1e-5, None, None, True, y, None)
         x36 = torch.randn(1, 36, 8, 8, device="cuda", dtype=torch.float16).contiguous(memory_format=CL)
         assert not gc.try_group_norm(x36, 6, None, None, 1e-5, None, None, False, torch.empty_like(x36), None)
-        nchw = x.contiguous()
-        assert not gc.try_group_norm(nchw, 32, w, b, 1e-5, None, None, False, torch.empty_like(nchw), None)
+        odd = torch.randn(2, 320, 5, 5, device="cuda", dtype=torch.float16)  # NCHW, H*W = 25
+        assert not gc.try_group_norm(odd, 32, w, b, 1e-5, None, None, False, torch.empty_like(odd), None)
     text = caplog.text
-    assert "weight dtype torch.float32" in text and "no cluster plan" in text and "channels_last" in text
+    assert "weight dtype torch.float32" in text and "no cluster plan" in text and "NCHW with H*W = 25" in text
     # and the public op still gives the reference there
     out = group_norm(x, 32, w.float(), b, 1e-5, activation="silu")
     ref = group_norm_ref(x.float(), 32, w.float(), b.float(), 1e-5, activation="silu")
