@@ -48,13 +48,14 @@ def _add_txt2img(sub) -> None:
     p = sub.add_parser("txt2img", help="generate images from a prompt")
     p.add_argument("prompt")
     p.add_argument("--model", default=None, help="model folder, .safetensors file, hub id or random:<arch> (default: random:sd15 on a GPU, random:tiny on a CPU)")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--guidance", type=float, default=7.5)
+    p.add_argument("--steps", type=int, default=30, help="denoising steps (default: 30)")
+    p.add_argument("--guidance", type=float, default=7.5, help="guidance_scale; <= 1 turns CFG off (default: 7.5)")
     p.add_argument("--size", type=_size, default=None, help="WIDTHxHEIGHT in pixels (default: the model's native size)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: a random one, printed)")
     p.add_argument("--n", type=int, default=1, help="images to generate")
     p.add_argument("--negative", default=None, help="negative prompt")
-    p.add_argument("--scheduler", default=None)
+    p.add_argument("--scheduler", default=None,
+                   help="ddim, pndm, euler, euler_a, dpmpp_2m, dpmpp_2m_karras, unipc or lcm (default: the model's own)")
     p.add_argument("--out", default="sdfast.png",
                    help="output PNG path, or a folder (ending in /) for sdfast.png in it; with --n > 1, _0, _1, ... are appended")
     p.add_argument("--no-optimize", action="store_true", help="run the stock diffusers pipeline")
@@ -88,6 +89,15 @@ def _out_paths(out: str, n: int) -> list[Path]:
     return [path.with_name(f"{path.stem}_{i}{path.suffix}") for i in range(n)]
 
 
+def _check_steps_before_load(steps: int, scheduler: str | None) -> None:
+    """The step limit of the SD family's schedulers (1000 training timesteps, steps_offset 1: 999; LCM 50), before
+    the slow load. The engine checks again against the loaded model's own scheduler config."""
+    from sdfast.schedulers import check_steps, make_scheduler
+
+    sd_config = {"num_train_timesteps": 1000, "steps_offset": 1}
+    check_steps(steps, make_scheduler(scheduler or "pndm", sd_config), scheduler)
+
+
 def cmd_txt2img(args) -> int:
     import sdfast
     from sdfast.request import check_request
@@ -100,6 +110,7 @@ def cmd_txt2img(args) -> int:
     check_request(prompt=args.prompt, height=8 if height is None else height, width=8 if width is None else width,
                   num_inference_steps=args.steps, guidance_scale=args.guidance, num_images_per_prompt=args.n,
                   scheduler=args.scheduler, seed=args.seed)
+    _check_steps_before_load(args.steps, args.scheduler)
     paths = _out_paths(args.out, args.n)
     if model.startswith("random:"):
         from sdfast.architectures import get_architecture
@@ -123,11 +134,12 @@ def cmd_txt2img(args) -> int:
 
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="run the HTTP image-generation service")
-    p.add_argument("--model", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_port, default=8000)
-    p.add_argument("--max-batch", type=int, default=4)
-    p.add_argument("--queue", type=int, default=64)
+    p.add_argument("--model", default=None, help="as for txt2img (default: random:sd15 on a GPU, random:tiny on a CPU)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
+    p.add_argument("--max-batch", type=int, default=4,
+                   help="at most this many images in one engine call, and per request (default: 4)")
+    p.add_argument("--queue", type=int, default=64, help="requests waiting at most; more get 429 (default: 64)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -190,13 +202,16 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_bench(args, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    from sdfast.errors import HubOfflineError, InvalidRequestError, ModelNotFoundError
+    from sdfast.errors import HubOfflineError, InvalidRequestError, ModelNotFoundError, NonFiniteOutputError
 
     try:
         return args.func(args)
     except (InvalidRequestError, ModelNotFoundError, HubOfflineError, ValueError, TypeError) as e:
         print(f"sdfast: error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteOutputError as e:
+        print(f"sdfast: error: {e}", file=sys.stderr)
+        return 1
     except MemoryError as e:
         print(f"sdfast: error: {e}", file=sys.stderr)
         return 1

@@ -125,9 +125,19 @@ def _check_pipeline_folder(path: Path) -> None:
         raise ModelNotFoundError(f"{path} is not a diffusers pipeline folder: {index} is missing")
     import json
 
-    for key, value in json.loads(index.read_text()).items():
-        if key.startswith("_") or not isinstance(value, list) or value[0] is None:
+    try:
+        entries = json.loads(index.read_text())
+    except (ValueError, OSError) as e:  # a truncated download, an editor's leftovers, undecodable bytes
+        raise ModelNotFoundError(f"{index} is not a valid pipeline index ({type(e).__name__}: {e})") from None
+    if not isinstance(entries, dict) or "_class_name" not in entries:
+        raise ModelNotFoundError(f"{index} is not a valid pipeline index: expected a JSON object with a "
+                                 f"'_class_name', got {type(entries).__name__}")
+    for key, value in entries.items():  # components are [library, class] lists; other keys are pipeline options
+        if key.startswith("_") or not isinstance(value, list) or (len(value) == 2 and value[0] is None):
             continue
+        if not (len(value) == 2 and all(isinstance(v, str) for v in value)):
+            raise ModelNotFoundError(f"{index} is not a valid pipeline index: component {key!r} must be "
+                                     f"[library, class], got {value!r}")
         if not (path / key).is_dir():
             raise ModelNotFoundError(f"{path} is not a complete pipeline folder: component folder {path / key} is missing")
 

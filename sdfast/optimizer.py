@@ -70,14 +70,18 @@ def _install_graphs(pipe, state: OptimizeState) -> None:
 def optimize(pipe, config: OptimizeConfig | None = None):
     """Optimize a diffusers SD/SDXL pipeline in place and return it.
 
-    Raises ``TypeError`` if ``pipe`` has no ``unet`` and ``vae`` or ``config`` is not an ``OptimizeConfig``
-    (or None). Calling it again on an optimized pipeline returns it unchanged with the same config (or None);
-    with another config it raises ``ValueError``: ``unoptimize`` first to change the config.
+    Raises ``TypeError`` if ``pipe`` has no ``unet`` and ``vae``, if its UNet is not in float16, bfloat16 or
+    float32 (the fused kernels' dtypes), or if ``config`` is not an ``OptimizeConfig`` (or None). Calling it again
+    on an optimized pipeline returns it unchanged with the same config (or None); with another config it raises
+    ``ValueError``: ``unoptimize`` first to change the config.
     """
     from .passes import attention, conv_bias, layout, norms, skip_concat, time_embedding, upsample
 
     if not (hasattr(pipe, "unet") and hasattr(pipe, "vae")):
         raise TypeError(f"optimize expects a diffusers Stable Diffusion pipeline, got {type(pipe).__name__}")
+    if pipe.unet.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"optimize: the fused kernels take float16, bfloat16 or float32, and this pipeline's UNet is "
+                        f"{pipe.unet.dtype}; load it in one of those, or with optimize=False for the stock pipeline")
     if config is not None and not isinstance(config, OptimizeConfig):
         raise TypeError(f"optimize: config must be an sdfast.OptimizeConfig or None, got {type(config).__name__}")
     current: OptimizeState | None = getattr(pipe, "_sdfast", None)

@@ -38,9 +38,11 @@ def make_scheduler(name: str, base_config) -> object:
 
 def check_steps(num_inference_steps: int, scheduler, name: str | None) -> None:
     """Raise ``InvalidRequestError`` (field ``num_inference_steps``) when ``scheduler`` cannot take that many
-    steps: at most its ``num_train_timesteps`` (1000 for SD), and for LCM its ``original_inference_steps`` (50)."""
+    steps: at most its ``num_train_timesteps`` less its ``steps_offset`` (at least 1: 999 for SD), and for LCM its
+    ``original_inference_steps`` (50). At SD's 1000 steps, diffusers' "leading" spacing shifted by ``steps_offset``
+    indexes past the last timestep (PNDM, DDIM: IndexError), and the multistep solvers return NaN (UniPC, DPM++)."""
     cfg = scheduler.config
-    limit = int(cfg.get("num_train_timesteps", 1000))
+    limit = int(cfg.get("num_train_timesteps", 1000)) - max(1, int(cfg.get("steps_offset", 0) or 0))
     if cfg.get("original_inference_steps") is not None:
         limit = min(limit, int(cfg["original_inference_steps"]))
     if num_inference_steps > limit:

@@ -203,10 +203,16 @@ class Service:
 
     async def generate(self, request: Request, *, prompt: str, negative_prompt: str | None, seed: int | None,
                        num_images: int, width: int | None, height: int | None, num_inference_steps: int,
-                       guidance_scale: float, scheduler: str | None) -> tuple[Job, JobResult] | None:
+                       guidance_scale: float, scheduler: str | None,
+                       images_field: str = "num_images") -> tuple[Job, JobResult] | None:
         """Queue one request and wait for it. Returns None if the client disconnected (its job is
-        cancelled); raises ``ServiceError`` (429 full, 504 deadline, 503/500/422 from the worker)."""
+        cancelled); raises ``ServiceError`` (429 full, 504 deadline, 503/500/422 from the worker; 422 naming
+        ``images_field`` for more images than ``max_batch``, the most one engine call may take)."""
         self._check_steps(num_inference_steps, scheduler)
+        if num_images > self.worker.max_batch:
+            raise InvalidRequest(
+                f"{images_field}: at most {self.worker.max_batch} images per request on this service (its max batch; "
+                f"got {num_images})", field=images_field)
         if seed is None:
             seed = secrets.randbelow(MAX_SEED + 1)
         job = Job(
@@ -416,7 +422,7 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
         out = await service.generate(
             request, prompt=body.prompt, negative_prompt=body.negative_prompt, seed=body.seed, num_images=body.n,
             width=width, height=height, num_inference_steps=body.num_inference_steps,
-            guidance_scale=body.guidance_scale, scheduler=None)
+            guidance_scale=body.guidance_scale, scheduler=None, images_field="n")
         if out is None:
             return Response(status_code=CLIENT_CLOSED)
         job, result = out

@@ -24,6 +24,8 @@ from sdfast.errors import InvalidRequestError
     ({"num_images_per_prompt": 10**7}, "num_images_per_prompt"),
     ({"prompt": ["a"] * 9, "num_images_per_prompt": 8}, "num_images_per_prompt"),
     ({"num_inference_steps": 1001, "scheduler": "ddim"}, "num_inference_steps"),
+    ({"num_inference_steps": 1000, "scheduler": "pndm"}, "num_inference_steps"),  # 1000 + steps_offset: past the end
+    ({"num_inference_steps": 1000, "scheduler": "unipc"}, "num_inference_steps"),  # NaN at 1000
     ({"num_inference_steps": 51, "scheduler": "lcm"}, "num_inference_steps"),
     ({"prompt": "\ud800 cat"}, "prompt"),  # a lone surrogate: not Unicode text the tokenizer takes
     ({"prompt": ["a cat", "\udc00"]}, "prompt"),
@@ -150,3 +152,18 @@ def test_unoptimize_and_load_reject_what_they_cannot_use():
         sdfast.unoptimize(None)
     with pytest.raises(ModelNotFoundError, match="model is empty"):
         sdfast.load("  ")
+
+
+def test_float64_is_refused_when_optimizing_before_anything_loads(monkeypatch):
+    """The fused kernels take fp16/bf16/fp32: float64 with optimize=True is a TypeError at load, not on the first
+    image; the stock pipeline still runs it, and optimize() refuses a float64 pipeline too."""
+    import sdfast.loading
+
+    monkeypatch.setattr(sdfast.loading, "load_pipeline", lambda *a, **k: pytest.fail("loaded before the check"))
+    with pytest.raises(TypeError, match="optimize=False"):
+        sdfast.load("random:tiny", dtype=torch.float64)
+    monkeypatch.undo()
+    engine = sdfast.load("random:tiny", dtype=torch.float64, optimize=False)
+    assert engine.txt2img("a cat", num_inference_steps=1, height=64, width=64, seed=0)[0].size == (64, 64)
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        sdfast.optimize(engine.pipe)

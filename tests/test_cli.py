@@ -43,6 +43,9 @@ def test_n_images_get_numbered_paths(tmp_path):
         (["--size", "100000x100000"], "at most 8192"),
         (["--steps", "x"], "invalid int value"),
         (["--size", "-64x64"], "expected one argument"),
+        (["--steps", "5000"], "at most 999"),
+        (["--steps", "1000"], "at most 999"),
+        (["--scheduler", "lcm", "--steps", "60"], "at most 50"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, monkeypatch, args, message):
@@ -119,3 +122,29 @@ def test_verbose_log_lines_name_their_source_once():
 
     assert line("sdfast.optimize", "sdfast: optimized 3 modules") == "sdfast: optimized 3 modules"
     assert line("sdfast.server", "worker: out of memory") == "sdfast.server: worker: out of memory"
+
+
+def test_scheduler_help_lists_every_scheduler(capsys):
+    from sdfast.schedulers import SCHEDULERS
+
+    with pytest.raises(SystemExit):
+        main(["txt2img", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in SCHEDULERS)
+
+
+def test_a_non_finite_image_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
+    """sdfast's own NonFiniteOutputError (e.g. broken weights) is one error line, not a traceback."""
+    import sdfast
+    from sdfast.errors import NonFiniteOutputError
+
+    class Engine:
+        device, dtype = "cpu", "torch.float32"
+
+        def txt2img(self, *a, **k):
+            raise NonFiniteOutputError("the decoded image holds NaN or Inf values")
+
+    monkeypatch.setattr(sdfast, "load", lambda *a, **k: Engine())
+    assert main(["txt2img", "a cat", "--out", str(tmp_path / "x.png")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == "sdfast: error: the decoded image holds NaN or Inf values"

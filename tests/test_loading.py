@@ -70,6 +70,20 @@ def test_incomplete_folder_names_the_component(tmp_path, tiny_engine):
         sdfast.load(str(tmp_path / "p"))
 
 
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "not a valid pipeline index (JSONDecodeError"),
+    ("[1, 2]", "expected a JSON object"),
+    ('{"unet": ["diffusers", "UNet2DConditionModel"]}', "'_class_name'"),
+    ('{"_class_name": "StableDiffusionPipeline", "unet": []}', "component 'unet' must be [library, class]"),
+])
+def test_a_malformed_index_is_named(tmp_path, text, message):
+    """A truncated or hand-edited model_index.json is a ModelNotFoundError naming the file, not a traceback."""
+    (tmp_path / "model_index.json").write_text(text)
+    with pytest.raises(sdfast.ModelNotFoundError, match="model_index.json") as info:
+        sdfast.load(str(tmp_path))
+    assert message in str(info.value)
+
+
 def test_hub_id_offline_fails_at_once(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(sdfast.HubOfflineError, match="local folder"):

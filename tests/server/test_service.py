@@ -193,3 +193,18 @@ def test_json_without_its_content_type_is_told_so():
         assert r.json()["error"]["message"] == "body: send a JSON object with the header 'content-type: application/json'"
         bad = c.post("/v1/txt2img", content=b'{"prompt": ', headers={"content-type": "application/json"})
         assert bad.status_code == 422 and "not valid JSON" in bad.json()["error"]["message"]
+
+
+def test_more_images_than_max_batch_are_refused_with_the_field():
+    """max_batch bounds one engine call (operators size it for GPU memory): a request for more images is a 422 naming
+    its field, before anything is queued; the service keeps serving."""
+    engine = FakeEngine()
+    with serving(create_app(engine, max_batch=2, api_key="")) as url, _client(url) as c:
+        r = c.post("/v1/txt2img", json={**REQ, "num_images": 3, "response_format": "b64_json"})
+        assert r.status_code == 422 and r.json()["error"]["param"] == "num_images"
+        assert "at most 2 images per request" in r.json()["error"]["message"]
+        oai = c.post("/v1/images/generations", json={"prompt": "a cat", "n": 3, "num_inference_steps": 2})
+        assert oai.status_code == 422 and oai.json()["error"]["param"] == "n"
+        assert engine.calls == []
+        assert c.post("/v1/txt2img", json={**REQ, "num_images": 2, "response_format": "b64_json"}).status_code == 200
+        assert [len(call["seeds"]) for call in engine.calls] == [2]
