@@ -38,7 +38,8 @@ namespace cg = cooperative_groups;
 
 namespace {
 
-struct Params {
+// The tensors of both kernels (an aggregate base: Params{{x, ...}, HW, ...}).
+struct Tensors {
   const void* x;
   const void* res;   // like x, or null
   const void* cb;    // channel bias (B or 1, C) in x's dtype, or null
@@ -46,6 +47,9 @@ struct Params {
   const void* bias;  // (C,) in x's dtype, or null
   void* y;
   void* pre;         // written when non-null
+};
+
+struct Params : Tensors {
   int HW, C, Cg, CS, nslices, R, nt;  // nt = (CS / VEC) * R working threads (the block is rounded up to warps)
   int64_t cb_bstride;  // elements between the channel bias's batch rows (0: one row for every batch item)
   float eps;
@@ -335,14 +339,7 @@ __global__ void __launch_bounds__(nhwc_max_threads(J), J <= 5 ? 1 : 2) gn_cluste
 // CTA k the vectors [k nt J, (k + 1) nt J) of it, thread t the vectors k nt J + t + j nt (j < J: coalesced). HW is a
 // multiple of the vector, so a vector lies in one channel. The statistics are the unit's shifted sums (shift: its
 // first value, which every CTA loads), one (sum d, sum d^2) pair per CTA exchanged through distributed shared memory.
-struct NchwParams {
-  const void* x;
-  const void* res;   // like x, or null
-  const void* cb;    // channel bias (B or 1, C) in x's dtype, or null
-  const void* w;     // (C,) in x's dtype, or null
-  const void* bias;  // (C,) in x's dtype, or null
-  void* y;
-  void* pre;         // written when non-null
+struct NchwParams : Tensors {
   int HW, C, Cg, G, nt;  // nt working threads per CTA (the block is rounded up to warps)
   int64_t cb_bstride;
   float eps;
@@ -568,7 +565,7 @@ int entry(const void* x, const void* res, const void* cb, const void* w, const v
   for (const void* q : ptrs)
     if (reinterpret_cast<uintptr_t>(q) % 16 != 0) return SDFAST_GN_BAD_ALIGN;
   if (sizeof(float) * smem_floats(R, CS, Cg, nt) > 48 * 1024) return SDFAST_GN_BAD_SPLIT;
-  Params p{x, res, cb, w, bias, y, pre, HW, C, Cg, CS, C / CS, R, nt, cb_bstride, eps, silu};
+  Params p{{x, res, cb, w, bias, y, pre}, HW, C, Cg, CS, C / CS, R, nt, cb_bstride, eps, silu};
   const cudaError_t e = nhwc_t<T>(p, B, K, J, nt, static_cast<cudaStream_t>(stream), nullptr);
   if (e != cudaSuccess) cudaGetLastError();  // clear it: the caller raises; PyTorch's next check must not see it
   return static_cast<int>(e);
@@ -603,7 +600,7 @@ int nchw_entry(const void* x, const void* res, const void* cb, const void* w, co
   const void* ptrs[] = {x, res, y, pre};
   for (const void* q : ptrs)
     if (reinterpret_cast<uintptr_t>(q) % 16 != 0) return SDFAST_GN_BAD_ALIGN;
-  NchwParams p{x, res, cb, w, bias, y, pre, HW, C, C / G, G, nt, cb_bstride, eps, silu};
+  NchwParams p{{x, res, cb, w, bias, y, pre}, HW, C, C / G, G, nt, cb_bstride, eps, silu};
   const cudaError_t e = nchw_t<T>(p, B * G, K, J, static_cast<cudaStream_t>(stream), nullptr);
   if (e != cudaSuccess) cudaGetLastError();  // clear it: the caller raises; PyTorch's next check must not see it
   return static_cast<int>(e);
