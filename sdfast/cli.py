@@ -95,7 +95,7 @@ def _check_steps_before_load(steps: int, scheduler: str | None) -> None:
     from sdfast.schedulers import check_steps, make_scheduler
 
     sd_config = {"num_train_timesteps": 1000, "steps_offset": 1}
-    check_steps(steps, make_scheduler(scheduler or "pndm", sd_config), scheduler)
+    check_steps(steps, make_scheduler(scheduler or "pndm", sd_config), scheduler or "model's")
 
 
 def cmd_txt2img(args) -> int:
