@@ -19,9 +19,9 @@ the reason is logged once through ``kernels.dispatch.log_fallback`` and the Trit
   aligned; channels_last: C a multiple of the 16-byte vector (8 channels in fp16/bf16, 4 in fp32); NCHW: H*W a
   multiple of it; weight, bias and channel bias in x's dtype, weight and bias contiguous;
 * a plan exists: every unit fits in a cluster of at most ``max_cluster`` CTAs holding at most 8 vectors per
-  thread, with all clusters resident at once (channels_last on the H200: SD1.5's UNet shapes but
-  (2, 960, 64, 64); SDXL's up to 32x32 and its 320- and 640-channel 64x64 ones but (2, 640, 64, 64); none of the
-  VAE's from 128x128 up);
+  thread, with all clusters resident at once (channels_last on the H200, run 17: SD1.5's UNet shapes but
+  (2, 640, 64, 64) and (2, 960, 64, 64); SDXL's up to 32x32 but (2, 2560, 32, 32), and at 64x64 only its
+  320-channel ones; the VAEs' 64x64 ones, none from 128x128 up);
 * nvcc builds the library (once per source version, cached in ``~/.cache/sdfast/csrc``).
 
 Method: Wu & He 2018 (GroupNorm); the CUDA Programming Guide's thread-block clusters and distributed shared
@@ -121,9 +121,10 @@ def cluster_plan(B: int, C: int, HW: int, G: int, elem_size: int, num_sms: int =
     the occupancy API: a second wave of clusters doubles the time), or None when none does (C not a multiple of the
     vector, a unit too large for one cluster, or no candidate resident in one wave).
 
-    Order (measured on the H200, run 17 call B, every plan at SD's 16x16 to 64x64 shapes; a bandwidth model ranked
-    them 2-18 % off the best): plans that give nearly every SM a CTA first, then the narrowest slices (most units),
-    about 4 vectors per thread (within 5 % of the best at each shape), fewer CTAs per cluster, fewer threads."""
+    Order (measured on the H200, run 17 calls B and C, every plan at SD's 8x8 to 64x64 shapes; a bandwidth model
+    ranked them 2-18 % off the best): plans that give nearly every SM a CTA first, then the narrowest slices (most
+    units), about 4 vectors per thread, fewer CTAs per cluster, fewer threads. The pick was within 6 % of the best
+    plan at 6 of 8 shapes, 1.12-1.13x at (2, 1280, 8, 8) and (2, 960, 32, 32)."""
     def rank(p: ClusterPlan):
         return (p.ctas < 0.9 * num_sms, p.CS, abs(p.J - 4), p.K, p.nt)
 
