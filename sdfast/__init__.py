@@ -14,7 +14,7 @@ import os
 
 import torch
 
-from .config import OptimizeConfig
+from .config import KERNEL_DTYPES, OptimizeConfig
 from .engine import Engine, PromptTruncatedWarning
 from .errors import HubOfflineError, InvalidRequestError, ModelNotFoundError, NonFiniteOutputError
 from .schedulers import SCHEDULERS
@@ -99,7 +99,7 @@ def load(model, *, device=None, dtype=None, seed: int = 0, optimize: bool | Opti
         raise TypeError(f"optimize must be True, False or an sdfast.OptimizeConfig, got {optimize!r}")
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
         raise ValueError(f"seed (of the random weights) must be an integer in [0, 2**63), got {seed!r}")
-    if optimize and isinstance(dtype, torch.dtype) and dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if optimize and isinstance(dtype, torch.dtype) and dtype not in KERNEL_DTYPES:
         raise TypeError(f"dtype: the fused kernels take float16, bfloat16 or float32, not {dtype}; "
                         "pass optimize=False for the stock pipeline in that dtype")
     pipe = load_pipeline(model, device=device, dtype=dtype, seed=seed)

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
+
+# The dtypes the fused kernels take (an optimized pipeline must be in one of them).
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
 
 @dataclass(frozen=True)
 class OptimizeConfig:

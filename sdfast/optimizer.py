@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import OptimizeConfig
+from .config import KERNEL_DTYPES, OptimizeConfig
 from .runtime import execution_device, host_timesteps
 
 log = logging.getLogger("sdfast")
@@ -79,7 +79,7 @@ def optimize(pipe, config: OptimizeConfig | None = None):
 
     if not (hasattr(pipe, "unet") and hasattr(pipe, "vae")):
         raise TypeError(f"optimize expects a diffusers Stable Diffusion pipeline, got {type(pipe).__name__}")
-    if pipe.unet.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if pipe.unet.dtype not in KERNEL_DTYPES:
         raise TypeError(f"optimize: the fused kernels take float16, bfloat16 or float32, and this pipeline's UNet is "
                         f"{pipe.unet.dtype}; load it in one of those, or with optimize=False for the stock pipeline")
     if config is not None and not isinstance(config, OptimizeConfig):

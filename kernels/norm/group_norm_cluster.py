@@ -309,11 +309,12 @@ def launcher(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, 
             lib = library()
         except RuntimeError as e:
             why = f"library build failed: {str(e)[:300]}"
-    nchw = why is None and layout(x) == "nchw"
+    lay = layout(x)
+    nchw = why is None and lay == "nchw"
     if why is None:
         plan = TUNING["plan"] or device_plan(B, C, H * W, num_groups, x.dtype, x.device.index or 0, nchw=nchw)
         if plan is None or isinstance(plan, NchwPlan) != nchw:
-            why = f"no cluster plan for (B, C, HW, G) = ({B}, {C}, {H * W}, {num_groups}) {x.dtype} {layout(x)}"
+            why = f"no cluster plan for (B, C, HW, G) = ({B}, {C}, {H * W}, {num_groups}) {x.dtype} {lay}"
     if why is not None:
         log_fallback("group_norm cluster", why, instead="the Triton kernels")
         return None
