@@ -6,9 +6,7 @@ checked against SDPA's math backend (fp32) and timed with ``triton.testing.do_be
 calls); SDPA's cuDNN and flash backends are timed the same way. The point is to find configs the autotuner's
 short list (``flash_attention_configs``) misses. GPU only.
 
-    python -m benchmarks.sweep_attention --out OUT_DIR [--quick] [--lazy] [--only LABELS]
-
-``--lazy`` also times each config with FlashAttention-4's conditional rescaling (``kernel_arguments(lazy_rescale=True)``).
+    python -m benchmarks.sweep_attention --out OUT_DIR [--quick]
 """
 
 from __future__ import annotations
@@ -65,7 +63,7 @@ def _inputs(b, h, lq, lk, d, device):
     return proj(lq), proj(lk), proj(lk)
 
 
-def sweep_shape(label, b, h, lq, lk, d, upcast, quick, lazy=False, device="cuda"):
+def sweep_shape(label, b, h, lq, lk, d, upcast, quick, device="cuda"):
     import torch
     import torch.nn.functional as F
     import triton
@@ -100,16 +98,14 @@ def sweep_shape(label, b, h, lq, lk, d, upcast, quick, lazy=False, device="cuda"
     for meta, warps, stages in _configs(d, quick):
         if _smem_bytes(meta["BLOCK_M"], meta["BLOCK_N"], meta["D0"] + meta["D1"], meta["D0"] + meta["D1"], stages, 2) > smem:
             continue
-        for lazy_rescale in (False, True) if lazy else (False,):
-            out = _empty_out(q)
-            args, consts, grid = kernel_arguments(q, k, v, out, None, scale, upcast, lazy_rescale=lazy_rescale)
+        out = _empty_out(q)
+        args, consts, grid = kernel_arguments(q, k, v, out, None, scale, upcast)
 
-            def run(meta=meta, warps=warps, stages=stages, args=args, consts=consts, grid=grid, out=out):
-                _flash_attn_fwd_kernel[grid(meta)](*args, **consts, **meta, num_warps=warps, num_stages=stages)
-                return out
-            name = f"bm{meta['BLOCK_M']} bn{meta['BLOCK_N']} w{warps} s{stages} d{meta['D0']}+{meta['D1']}"
-            name += " lazy" if lazy_rescale else ""
-            launches.append((name, run, {"warps": warps, "stages": stages, "lazy_rescale": lazy_rescale, **meta}))
+        def run(meta=meta, warps=warps, stages=stages, args=args, consts=consts, grid=grid, out=out):
+            _flash_attn_fwd_kernel[grid(meta)](*args, **consts, **meta, num_warps=warps, num_stages=stages)
+            return out
+        name = f"bm{meta['BLOCK_M']} bn{meta['BLOCK_N']} w{warps} s{stages} d{meta['D0']}+{meta['D1']}"
+        launches.append((name, run, {"warps": warps, "stages": stages, **meta}))
     precompile.dry_run(lambda: [run() for _, run, _ in launches], label=f"sweep {label}")  # compile on all cores
     for name, run, extra in launches:
         record(name, run, extra)
@@ -121,7 +117,6 @@ def main(argv=None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--quick", action="store_true", help="fewer tile shapes")
     p.add_argument("--only", default=None, help="comma list of substrings of the shape labels to run")
-    p.add_argument("--lazy", action="store_true", help="also time every config with the conditional rescaling")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -130,7 +125,7 @@ def main(argv=None) -> int:
         if args.only and not any(o in shape[0] for o in args.only.split(",")):
             continue
         t0 = time.perf_counter()
-        got = sweep_shape(*shape, quick=args.quick, lazy=args.lazy)
+        got = sweep_shape(*shape, quick=args.quick)
         rows += got
         ok = sorted((r for r in got if "us" in r and r["max_err"] < 2e-2), key=lambda r: r["us"])
         sdpa = {r["config"]: r["us"] for r in got if r["config"].startswith("sdpa") and "us" in r}

@@ -53,11 +53,6 @@ log = logging.getLogger("sdfast.kernels")
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 512
 LOG2E = 1.4426950408889634
-# FlashAttention-4's conditional softmax rescaling (Dao-AILab flash-attention, flash_attn/cute, 2025): the kernel
-# moves a row's running max only when a tile raises it by more than RESCALE_LOG2 (base 2), so probabilities stay
-# <= 2**8 and most tiles skip the rescale of the accumulators. Off until measured faster on the H200 (benchmarks/sweep_attention.py --lazy).
-LAZY_RESCALE = False
-RESCALE_LOG2 = 8.0
 
 __all__ = [
     "attention_ref",
@@ -163,8 +158,6 @@ if HAS_TRITON:
         HAS_MASK: tl.constexpr,
         UPCAST: tl.constexpr,
         DOT_PREC: tl.constexpr,
-        LAZY_RESCALE: tl.constexpr,
-        RESCALE_LOG2: tl.constexpr,
     ):
         """One key/value tile of the online softmax: returns updated (acc0, acc1, m_i, l_i)."""
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -190,39 +183,16 @@ if HAS_TRITON:
         elif not EVEN_N:
             qk = tl.where(n_ok[None, :], qk, float("-inf"))
         # ---- online softmax in base 2 (qk_scale = scale * log2(e) > 0) ----
-        if LAZY_RESCALE:
-            # FlashAttention-4's conditional rescaling: the running max m_i is only moved (and acc, l rescaled) when
-            # some row's tile max exceeds it by more than RESCALE_LOG2; otherwise the stale max is kept, so
-            # p = exp2(s - m_i) <= 2**RESCALE_LOG2 (256): fp16 holds it, and acc / l carry the same factor, which the
-            # final division cancels. One tile-uniform branch instead of a rescale of acc and l on every tile. No key
-            # padding here (a fully padded row has no finite max): the launcher enables it without a mask only.
-            m_tile = tl.max(qk, 1) * qk_scale
-            if tl.max(m_tile - m_i, 0) > RESCALE_LOG2:
-                m_up = tl.maximum(m_i, m_tile)
-                alpha = tl.math.exp2(m_i - m_up)
-                l_i = l_i * alpha
-                acc0 = acc0 * alpha[:, None]
-                if DV1 > 0:
-                    acc1 = acc1 * alpha[:, None]
-                m_i = m_up
-            m_new = m_i
-            p = tl.math.exp2(qk * qk_scale - m_i[:, None])
-            l_i = l_i + tl.sum(p, 1)
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            m_sub = m_new
-            if HAS_MASK:
-                # a row whose keys so far are all padded has m_new = -inf: subtract 0 instead, so that
-                # p = exp2(-inf) = 0 and alpha = 0 rather than NaN; m_i itself stays the true max
-                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
-            alpha = tl.math.exp2(m_i - m_sub)
-            l_i = l_i * alpha + tl.sum(p, 1)
-        # ---- acc = acc * alpha + p @ v (with LAZY_RESCALE, acc was rescaled above when needed) ----
-        if not LAZY_RESCALE:
-            acc0 = acc0 * alpha[:, None]
-            if DV1 > 0:
-                acc1 = acc1 * alpha[:, None]
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        m_sub = m_new
+        if HAS_MASK:
+            # a row whose keys so far are all padded has m_new = -inf: subtract 0 instead, so that
+            # p = exp2(-inf) = 0 and alpha = 0 rather than NaN; m_i itself stays the true max
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(qk * qk_scale - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # ---- acc = acc * alpha + p @ v ----
         offs_v0 = dv_start + tl.arange(0, DV0)
         v0 = _load_2d(
             v_base + offs_n[:, None] * stride_vn + offs_v0[None, :] * stride_vd,
@@ -233,7 +203,7 @@ if HAS_TRITON:
         p_hi = p.to(v0.dtype)
         if UPCAST:
             p_lo = (p - p_hi.to(tl.float32)).to(v0.dtype)
-        acc0 = tl.dot(p_hi, v0, acc0, input_precision=DOT_PREC)
+        acc0 = tl.dot(p_hi, v0, acc0 * alpha[:, None], input_precision=DOT_PREC)
         if UPCAST:
             acc0 = tl.dot(p_lo, v0, acc0, input_precision=DOT_PREC)
         if DV1 > 0:
@@ -242,7 +212,7 @@ if HAS_TRITON:
                 v_base + offs_n[:, None] * stride_vn + offs_v1[None, :] * stride_vd,
                 n_ok, offs_v1 < HEAD_DIM, True, DV0 + DV1 > HEAD_DIM,
             )
-            acc1 = tl.dot(p_hi, v1, acc1, input_precision=DOT_PREC)
+            acc1 = tl.dot(p_hi, v1, acc1 * alpha[:, None], input_precision=DOT_PREC)
             if UPCAST:
                 acc1 = tl.dot(p_lo, v1, acc1, input_precision=DOT_PREC)
         return acc0, acc1, m_new, l_i
@@ -283,8 +253,6 @@ if HAS_TRITON:
         HAS_MASK: tl.constexpr,
         UPCAST: tl.constexpr,  # P.V with P split in hi + lo parts (fp32-accurate probabilities)
         DOT_PREC: tl.constexpr,  # precision of fp32 dots ("tf32x3" for fp32 inputs)
-        LAZY_RESCALE: tl.constexpr,  # move the running max only when it grows by > RESCALE_LOG2 (no mask only)
-        RESCALE_LOG2: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         D0: tl.constexpr,  # q.k column chunks: D0 (power of two) + D1 (0 or power of two) >= HEAD_DIM
@@ -340,7 +308,6 @@ if HAS_TRITON:
                     acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, kpm_base, start_n, LK,
                     stride_kn * SA, stride_kd, stride_vn * SA, stride_vd, stride_mn, qk_scale, dv_start,
                     HEAD_DIM, D0, D1, DV0, DV1, BLOCK_N, True, HAS_MASK, UPCAST, DOT_PREC,
-                    LAZY_RESCALE, RESCALE_LOG2,
                 )
                 start_n += BLOCK_N
         else:
@@ -349,7 +316,6 @@ if HAS_TRITON:
                     acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, kpm_base, start_n, LK,
                     stride_kn * SA, stride_kd, stride_vn * SA, stride_vd, stride_mn, qk_scale, dv_start,
                     HEAD_DIM, D0, D1, DV0, DV1, BLOCK_N, True, HAS_MASK, UPCAST, DOT_PREC,
-                    LAZY_RESCALE, RESCALE_LOG2,
                 )
         # last partial key tile: a loop of 0 or 1 iteration, not an `if` (with the dots inside an `if`
         # after the loop, Triton 3.6 on sm_90 gave wrong results or illegal accesses for some tiles)
@@ -359,7 +325,6 @@ if HAS_TRITON:
                     acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, kpm_base, n_full, LK,
                     stride_kn * SA, stride_kd, stride_vn * SA, stride_vd, stride_mn, qk_scale, dv_start,
                     HEAD_DIM, D0, D1, DV0, DV1, BLOCK_N, False, HAS_MASK, UPCAST, DOT_PREC,
-                    LAZY_RESCALE, RESCALE_LOG2,
                 )
         else:
             for start_n in range(n_full, LK, BLOCK_N):
@@ -367,7 +332,6 @@ if HAS_TRITON:
                     acc0, acc1, m_i, l_i, q0, q1, k_base, v_base, kpm_base, start_n, LK,
                     stride_kn * SA, stride_kd, stride_vn * SA, stride_vd, stride_mn, qk_scale, dv_start,
                     HEAD_DIM, D0, D1, DV0, DV1, BLOCK_N, False, HAS_MASK, UPCAST, DOT_PREC,
-                    LAZY_RESCALE, RESCALE_LOG2,
                 )
 
         # epilogue: divide by the row sums; a query with no unpadded key has l = 0 -> zeros
@@ -580,15 +544,14 @@ def _stride_align(elem_size: int, *tensors: torch.Tensor) -> int:
     return sa
 
 
-def kernel_arguments(q, k, v, out, key_padding_mask, scale, upcast_softmax, lazy_rescale=None):
+def kernel_arguments(q, k, v, out, key_padding_mask, scale, upcast_softmax):
     """``(args, consts, grid)`` for one launch of ``_flash_attn_fwd_kernel``: its runtime arguments, the constexprs
     that are not a config's, and ``grid(meta)`` for a config's meta-parameters (BLOCK_M, DV0, DV1). What ``_launch``
     passes; ``benchmarks/sweep_attention.py`` launches chosen configs with them.
 
     q: (B, H, Lq, D), k and v: (B, H, Lk, D), out: (B, H, Lq, D), any strides, one of ``SUPPORTED_DTYPES``;
     key_padding_mask: None or a (B or 1, Lk) bool tensor (True = keep); scale: the softmax scale (> 0);
-    upcast_softmax: fp32-accurate probabilities in P.V (ignored for fp32); lazy_rescale: FlashAttention-4's
-    conditional rescaling (None: ``LAZY_RESCALE``; never with a key-padding mask). Inputs are not checked here (see
+    upcast_softmax: fp32-accurate probabilities in P.V (ignored for fp32). Inputs are not checked here (see
     ``_check_inputs``)."""
     B, H, Lq, D = q.shape
     Lk = k.shape[2]
@@ -614,10 +577,9 @@ def kernel_arguments(q, k, v, out, key_padding_mask, scale, upcast_softmax, lazy
         os_[0] // sa, os_[1] // sa, os_[2] // sa, os_[3],
         smb, smn, H, Lq, Lk, lq_bucket, lk_bucket,
     )
-    lazy = LAZY_RESCALE if lazy_rescale is None else bool(lazy_rescale)
     consts = dict(
         HEAD_DIM=D, SA=sa, HAS_MASK=key_padding_mask is not None, UPCAST=upcast, DOT_PREC=dot_prec,
-        LAZY_RESCALE=lazy and key_padding_mask is None, RESCALE_LOG2=RESCALE_LOG2, INTERPRET=interpret_mode(),
+        INTERPRET=interpret_mode(),
     )
 
     def grid(meta):

@@ -258,30 +258,3 @@ def test_config_pruning_depends_on_the_length_bucket_only():
     assert kept(32, 77) == kept(63, 77) == [(64, 64)]  # bucket 32: tiles of up to 64 queries
     assert kept(64, 77) == kept(80, 77) == kept(127, 77) == list(tiles)  # bucket 64: up to 128
     assert kept(64, 16) == kept(64, 31) == [(128, 32)]  # keys: bucket 16, tiles of up to 32 keys
-
-
-@pytest.mark.parametrize("dtype,atol", DTYPES, ids=["fp32", "fp16"])
-@pytest.mark.parametrize("growth", [0.0, 0.1], ids=["flat-scores", "growing-scores"])
-def test_lazy_rescale(monkeypatch, dtype, atol, growth):
-    """The conditional rescaling gives the reference's result both when later key tiles raise the row max past the
-    threshold (growing scores: the branch is taken several times) and when they never do (the stale max is kept)."""
-    from kernels.attention import flash_attention as fa
-
-    monkeypatch.setattr(fa, "LAZY_RESCALE", True)
-    torch.manual_seed(0)
-    q, k, v = _qkv(1, 2, 70, 130, 40, torch.float32)
-    k = k * (1 + growth * torch.arange(130).view(1, 1, 130, 1))  # scores up to ~14x larger in the last tiles
-    q, k, v = (t.to(dtype) for t in (q, k, v))
-    args = fa.kernel_arguments(q, k, v, fa._empty_out(q), None, 40 ** -0.5, False)[1]
-    assert args["LAZY_RESCALE"] is True
-    _check(q, k, v, dtype, atol, f"lazy growth {growth}")
-
-
-def test_lazy_rescale_never_with_a_mask(monkeypatch):
-    from kernels.attention import flash_attention as fa
-
-    monkeypatch.setattr(fa, "LAZY_RESCALE", True)
-    q, k, v = _qkv(1, 1, 8, 8, 40, torch.float32)
-    kpm = torch.ones(1, 8, dtype=torch.bool)
-    assert fa.kernel_arguments(q, k, v, fa._empty_out(q), kpm, 1.0, False)[1]["LAZY_RESCALE"] is False
-    assert fa.kernel_arguments(q, k, v, fa._empty_out(q), None, 1.0, False, lazy_rescale=False)[1]["LAZY_RESCALE"] is False

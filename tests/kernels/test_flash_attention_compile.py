@@ -26,7 +26,7 @@ from kernels.attention import flash_attention as fa
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
-def compile_(arch, D, dtype, BM, BN, DV, warps, stages, mask=False, upcast=False, lazy=False):
+def compile_(arch, D, dtype, BM, BN, DV, warps, stages, mask=False, upcast=False):
     fn = fa._flash_attn_fwd_kernel
     d0, d1 = fa.head_dim_chunks(D)
     dv0, dv1 = (d0, d1) if DV is None else (DV, 0)
@@ -34,7 +34,7 @@ def compile_(arch, D, dtype, BM, BN, DV, warps, stages, mask=False, upcast=False
     sig.update({n: "*" + dtype for n in ("Q", "K", "V", "O")}, KPM="*u8", qk_scale="fp32")
     consts = dict(HEAD_DIM=D, SA=8 if dtype != "fp32" else 4, HAS_MASK=mask, UPCAST=upcast,
                   DOT_PREC="tf32x3" if dtype == "fp32" else "tf32", BLOCK_M=BM, BLOCK_N=BN,
-                  D0=d0, D1=d1, DV0=dv0, DV1=dv1, INTERPRET=False, LAZY_RESCALE=lazy, RESCALE_LOG2=fa.RESCALE_LOG2,
+                  D0=d0, D1=d1, DV0=dv0, DV1=dv1, INTERPRET=False,
                   stride_qd=1, stride_kd=1, stride_vd=1, stride_od=1)  # unit strides: what the JIT specialises
     sig.update({k: "constexpr" for k in consts})
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ("Q", "K", "V", "O", "KPM")}
@@ -63,7 +63,6 @@ print(json.dumps({name: compile_(**kw) for name, kw in cases.items()}))
 CASES = {
     # SD1.5 64x64 self-attention, 8 heads of 40: the hot config family
     "d40_sm90": (dict(arch=90, D=40, dtype="fp16", BM=128, BN=64, DV=None, warps=4, stages=3), True),
-    "d40_lazy_sm90": (dict(arch=90, D=40, dtype="fp16", BM=128, BN=64, DV=None, warps=4, stages=3, lazy=True), True),
     "d40_mask_sm90": (dict(arch=90, D=40, dtype="fp16", BM=128, BN=64, DV=None, warps=4, stages=3, mask=True), True),
     # SDXL / SD2.1 heads of 64, bf16, upcast (split P)
     "d64_bf16_upcast_sm90": (
