@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from kernels.gelu import gelu_erf
 from kernels.gemm._common import aligned16, device_index, grouped_tile, misaligned, num_sms, tma_operands_problem
 
 
@@ -103,7 +104,7 @@ def _geglu_tile(tile, x_desc, wa_desc, wg_desc, w2_desc, out_desc, bias_ptr, M, 
         in_n = cols < N
         acc_a += tl.load(bias_ptr + cols, mask=in_n, other=0.0).to(tl.float32)[None, :]
         acc_g += tl.load(bias_ptr + N + cols, mask=in_n, other=0.0).to(tl.float32)[None, :]
-    y = acc_a * (0.5 * acc_g * (1.0 + tl.math.erf(acc_g * 0.7071067811865476)))
+    y = acc_a * gelu_erf(acc_g)
     out_desc.store([off_m, off_n], y.to(out_desc.dtype))
 
 

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import interpret_mode, launch_autotuned, use_triton
+from kernels.gelu import gelu_erf
 from kernels.gemm._common import autotune_bench, even_k, grouped_tile, interp_meta, smem_limit
 
 EPILOGUES = (None, "gelu", "geglu")
@@ -76,11 +77,6 @@ def linear_ref(
 # --------------------------------------------------------------------------------------------
 # kernel
 # --------------------------------------------------------------------------------------------
-@triton.jit
-def _gelu_erf(y):
-    return 0.5 * y * (1.0 + tl.math.erf(y * 0.7071067811865476))
-
-
 @triton.jit
 def _linear_kernel(
     x_ptr,  # (M, K) activations
@@ -158,9 +154,9 @@ def _linear_kernel(
         if EPILOGUE == 2:
             acc_g += tl.load(bias_ptr + N + rn).to(tl.float32)[None, :]
     if EPILOGUE == 1:
-        acc = _gelu_erf(acc)
+        acc = gelu_erf(acc)
     elif EPILOGUE == 2:
-        acc = acc * _gelu_erf(acc_g)
+        acc = acc * gelu_erf(acc_g)
 
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if HAS_RESIDUAL:

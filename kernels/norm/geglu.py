@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from kernels.dispatch import use_triton
+from kernels.gelu import gelu_erf
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -53,7 +54,7 @@ def _geglu_kernel(
     h_offs = rows[:, None] * shm + cols[None, :]
     a = tl.load(h_ptr + h_offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(h_ptr + h_offs + D, mask=mask, other=0.0).to(tl.float32)
-    y = a * (0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476)))
+    y = a * gelu_erf(g)
     tl.store(out_ptr + rows[:, None] * D + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
