@@ -1,7 +1,7 @@
 """``optimize(pipe, config)``: compose sdfast's passes on a diffusers pipeline, in place, reversibly.
 
 Order: attention processor -> norm fusion -> channels_last layout -> time-embedding packing -> upsampling -> skip
-concatenation -> convolution biases -> CUDA graphs. Each pass is its own module (``sdfast.passes``, ``sdfast.runtime``), counts what it
+concatenation -> convolution biases -> small-K linears -> CUDA graphs. Each pass is its own module (``sdfast.passes``, ``sdfast.runtime``), counts what it
 changed, and can be undone (``unoptimize``). The pipeline object stays the same diffusers pipeline.
 """
 
@@ -75,7 +75,7 @@ def optimize(pipe, config: OptimizeConfig | None = None):
     on an optimized pipeline returns it unchanged with the same config (or None); with another config it raises
     ``ValueError``: ``unoptimize`` first to change the config.
     """
-    from .passes import attention, conv_bias, layout, norms, skip_concat, time_embedding, upsample
+    from .passes import attention, conv_bias, layout, linear, norms, skip_concat, time_embedding, upsample
 
     if not (hasattr(pipe, "unet") and hasattr(pipe, "vae")):
         raise TypeError(f"optimize expects a diffusers Stable Diffusion pipeline, got {type(pipe).__name__}")
@@ -115,6 +115,8 @@ def optimize(pipe, config: OptimizeConfig | None = None):
         state.counts["skip_concat"] = skip_concat.apply(pipe.unet)
     if config.conv_bias:
         state.counts["conv_bias"] = sum(conv_bias.apply(m) for m in _denoisers(pipe))
+    if config.tma_linear:
+        state.counts["linear"] = linear.apply(pipe.unet)
     if config.cuda_graphs and pipe.unet.device.type == "cuda":
         _install_graphs(pipe, state)
         state.counts["cuda_graphs"] = len(state.graphs.runners)
@@ -126,7 +128,7 @@ def optimize(pipe, config: OptimizeConfig | None = None):
 
 def unoptimize(pipe):
     """Undo ``optimize``: the stock modules, processors, layouts and forwards come back. Returns ``pipe``."""
-    from .passes import attention, conv_bias, layout, norms, skip_concat, time_embedding, upsample
+    from .passes import attention, conv_bias, layout, linear, norms, skip_concat, time_embedding, upsample
 
     if not (hasattr(pipe, "unet") and hasattr(pipe, "vae")):
         raise TypeError(f"unoptimize expects a diffusers Stable Diffusion pipeline, got {type(pipe).__name__}")
@@ -138,6 +140,7 @@ def unoptimize(pipe):
         state.graphs.uninstall()
         del pipe.check_inputs
         host_timesteps.release(pipe.scheduler)
+    linear.undo(pipe.unet)
     time_embedding.undo(pipe.unet)
     skip_concat.undo(pipe.unet)
     for m in _denoisers(pipe):

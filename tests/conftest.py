@@ -18,6 +18,7 @@ if not HAS_CUDA:
     import kernels.gemm.fp8_static  # noqa: F401,E402
     import kernels.gemm.geglu_tma  # noqa: F401,E402
     import kernels.gemm.int8_outlier  # noqa: F401,E402
+    import kernels.gemm.linear_tma  # noqa: F401,E402
     import kernels.gemm.matmul  # noqa: F401,E402
     import kernels.gemm.sparse24  # noqa: F401,E402
     import kernels.gemm.w4a16  # noqa: F401,E402

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.elementwise import bias_residual_add
+from kernels.gemm.linear_projection import linear_projection
+from sdfast.passes.linear import TOKENS_MARKER
 from sdfast.passes._modules import runs_as_its_class
 
 
@@ -43,7 +45,8 @@ def _transformer_input(self, hidden_states):
     inner_dim = hidden_states.shape[1]
     if not self.use_linear_projection and _pointwise_conv(self.proj_in) and _is_channels_last(hidden_states):
         tokens = hidden_states.permute(0, 2, 3, 1).reshape(batch, height * width, inner_dim)
-        out = F.linear(tokens, self.proj_in.weight.flatten(1), self.proj_in.bias)
+        linear = linear_projection if getattr(self, TOKENS_MARKER, False) else F.linear
+        out = linear(tokens, self.proj_in.weight.flatten(1), self.proj_in.bias)
         return out, out.shape[-1]
     if not self.use_linear_projection:
         hidden_states = self.proj_in(hidden_states)
@@ -61,6 +64,10 @@ def _transformer_output(self, hidden_states, residual, batch_size, height, width
     if not self.use_linear_projection:
         if (_pointwise_conv(self.proj_out) and fmt is torch.channels_last and residual.dtype == hidden_states.dtype
                 and residual.dtype in _KERNEL_DTYPES):  # else (autocast's mixed dtypes, fp64) diffusers' own ops
+            if getattr(self, TOKENS_MARKER, False):  # sdfast.passes.linear: bias and residual in the GEMM's epilogue
+                tokens = residual.permute(0, 2, 3, 1).reshape(batch_size, height * width, -1)  # a view (NHWC memory)
+                out = linear_projection(hidden_states, self.proj_out.weight.flatten(1), self.proj_out.bias, tokens)
+                return out.reshape(batch_size, height, width, -1).permute(0, 3, 1, 2)
             out = F.linear(hidden_states, self.proj_out.weight.flatten(1))
             out = out.reshape(batch_size, height, width, -1).permute(0, 3, 1, 2)
             return bias_residual_add(out, self.proj_out.bias, residual)

@@ -1,10 +1,15 @@
 """kernels.gemm.linear_tma (TMA GEMM with bias and residual in its epilogue) against its fp32 reference on the CPU
 under TRITON_INTERPRET=1 (one tile per program): partial tiles in M, N and K, bias and residual present or not,
-SD's real K/N pairs with few rows; what it refuses. The GPU file runs every config at SD's shapes."""
+SD's real K/N pairs with few rows; what it refuses; and kernels.gemm.linear_projection's choice (forced, measured once,
+never inside a dry run or a torch.compile trace, logged fallbacks) and its cuBLAS residual path."""
+
+import logging
 
 import pytest
 import torch
 
+from kernels import precompile
+from kernels.gemm import linear_projection as lp
 from kernels.gemm.linear_tma import LinearTile, linear_ref, linear_tma, unsupported
 from kernels.testing import assert_close_rule
 
@@ -53,3 +58,114 @@ def test_refusals():
     assert "contiguous" in unsupported(x.t().contiguous().t(), w, b)
     assert "residual" in unsupported(x, w, b, r.float())
     assert "fp16 or bf16" in unsupported(x.float(), w.float(), b.float())
+
+
+# ------------------------------------------------------------------------------------------------
+# kernels.gemm.linear_projection: the measured choice between cuBLAS and the TMA GEMM
+# ------------------------------------------------------------------------------------------------
+
+
+def _check_lp(out, x, w, b, r, name):
+    f = lambda t: None if t is None else t.float()  # noqa: E731
+    lowp = torch.nn.functional.linear(x, w, b) + (0 if r is None else r)
+    assert out.shape == lowp.shape and out.dtype == x.dtype
+    assert_close_rule(out, linear_ref(x.float(), w.float(), f(b), f(r)), lowp, 2e-3, name)
+
+
+@pytest.fixture
+def clean_choices(monkeypatch):
+    monkeypatch.setattr(lp, "_choices", {})
+    monkeypatch.setitem(lp.TUNING, "configs", (SMALL,))
+    return lp._choices
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_forced_tma_path_runs_the_kernel(clean_choices, monkeypatch, residual):
+    monkeypatch.setitem(lp.TUNING, "force", SMALL)
+    calls = []
+    real = lp.linear_tma
+    monkeypatch.setattr(lp, "linear_tma", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, w, b, r = _inputs(20, 64, 48)
+    r = r if residual else None
+    _check_lp(lp.linear_projection(x, w, b, r), x, w, b, r, "forced TMA")
+    assert calls and list(clean_choices.values()) == [SMALL]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_cublas_path_with_a_residual(clean_choices, bias):
+    """cuBLAS's residual path: the bias-free GEMM, then bias_residual_add over the rows seen as NHWC."""
+    x, w, b, r = _inputs(2 * 12, 64, 48)
+    b = b if bias else None
+    out = lp.cublas_linear(x.view(2, 12, 64), w, b, r.view(2, 12, 48))
+    assert out.shape == (2, 12, 48) and out.is_contiguous()
+    _check_lp(out.view(24, 48), x, w, b, r, "cuBLAS + bias_residual_add")
+
+
+def test_cpu_without_force_runs_cublas_path_and_keeps_nothing(clean_choices, monkeypatch):
+    monkeypatch.setattr(lp, "linear_tma", lambda *a, **k: pytest.fail("the TMA kernel must not run"))
+    x, w, b, r = _inputs(20, 64, 48)
+    _check_lp(lp.linear_projection(x, w, b, r), x, w, b, r, "cuBLAS path")
+    assert clean_choices == {}  # nothing measured on the CPU: a later CUDA call would measure
+
+
+def test_measured_once_per_signature(clean_choices, monkeypatch):
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # reach the measuring branch
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    measured = []
+    monkeypatch.setattr(lp, "_measure", lambda x, *a: measured.append(x.shape))  # None: cuBLAS measured faster
+    monkeypatch.setattr(lp, "unsupported", lambda *a: None)
+    x, w, b, _ = _inputs(20, 64, 48)
+    for _ in range(3):
+        lp.linear_projection(x, w, b)
+    lp.linear_projection(x[:10], w, b)
+    assert len(measured) == 2 and list(clean_choices.values()) == [None, None]
+
+
+def test_dry_run_compiles_every_config_and_keeps_nothing(clean_choices, monkeypatch):
+    monkeypatch.setattr(precompile, "active", lambda: True)
+    monkeypatch.setattr(lp, "_measure", lambda *a: pytest.fail("nothing may be timed in a dry run"))
+    configs = (SMALL, LinearTile(16, 32, 32, 1, 4, persistent=False))
+    monkeypatch.setitem(lp.TUNING, "configs", configs)
+    monkeypatch.setattr(lp, "unsupported", lambda *a: None)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    launched = []
+    monkeypatch.setattr(lp, "linear_tma", lambda x, w, b, r, c: launched.append(c))
+    x, w, b, _ = _inputs(20, 64, 48)
+    _check_lp(lp.linear_projection(x, w, b), x, w, b, None, "dry run")
+    assert launched == list(configs) and clean_choices == {}
+
+
+def test_a_misaligned_tensor_with_a_cached_tma_choice_runs_cublas_logged(clean_choices, monkeypatch, caplog):
+    """Two contiguous tensors with one shape share a choice; the one off a 16-byte boundary must not reach TMA."""
+    caplog.set_level(logging.INFO, logger="sdfast.kernels")
+    monkeypatch.setitem(lp.TUNING, "force", SMALL)
+    buf = torch.randn(20 * 64 + 4).half()
+    _, w, b, _ = _inputs(20, 64, 48)
+    ran = []
+    real = lp.linear_tma
+    monkeypatch.setattr(lp, "linear_tma", lambda *a, **k: ran.append(1) or real(*a, **k))
+    aligned, offset = buf[: 20 * 64].view(20, 64), buf[4:].view(20, 64)  # offset: 8 bytes past the start
+    _check_lp(lp.linear_projection(aligned, w, b), aligned, w, b, None, "aligned")
+    _check_lp(lp.linear_projection(offset, w, b), offset, w, b, None, "misaligned")
+    assert len(ran) == 1 and len(clean_choices) == 1 and "not 16-byte aligned" in caplog.text
+
+
+def test_unsupported_and_disabled_fall_back_logged(clean_choices, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="sdfast.kernels")
+    x, w, b, r = _inputs(20, 36, 48)  # K = 36
+    _check_lp(lp.linear_projection(x, w, b), x, w, b, None, "K=36")
+    assert "linear_projection" in caplog.text and "multiples of 8" in caplog.text
+    assert list(clean_choices.values()) == [None]
+    monkeypatch.setitem(lp.TUNING, "enabled", False)
+    x, w, b, _ = _inputs(20, 64, 48)
+    lp.linear_projection(x, w, b)
+    assert "SDFAST_LINEAR_TMA=0" in caplog.text
+
+
+def test_torch_compile_traces_the_cublas_path(clean_choices, monkeypatch):
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setitem(lp.TUNING, "force", SMALL)
+    monkeypatch.setattr(lp, "linear_tma", lambda *a, **k: pytest.fail("not traceable"))
+    x, w, b, r = _inputs(20, 64, 48)
+    _check_lp(lp.linear_projection(x, w, b, r), x, w, b, r, "compiling")
+    assert clean_choices == {}

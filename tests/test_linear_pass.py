@@ -1,0 +1,91 @@
+"""The small-K linear pass (``sdfast.passes.linear``): which linears it routes through ``linear_projection`` (and which
+it leaves to the other passes), the fp16 UNet output with the TMA GEMM forced (Triton interpreter), undo, and the
+``tma_linear`` flag of ``optimize``."""
+
+import pytest
+import torch
+from torch import nn
+
+import sdfast
+from kernels.gemm import linear_projection as lp
+from kernels.gemm.linear_tma import LinearTile
+from sdfast.passes import attention, layout, linear, norms
+
+SMALL = LinearTile(32, 32, 32, 1, 4, group_m=2)
+
+
+@pytest.fixture
+def unet16():
+    unet = sdfast.load("random:tiny", optimize=False).pipe.unet.half()
+    for p in (attention, norms, layout):
+        p.apply(unet)
+    return unet
+
+
+@pytest.fixture
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    return dict(sample=torch.randn(2, 4, 8, 8, generator=g).half(), timestep=torch.tensor(10),
+                encoder_hidden_states=torch.randn(2, 7, 32, generator=g).half())
+
+
+def _rebound(m: nn.Module) -> bool:
+    return "forward" in m.__dict__
+
+
+def test_routes_outputs_and_cross_queries_only(unet16):
+    from diffusers.models.attention import BasicTransformerBlock
+
+    blocks = [m for m in unet16.modules() if isinstance(m, BasicTransformerBlock)]
+    transformers = linear._transformers(unet16)
+    assert linear.apply(unet16) == 3 * len(blocks) + len(transformers)
+    for b in blocks:
+        assert _rebound(b.attn1.to_out[0]) and _rebound(b.attn2.to_out[0]) and _rebound(b.attn2.to_q)
+        # left to the other passes: the fused self-attention QKV, the cached cross K/V, the feed-forward
+        assert not any(_rebound(m) for m in (b.attn1.to_q, b.attn1.to_k, b.attn1.to_v, b.attn2.to_k, b.attn2.to_v))
+        assert not _rebound(b.ff.net[0].proj) and not _rebound(b.ff.net[-1])
+        assert attention._fused_layer(b.attn1, "to_qkv") is not None
+    assert all(getattr(t, linear.TOKENS_MARKER) for t in transformers)
+
+
+def test_unet_output_with_the_tma_gemm_forced(unet16, inputs, monkeypatch):
+    """Every routed linear (and proj_in / proj_out with its bias and residual) runs the TMA kernel; the UNet's
+    output stays within fp16 rounding of the same UNet without the pass."""
+    with torch.no_grad():
+        want = unet16(**inputs, return_dict=False)[0].float()
+    linear.apply(unet16)
+    monkeypatch.setattr(lp, "_choices", {})
+    monkeypatch.setitem(lp.TUNING, "force", SMALL)
+    calls = []
+    real = lp.linear_tma
+    monkeypatch.setattr(lp, "linear_tma", lambda x, w, b, r, c: calls.append(r is not None) or real(x, w, b, r, c))
+    with torch.no_grad():
+        got = unet16(**inputs, return_dict=False)[0].float()
+    n_transformers = len(linear._transformers(unet16))
+    assert calls.count(True) == n_transformers  # each proj_out took its residual in the epilogue
+    assert len(calls) > 2 * n_transformers
+    assert (got - want).abs().max().item() <= 1e-2 * max(1.0, want.abs().max().item())
+
+
+def test_fp32_runs_the_module_forward(monkeypatch):
+    unet = sdfast.load("random:tiny", optimize=False).pipe.unet
+    linear.apply(unet)
+    monkeypatch.setattr(lp, "linear_projection", lambda *a, **k: pytest.fail("fp32 stays on nn.Linear.forward"))
+    attn = next(m for m in unet.modules() if hasattr(m, "to_out"))
+    x = torch.randn(2, 5, attn.to_out[0].in_features)
+    torch.testing.assert_close(attn.to_out[0](x), nn.Linear.forward(attn.to_out[0], x))
+
+
+def test_undo_and_optimize_flag():
+    pipe = sdfast.load("random:tiny", optimize=False).pipe
+    n = linear.apply(pipe.unet)
+    assert linear.undo(pipe.unet) == n
+    assert not any(_rebound(m) for m in pipe.unet.modules() if isinstance(m, nn.Linear))
+    assert not any(hasattr(t, linear.TOKENS_MARKER) for t in linear._transformers(pipe.unet))
+    sdfast.optimize(pipe, sdfast.OptimizeConfig(tma_linear=False, cuda_graphs=False))
+    assert "linear" not in pipe._sdfast.counts
+    sdfast.unoptimize(pipe)
+    sdfast.optimize(pipe, sdfast.OptimizeConfig(cuda_graphs=False))
+    assert pipe._sdfast.counts["linear"] == n
+    sdfast.unoptimize(pipe)
+    assert not any(_rebound(m) for m in pipe.unet.modules() if isinstance(m, nn.Linear))
