@@ -27,7 +27,8 @@ class OptimizeConfig:
         Triton kernels (fp32 statistics). Speed: one pass over memory instead of three to five. On sm_90 a GEGLU
         over a plain ``nn.Linear`` may run projection and activation as one TMA GEMM where that measured faster
         (SDXL 28.6 -> 27.9 ms per UNet step, H200 run 15); its a * gelu(g) is taken from the fp32 accumulators
-        (stock rounds the 2N-wide product to fp16 first). The ResNet blocks' 3x3 convolutions at small latent
+        (stock rounds the 2N-wide product to fp16 first), with erf from a fit of relative error < 1.2e-7
+        (``kernels.gelu``: an epilogue 9-16 % faster than with libdevice's erf, run 18). The ResNet blocks' 3x3 convolutions at small latent
         sizes may run as im2col plus one cuBLAS GEMM where that measured faster than cuDNN (SD1.5 5.43 -> 5.30 ms per
         UNet step, H200 run 16; the same products with fp32 accumulation, summed in another order).
     batch_temb: with fuse_norms, the UNet's ResNet blocks' time-embedding projections (SiLU, a tiny GEMM and
@@ -54,8 +55,10 @@ class OptimizeConfig:
     tma_linear: the UNet's linear layers with K <= 640 (SD1.5's 320- and 640-wide attention projections) and SD 1.x's
         1x1 ``proj_in``/``proj_out`` run on a TMA Triton GEMM where that measured faster than cuBLAS for the shape, at
         warm-up (``sdfast.passes.linear``); ``proj_out`` then takes its bias and the residual add in the GEMM's
-        epilogue. Speed: SD1.5's (8192, 320) x (320, 320) projections 10.2 -> 6.3 µs each, 21 per step (H200, run 18,
-        call C). Numerics: the same products with fp32 accumulation; bias and residual added in fp32, rounded once.
+        epilogue. Speed: SD1.5 5.25 -> 5.18 ms per UNet step (A/B in one call, twice, H200 run 18 call D): 31 of its
+        GEMMs run the kernel (SD1.5's (8192, 320) x (320, 320) projections: 10.0 -> 7.7 µs each in the warm-up's
+        measurement) and 16 bias + residual passes are gone; SDXL keeps cuBLAS everywhere. Numerics: the same
+        products with fp32 accumulation; bias and residual added in fp32, rounded once.
     cuda_graphs: the UNet step, the text encoder(s) and the VAE decoder replay CUDA graphs, one per input
         signature, over one shared memory pool. Speed: no launch overhead; costs one capture (about a
         second) per new shape, and graph memory. CUDA only.

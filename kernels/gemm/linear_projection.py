@@ -5,9 +5,10 @@
 * cuBLAS: ``F.linear(x, W, bias)``; with a residual, ``F.linear(x, W)`` and then one ``bias_residual_add`` pass
   (what the engine ran before this kernel for SD 1.x's 1x1 ``proj_out``).
 
-Where it wins (H200, run 18, call C; ``benchmarks/sweep_linear_tma.py``): SD1.5's 320-wide projections at 64x64
-latents, 10.2 -> 6.3 µs, and its ``proj_out`` with the residual, 9.7 -> 7.1 µs; cuBLAS stays faster from K = 1280
-and at most SDXL shapes. The choice is measured once per signature (shapes, strides, dtypes, device) as GPU time
+Where it wins (H200, run 18; ``benchmarks/sweep_linear_tma.py``, call C): SD1.5's 320-wide projections at 64x64
+latents, 10.2 -> 6.3 µs in the sweep's graph of repeated calls (10.0 -> 7.7 µs in the engine's warm-up measurement,
+call D), and ``proj_out`` with the residual at every SD1.5 level (9.7 -> 7.1 µs at 64x64); cuBLAS stays faster from
+K = 1280 and at SDXL's shapes. The choice is measured once per signature (shapes, strides, dtypes, device) as GPU time
 (:func:`kernels.choice.gpu_times_us`) and logged, as :mod:`kernels.gemm.geglu_projection` does: nothing is timed or
 kept inside CUDA graph capture (cuBLAS runs) or a ``kernels.precompile`` dry run (every candidate compiles);
 under ``torch.compile`` the cuBLAS path is traced. ``SDFAST_LINEAR_TMA=0`` (read at import) pins cuBLAS;
