@@ -14,7 +14,8 @@ tensor pipe 32 % busy). Here every coefficient is an FFMA immediate: one approxi
 exp2 and a select; the kernel's SASS went from 2920 to 2160 instructions (256x64 tile). Measured (H200, run 18,
 ``benchmarks/sweep_geglu_tma.py``, against run 17 call E): SD1.5's level-0 GEGLU GEMM 41.0 -> 37.2 µs, SDXL's
 level 1 118.9 -> 112.2 µs and level 2 98.7 -> 93.8 µs; per UNet step (A/B in one call) SD1.5 5.28 -> 5.25 ms and
-SDXL 28.11 -> 28.02 ms (less than the 0.35 ms the GEGLU timings predict for SDXL).
+SDXL 28.11 -> 28.02 ms; SDXL's step profile (call F): the GEGLU kernels 6872 -> 6551 µs, the rest of the gap being
+the attention dispatcher's per-run choice at a near-tie.
 """
 
 from __future__ import annotations
