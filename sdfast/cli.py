@@ -100,6 +100,7 @@ def _check_steps_before_load(steps: int, scheduler: str | None) -> None:
 
 def cmd_txt2img(args) -> int:
     import sdfast
+    from sdfast.png import save_png
     from sdfast.request import check_request
 
     if args.model is not None and not args.model.strip():
@@ -127,7 +128,10 @@ def cmd_txt2img(args) -> int:
     took = time.perf_counter() - t1
     for img, path in zip(images, paths):
         path.parent.mkdir(parents=True, exist_ok=True)
-        img.save(path)
+        params = {"prompt": args.prompt, "negative_prompt": args.negative, "seed": int(img.info["seed"]),
+                  "steps": args.steps, "guidance_scale": args.guidance, "scheduler": args.scheduler,
+                  "width": img.width, "height": img.height, "model": model}
+        save_png(img, path, params)
         print(f"saved {path} ({img.width}x{img.height}, seed {img.info['seed']}) in {took:.2f} s")
     return 0
 

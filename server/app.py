@@ -27,8 +27,6 @@ import base64
 import binascii
 import contextlib
 import hmac
-import io
-import json
 import logging
 import os
 import secrets
@@ -41,6 +39,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from sdfast.png import encode_png
 
 from .metrics import Metrics, MetricsMiddleware
 from .schemas import (
@@ -156,19 +156,6 @@ class BodyLimitMiddleware:
 
 
 # -- images ----------------------------------------------------------------------------------------
-
-
-def encode_png(image, params: dict | None = None) -> bytes:
-    """PNG bytes of a PIL image; ``params`` (prompt, seed, ...) go into a ``tEXt`` chunk ``sdfast``."""
-    from PIL.PngImagePlugin import PngInfo
-
-    info = None
-    if params:
-        info = PngInfo()
-        info.add_text("sdfast", json.dumps(params, sort_keys=True))
-    buf = io.BytesIO()
-    image.save(buf, format="PNG", pnginfo=info, compress_level=4)
-    return buf.getvalue()
 
 
 def _b64(data: bytes) -> str:

@@ -23,6 +23,20 @@ def test_n_images_get_numbered_paths(tmp_path):
     assert (tmp_path / "x_0.png").is_file() and (tmp_path / "x_1.png").is_file()
 
 
+def test_png_carries_the_generation_parameters(tmp_path):
+    """Each file holds what made it (the service's ``sdfast`` text chunk): enough to generate it again."""
+    import json
+
+    out = tmp_path / "x.png"
+    args = ["txt2img", "a cat", "--steps", "2", "--n", "2", "--seed", "7", "--negative", "blur", "--guidance", "5",
+            "--scheduler", "ddim", "--size", "64x48", "--out", str(out)]
+    assert main(args) == 0
+    for i in range(2):
+        params = json.loads(Image.open(tmp_path / f"x_{i}.png").text["sdfast"])
+        assert params == {"prompt": "a cat", "negative_prompt": "blur", "seed": 7 + i, "steps": 2, "guidance_scale": 5.0,
+                          "scheduler": "ddim", "width": 64, "height": 48, "model": "random:tiny"}
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
