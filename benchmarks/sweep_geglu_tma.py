@@ -1,6 +1,6 @@
 """The TMA GEGLU GEMM's tile configs against cuBLAS + the GEGLU kernel, at SD1.5's and SDXL's GEGLU shapes (GPU).
 
-    python -m benchmarks.sweep_geglu_tma [--out DIR] [--extra]
+    python -m benchmarks.sweep_geglu_tma [--out DIR] [--extra] [--per-tile]
 
 For each feed-forward projection of the two UNets (fp16, batch 2 with CFG: M tokens, K in, weight (2N, K)):
 ``cublas`` (``F.linear`` then ``kernels.norm.geglu``), ``cublas_gemm`` (the projection alone, for scale) and every
@@ -28,13 +28,23 @@ def extra_configs():
             TileConfig(128, 128, 128, 2, 8, single_dot=True), TileConfig(256, 128, 64, 3, 16, group_m=4))
 
 
+def per_tile_configs():
+    """One program per tile (several per SM, so one's epilogue can overlap another's main loop), as the linear GEMM's
+    small-K winners run."""
+    from kernels.gemm.geglu_tma import TileConfig
+
+    return tuple(TileConfig(bm, bn, 64, st, w, group_m=8, single_dot=sd, persistent=False)
+                 for bm, bn, st, w in ((128, 64, 3, 4), (64, 64, 4, 4), (128, 128, 3, 8), (64, 128, 3, 4))
+                 for sd in (False, True))
+
+
 def _time(fn) -> float:
     from triton.testing import do_bench_cudagraph
 
     return do_bench_cudagraph(fn, rep=40) * 1e3
 
 
-def run(extra: bool = False) -> list[dict]:
+def run(extra: bool = False, per_tile: bool = False) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
@@ -53,7 +63,7 @@ def run(extra: bool = False) -> list[dict]:
         row["cublas_gemm_us"] = _time(lambda: F.linear(x, w, b))
         row["cublas_err"] = float((gp.cublas_geglu(x, w, b).float() - ref).abs().max())
         row["configs"] = {}
-        for c in CONFIGS + (extra_configs() if extra else ()):
+        for c in CONFIGS + (extra_configs() if extra else ()) + (per_tile_configs() if per_tile else ()):
             try:
                 err = float((geglu_linear(x, w, b, c).float() - ref).abs().max())
                 row["configs"][str(c)] = dict(us=_time(lambda c=c: geglu_linear(x, w, b, c)), err=err)
@@ -89,8 +99,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--extra", action="store_true", help="also time the tiles of extra_configs()")
+    ap.add_argument("--per-tile", action="store_true", help="also time the per-tile grids of per_tile_configs()")
     args = ap.parse_args(argv)
-    rows = run(args.extra)
+    rows = run(args.extra, args.per_tile)
     print(markdown(rows))
     if args.out:
         from benchmarks.report import write_sweep

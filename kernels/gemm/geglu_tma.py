@@ -45,6 +45,7 @@ class TileConfig:
     warps: int
     group_m: int = 8
     single_dot: bool = False  # a and g tiles as one (block_m, 2 block_n) product from one (2, block_n, block_k) load
+    persistent: bool = True  # one program per SM walking the tiles; False: one program per tile
 
 
 # The candidates geglu_projection measures per shape (each compiles once, on a cold cache, during warm-up).
@@ -214,14 +215,14 @@ def geglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     w2_desc = TensorDescriptor.from_tensor(weight.view(2, N, K), [2, c.block_n, c.block_k])
     out_desc = TensorDescriptor.from_tensor(out, [c.block_m, c.block_n])
     tiles = triton.cdiv(M, c.block_m) * triton.cdiv(N, c.block_n)
-    interp = not x.is_cuda  # the interpreter: one tile per program (see the kernel's K_TILES)
-    programs = tiles if interp else min(tiles, num_sms(device_index(x)))
+    per_tile = not x.is_cuda or not c.persistent  # the interpreter runs one tile per program (the kernel's K_TILES)
+    programs = tiles if per_tile else min(tiles, num_sms(device_index(x)))
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():  # the launch goes to x's GPU
         _geglu_tma_kernel[(programs,)](
             x_desc, wa_desc, wg_desc, w2_desc, out_desc, bias if bias is not None else out, M, N, K, programs,
             HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
             SINGLE_DOT=c.single_dot,
-            K_TILES=triton.cdiv(K, c.block_k) if interp else 0, num_warps=c.warps, num_stages=c.stages,
+            K_TILES=triton.cdiv(K, c.block_k) if per_tile else 0, num_warps=c.warps, num_stages=c.stages,
         )
     return out.reshape(*x.shape[:-1], N)
 
