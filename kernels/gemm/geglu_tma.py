@@ -49,16 +49,19 @@ class TileConfig:
 
 
 # The candidates geglu_projection measures per shape (each compiles once, on a cold cache, during warm-up).
-# Winners of benchmarks/sweep_geglu_tma.py on the H200 (run 15, calls B and C; 22 configs tried, incl. 4 and 2
-# stages, 128x64 / 64x128 / 64x64 tiles with 4 warps, BLOCK_K 32, Triton's flattened loop, group sizes 4/8/16,
-# a per-tile grid: none better): SDXL level 2 97.5-98.5 µs against cuBLAS + the GEGLU kernel's 101-104;
-# SDXL level 1 117-120 against 129-131; SD1.5 level 0 41.4 against 48.3. At SD1.5's level 2 and mid block (M 512
-# and 128) cuBLAS stays faster (29 against 35 µs). Accumulator registers per thread:
-# 2 * block_m * block_n / (32 * warps), 128 here.
+# Winners of benchmarks/sweep_geglu_tma.py on the H200. Run 15 (calls B and C; 22 configs: 4 and 2 stages, 128x64 /
+# 64x128 / 64x64 tiles with 4 warps, BLOCK_K 32, Triton's flattened loop, group sizes 4/8/16): the persistent 128x128
+# tiles, SDXL's winners since (level 2 93.7 µs against cuBLAS + the GEGLU kernel's 102.5, level 1 111.9 against 125.4;
+# run 18 call G, after the GELU change). Run 18 call G: with the cheaper GELU epilogue, one program per 128x64 tile of
+# 4 warps (several per SM, so one's epilogue overlaps another's main loop) wins SD1.5's levels 0, 1 and 2: 35.2, 28.3
+# and 27.4 µs against 37.4, 32.2 (persistent 128x128) and 28.0 (cuBLAS); at SD1.5's mid block cuBLAS stays faster.
+# The persistent 256x64 tile, SD1.5 level 0's winner in run 17, no longer wins anywhere and was dropped.
+# Accumulator registers per thread: 2 * block_m * block_n / (32 * warps), 128 here.
 CONFIGS = (
     TileConfig(128, 128, 64, 3, 8, group_m=4),
     TileConfig(128, 128, 64, 3, 8, group_m=4, single_dot=True),
-    TileConfig(256, 64, 64, 3, 8, single_dot=True),
+    TileConfig(128, 64, 64, 3, 4, single_dot=True, persistent=False),
+    TileConfig(128, 64, 64, 3, 4, persistent=False),
 )
 
 
