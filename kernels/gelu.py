@@ -4,7 +4,9 @@
 Numerical Recipes' ``erfcc`` (Press et al., Numerical Recipes in C, 2nd ed., section 6.2): a Chebyshev fit
 ``t * exp(-z^2 + P(t))``, ``t = 1 / (1 + z / 2)``, P of degree 9, whose relative error is below 1.2e-7 for every
 z >= 0. So ``Phi`` keeps that relative accuracy down to the far negative tail (what fp16 GELU outputs of small
-magnitude need), and on x >= 0 its absolute error is below 6e-8; fp32 rounding of the terms adds a few 1e-7.
+magnitude need), and on x >= 0 its absolute error is below 6e-8. Evaluated in fp32, the exponent's rounding (its
+argument reaches ~140 at x = -14) adds relative errors of a few 1e-6 on [-5, -1] and up to 2e-5 near x = -13 (fp16's
+half ulp is 2.4e-4; the ``1 + erf`` form it replaces has no correct digit there).
 
 Why not ``tl.math.erf``: libdevice's ``erff`` blends two polynomials by a branch-free select, so its coefficients
 live in registers. Inside a GEMM epilogue whose accumulators hold most registers, the compiler reloads them per

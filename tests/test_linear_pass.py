@@ -89,3 +89,26 @@ def test_undo_and_optimize_flag():
     assert pipe._sdfast.counts["linear"] == n
     sdfast.unoptimize(pipe)
     assert not any(_rebound(m) for m in pipe.unet.modules() if isinstance(m, nn.Linear))
+
+
+def test_training_and_autocast_keep_the_stock_forwards(unet16, inputs, monkeypatch):
+    """What the kernel cannot give (a gradient, the bias's included; autocast's dtype) runs the stock ops: the routed
+    linears and the layout pass's proj_in / proj_out alike (both decide with ``linear.routable``)."""
+    linear.apply(unet16)
+    monkeypatch.setattr(lp, "_choices", {})
+    monkeypatch.setitem(lp.TUNING, "force", SMALL)
+    monkeypatch.setattr(lp, "linear_tma", lambda *a, **k: pytest.fail("the TMA kernel must not run here"))
+    out_proj = unet16.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_out[0]
+    x = torch.randn(2, 5, out_proj.in_features).half()
+    out_proj.weight.requires_grad_(False)
+    out_proj.bias.requires_grad_(True)  # a frozen weight with a trainable bias (BitFit)
+    assert out_proj(x).requires_grad
+    w = torch.randn(8, out_proj.in_features).half()
+    assert not linear.routable(x, w.requires_grad_(True))
+    with torch.no_grad():
+        assert linear.routable(x, w)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert not linear.routable(x, w)
+    assert not linear.routable(x.float(), w.float().detach())
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():  # the whole UNet: proj_in / proj_out too
+        unet16(**inputs, return_dict=False)

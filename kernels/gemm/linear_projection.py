@@ -50,9 +50,13 @@ def cublas_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if residual is None:
         return F.linear(x, weight, bias)
     y = F.linear(x, weight)
+    if residual.shape != y.shape:
+        raise ValueError(f"linear_projection: residual must be {tuple(y.shape)}, got {tuple(residual.shape)}")
+    if y.numel() == 0:
+        return y
     n = y.shape[-1]
     as_nhwc = lambda t: t.reshape(-1, n).t()[None, :, :, None]  # noqa: E731 - (M, N) rows as (1, N, M, 1) NHWC
-    out = bias_residual_add(as_nhwc(y), bias, as_nhwc(residual))
+    out = bias_residual_add(as_nhwc(y), bias, as_nhwc(residual.contiguous()))
     return out[0, :, :, 0].t().reshape(y.shape)
 
 
@@ -61,7 +65,8 @@ def linear_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """``x @ weight^T + bias + residual`` on the path measured faster for this signature.
 
     Args: x (..., K); weight (N, K); bias (N,) or None; residual (..., N) in x's dtype, or None; the dtypes of
-    ``F.linear``. Returns (..., N) in ``x.dtype``. Raises what ``F.linear`` raises for bad shapes.
+    ``F.linear``. Returns (..., N) in ``x.dtype``. Raises what ``F.linear`` raises for bad shapes, ``ValueError`` for a
+    residual that is not (..., N). No autograd: callers route only inference through it (``sdfast.passes.linear``).
     """
     if torch.compiler.is_compiling():  # Dynamo cannot trace the choice (data_ptr, timing)
         return cublas_linear(x, weight, bias, residual)

@@ -26,10 +26,17 @@ TOKENS_MARKER = "_sdfast_tma_linear"  # on Transformer2DModel: its proj_in / pro
 _DTYPES = (torch.float16, torch.bfloat16)
 
 
+def routable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether a linear on these tensors may run ``linear_projection``: fp16/bf16 inference, no autocast (which
+    would change the result's dtype) and nothing that needs a gradient (the kernel has no backward), bias included."""
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype or torch.is_autocast_enabled(x.device.type):
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)))
+
+
 def tma_linear_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """``nn.Linear.forward`` through ``linear_projection`` (fp16/bf16 inference), else the class's own."""
-    if (x.dtype in _DTYPES and self.weight.dtype == x.dtype and not torch.is_autocast_enabled(x.device.type)
-            and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+    """``nn.Linear.forward`` through ``linear_projection`` where :func:`routable`, else the class's own."""
+    if routable(x, self.weight, self.bias):
         return linear_projection(x, self.weight, self.bias)
     return nn.Linear.forward(self, x)
 

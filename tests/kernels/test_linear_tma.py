@@ -169,3 +169,14 @@ def test_torch_compile_traces_the_cublas_path(clean_choices, monkeypatch):
     x, w, b, r = _inputs(20, 64, 48)
     _check_lp(lp.linear_projection(x, w, b, r), x, w, b, r, "compiling")
     assert clean_choices == {}
+
+
+def test_cublas_residual_path_checks_shape_and_takes_any_strides():
+    x, w, b, r = _inputs(20, 64, 48)
+    with pytest.raises(ValueError, match="residual"):
+        lp.cublas_linear(x.view(2, 10, 64), w, b, r.view(10, 2, 48))  # same numel, wrong shape
+    wide = torch.randn(20, 56).half()
+    strided = wide[:, :48]  # rows padded: not dense
+    _check_lp(lp.cublas_linear(x, w, b, strided), x, w, b, strided, "strided residual")
+    empty = lp.cublas_linear(x, w[:0], b[:0], r[:, :0])
+    assert empty.shape == (20, 0)
