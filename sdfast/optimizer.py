@@ -1,8 +1,9 @@
 """``optimize(pipe, config)``: compose sdfast's passes on a diffusers pipeline, in place, reversibly.
 
 Order: attention processor -> norm fusion -> channels_last layout -> time-embedding packing -> upsampling -> skip
-concatenation -> convolution biases -> small-K linears -> CUDA graphs. Each pass is its own module (``sdfast.passes``, ``sdfast.runtime``), counts what it
-changed, and can be undone (``unoptimize``). The pipeline object stays the same diffusers pipeline.
+concatenation -> convolution biases -> small-K linears -> CUDA graphs. Each pass is its own module (``sdfast.passes``,
+``sdfast.runtime``), counts what it changed, and can be undone (``unoptimize``). The pipeline object stays the same
+diffusers pipeline.
 """
 
 from __future__ import annotations
