@@ -13,7 +13,6 @@ median), checked against ``linear_ref`` (max abs error). Writes ``DIR/linear_tma
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -106,24 +105,15 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    import datetime
-
-    import torch
-    import triton
+    from benchmarks.report import write_sweep
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.sweep_linear_tma", description=__doc__)
     p.add_argument("--out", default="out/linear_tma")
     p.add_argument("--only", default=None, help="sd15 or sdxl")
     args = p.parse_args(argv)
     rows = run(args.only)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    (out / "linear_tma.json").write_text(json.dumps(dict(env=env, rows=rows), indent=1))
-    md = f"GPU {env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}\n\n{markdown(rows)}\n"
-    (out / "linear_tma.md").write_text(md)
-    print(md)
+    print(markdown(rows))
+    write_sweep(args.out, "linear_tma", rows, markdown(rows))
     return 0
 
 

@@ -11,6 +11,9 @@ from collections.abc import Callable
 
 import torch
 
+from kernels import precompile
+from kernels.dispatch import log_fallback
+
 
 def gpu_times_us(candidates: dict[str, Callable[[], object]], iters: int = 5, rounds: int = 2) -> dict[str, float]:
     """GPU time per call of each candidate (µs, the best of ``rounds``), on the current stream.
@@ -49,4 +52,32 @@ def fastest(times: dict[str, float]) -> str:
     return min(times, key=lambda name: times[name])
 
 
-__all__ = ["fastest", "gpu_times_us", "signature"]
+def choose_config(cache: dict, key: tuple, x: torch.Tensor, *, name: str, instead: str,
+                  problem: Callable[[], str | None], force, compile_all: Callable[[], None],
+                  measure: Callable[[], object]):
+    """The per-signature choice of the TMA GEMM choosers (``kernels.gemm.geglu_projection``,
+    ``kernels.gemm.linear_projection``): a kernel config, or None for their library path.
+
+    First call of a signature: ``problem()`` (why the kernel cannot run, or None) is logged once and caches None;
+    a forced choice (``force``: "cublas" or a config) is cached; in a ``kernels.precompile`` dry run ``compile_all()``
+    compiles every candidate and nothing is cached; on the CPU or inside CUDA graph capture nothing is timed or
+    cached (a later eager call measures); else ``measure()`` is cached. Returns the choice for this call."""
+    if key in cache:
+        return cache[key]
+    why = problem()
+    if why is not None:
+        log_fallback(name, why, instead=instead)
+        cache[key] = None
+    elif force is not None:
+        cache[key] = None if force == "cublas" else force
+    elif precompile.active():
+        compile_all()
+        return None
+    elif not x.is_cuda or torch.cuda.is_current_stream_capturing():
+        return None
+    else:
+        cache[key] = measure()
+    return cache[key]
+
+
+__all__ = ["choose_config", "fastest", "gpu_times_us", "signature"]

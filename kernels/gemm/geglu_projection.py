@@ -19,7 +19,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kernels import choice, precompile
+from kernels import choice
 from kernels.dispatch import log_fallback
 from kernels.gemm.geglu_tma import CONFIGS, TileConfig, geglu_linear, misaligned, shape_problem, unsupported
 from kernels.norm.geglu import geglu
@@ -48,24 +48,12 @@ def geglu_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """
     if torch.compiler.is_compiling():  # Dynamo cannot trace the choice (data_ptr, timing): the two-kernel path
         return cublas_geglu(x, weight, bias)
-    key = choice.signature(x, weight, bias)
-    if key not in _choices:
-        why = None if TUNING["enabled"] else "SDFAST_GEGLU_TMA=0"
-        why = why or shape_problem(x, weight, bias) or unsupported(x, weight, bias)
-        if why is not None:
-            log_fallback("geglu_projection", why, instead="cuBLAS and the GEGLU kernel")
-            _choices[key] = None
-        elif TUNING["force"] is not None:
-            _choices[key] = None if TUNING["force"] == "cublas" else TUNING["force"]
-        elif precompile.active():  # compile every candidate (launches are skipped), keep nothing
-            for config in TUNING["configs"]:
-                geglu_linear(x, weight, bias, config)
-            return cublas_geglu(x, weight, bias)
-        elif not x.is_cuda or torch.cuda.is_current_stream_capturing():
-            return cublas_geglu(x, weight, bias)  # nothing is timed here; a later eager call measures
-        else:
-            _choices[key] = _measure(x, weight, bias)
-    config = _choices[key]
+    config = choice.choose_config(
+        _choices, choice.signature(x, weight, bias), x, name="geglu_projection", instead="cuBLAS and the GEGLU kernel",
+        problem=lambda: ("SDFAST_GEGLU_TMA=0" if not TUNING["enabled"] else None) or shape_problem(x, weight, bias)
+        or unsupported(x, weight, bias),
+        force=TUNING["force"], compile_all=lambda: [geglu_linear(x, weight, bias, c) for c in TUNING["configs"]],
+        measure=lambda: _measure(x, weight, bias))
     if config is not None and misaligned(x, weight):  # the one property the key does not hold: a view's offset
         log_fallback("geglu_projection", "x or the weight is not 16-byte aligned", instead="cuBLAS and the GEGLU kernel")
         config = None

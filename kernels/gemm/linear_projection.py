@@ -23,10 +23,10 @@ import os
 import torch
 import torch.nn.functional as F
 
-from kernels import choice, precompile
+from kernels import choice
 from kernels.dispatch import log_fallback
 from kernels.elementwise import bias_residual_add
-from kernels.gemm._common import misaligned
+from kernels.gemm._common import aligned16, misaligned
 from kernels.gemm.linear_tma import CONFIGS as TILES
 from kernels.gemm.linear_tma import LinearTile, linear_tma, shape_problem, unsupported
 
@@ -70,25 +70,13 @@ def linear_projection(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """
     if torch.compiler.is_compiling():  # Dynamo cannot trace the choice (data_ptr, timing)
         return cublas_linear(x, weight, bias, residual)
-    key = choice.signature(x, weight, bias, residual)
-    if key not in _choices:
-        why = None if TUNING["enabled"] else "SDFAST_LINEAR_TMA=0"
-        why = why or shape_problem(x, weight, bias, residual) or unsupported(x, weight, bias, residual)
-        if why is not None:
-            log_fallback("linear_projection", why, instead="cuBLAS")
-            _choices[key] = None
-        elif TUNING["force"] is not None:
-            _choices[key] = None if TUNING["force"] == "cublas" else TUNING["force"]
-        elif precompile.active():  # compile every candidate (launches are skipped), keep nothing
-            for config in TUNING["configs"]:
-                linear_tma(x, weight, bias, residual, config)
-            return cublas_linear(x, weight, bias, residual)
-        elif not x.is_cuda or torch.cuda.is_current_stream_capturing():
-            return cublas_linear(x, weight, bias, residual)  # nothing is timed here; a later eager call measures
-        else:
-            _choices[key] = _measure(x, weight, bias, residual)
-    config = _choices[key]
-    if config is not None and (misaligned(x, weight) or (residual is not None and residual.data_ptr() % 16)):
+    config = choice.choose_config(
+        _choices, choice.signature(x, weight, bias, residual), x, name="linear_projection", instead="cuBLAS",
+        problem=lambda: ("SDFAST_LINEAR_TMA=0" if not TUNING["enabled"] else None)
+        or shape_problem(x, weight, bias, residual) or unsupported(x, weight, bias, residual),
+        force=TUNING["force"], compile_all=lambda: [linear_tma(x, weight, bias, residual, c) for c in TUNING["configs"]],
+        measure=lambda: _measure(x, weight, bias, residual))
+    if config is not None and (misaligned(x, weight) or (residual is not None and not aligned16(residual))):
         log_fallback("linear_projection", "an operand is not 16-byte aligned", instead="cuBLAS")
         config = None
     return cublas_linear(x, weight, bias, residual) if config is None else linear_tma(x, weight, bias, residual, config)

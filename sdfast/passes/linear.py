@@ -17,19 +17,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.gemm._common import TMA_DTYPES
 from kernels.gemm.linear_projection import linear_projection
 from sdfast.passes._modules import rebind_forward, restore_forwards, runs_as_its_class
 
 MAX_K = 640  # above this cuBLAS won every SD1.5/SDXL linear shape of the sweep
 _MARKER = "_sdfast_linear"
 TOKENS_MARKER = "_sdfast_tma_linear"  # on Transformer2DModel: its proj_in / proj_out use linear_projection
-_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def routable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether a linear on these tensors may run ``linear_projection``: fp16/bf16 inference, no autocast (which
     would change the result's dtype) and nothing that needs a gradient (the kernel has no backward), bias included."""
-    if x.dtype not in _DTYPES or weight.dtype != x.dtype or torch.is_autocast_enabled(x.device.type):
+    if x.dtype not in TMA_DTYPES or weight.dtype != x.dtype or torch.is_autocast_enabled(x.device.type):
         return False
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)))
 
