@@ -34,20 +34,20 @@ def sd15():
 
 
 def test_sd15_parity_psnr_and_fp32_error(sd15, record_property):
+    from benchmarks import fidelity
+
     stock, fast = sd15
     kw = dict(seed=0, num_inference_steps=30)
     ref16, ours = stock.txt2img(PROMPT, **kw)[0], fast.txt2img(PROMPT, **kw)[0]
     p = psnr(ours, ref16)
-    stock.pipe.to(torch.float32)
-    ref32 = stock.txt2img(PROMPT, **kw)[0]
-    stock.pipe.to(torch.float16)
-    err_stock = np.abs(np.asarray(ref16, float) - np.asarray(ref32, float)).mean()
-    err_ours = np.abs(np.asarray(ours, float) - np.asarray(ref32, float)).mean()
+    ref = fidelity.reference(stock, prompt=PROMPT, guidance_scale=7.5, height=None, width=None)
+    row = fidelity.compare(fast, ref)
     record_property("psnr_db", float(p))
-    record_property("err_vs_fp32_ratio", float(err_ours / max(err_stock, 1e-9)))
-    print(f"sd15 PSNR vs stock fp16 {p:.2f} dB; mean|err| vs fp32: stock fp16 {err_stock:.3f}, sdfast {err_ours:.3f}")
+    record_property("err_fp32_step_ratio", row["err_fp32_step_ratio"])
+    record_property("err_fp32_steps_ratio", row["err_fp32_steps_ratio"])
+    print(f"sd15 PSNR vs stock fp16 {p:.2f} dB; error vs fp32 at the same inputs: {row}")
     assert p >= 35
-    assert err_ours <= 1.5 * err_stock + 0.05
+    assert row["fp32_check"] == "pass", row
 
 
 def test_sd15_second_resolution_and_cfg_switch(sd15):
