@@ -7,6 +7,7 @@ Run on the GPU machine: ``python -m pytest -m gpu tests/test_user_cases_gpu.py -
 from __future__ import annotations
 
 import gc
+import warnings
 
 import numpy as np
 import pytest
@@ -247,6 +248,22 @@ def test_gpu_nan_output_is_an_error_never_a_black_image(sd15, monkeypatch):
     monkeypatch.setattr(decoder, "forward", poisoned)
     with pytest.raises(NonFiniteOutputError):
         fast.txt2img(PROMPT, seed=12, num_inference_steps=2, height=256, width=256)
+
+
+def test_gpu_first_image_at_a_new_size_emits_no_user_warning(monkeypatch):
+    # the first image at a new size probes every attention backend at each of its shapes; torch's forced SDPA
+    # backends warn why they cannot run ("Memory efficient kernel not used because", "head_dim should be no
+    # more than 256"). A fresh process-wide dispatcher, so that the other tests' choices do not skip the probes.
+    from sdfast.passes import attention
+
+    monkeypatch.setattr(attention, "_default_dispatcher", None)
+    fast = sdfast.load("random:sd15")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fast.txt2img(PROMPT, seed=13, num_inference_steps=2, height=264, width=392)
+    assert not [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    del fast
+    _free()
 
 
 # --- repeated use --------------------------------------------------------------------------------
