@@ -101,6 +101,7 @@ _SD21 = {
         **_SCALED_LINEAR,
         "clip_sample": False,
         "set_alpha_to_one": False,
+        "skip_prk_steps": True,
         "steps_offset": 1,
         "prediction_type": "v_prediction",
     },
@@ -153,6 +154,13 @@ _SDXL = {
         "steps_offset": 1,
         "timestep_spacing": "leading",
         "use_karras_sigmas": False,
+        # Keys Euler ignores but the schedulers built from this config read (``sdfast.schedulers``), as in
+        # SDXL's published scheduler_config.json: without them DDIM takes its class defaults (clip_sample,
+        # set_alpha_to_one: True) and PNDM runs PRK steps, which SDXL's own config turns off.
+        "clip_sample": False,
+        "sample_max_value": 1.0,
+        "set_alpha_to_one": False,
+        "skip_prk_steps": True,
     },
     "tokenizer_pad": "<|endoftext|>",
     "tokenizer_2_pad": "!",

@@ -3,6 +3,7 @@ models, projection fusion and undo, filter_fn, and the dispatcher's measured cho
 
 import logging
 import time
+import warnings
 
 import pytest
 import torch
@@ -316,6 +317,33 @@ def test_dispatcher_excludes_failing_and_wrong_backends(caplog):
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(out2, ref)
+
+
+def test_dispatcher_probing_is_silent_and_logged_at_debug_but_run_time_warnings_show(caplog):
+    # torch's forced SDPA backends warn their reasons ("Flash attention kernel not used because", ...) when a
+    # probe cannot run the inputs; a first image at a new shape printed dozens of them.
+    def refuses(q, k, v, attn_mask, scale, upcast):
+        warnings.warn("Flash attention kernel not used because: head_dim should be no more than 256", UserWarning)
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    def picked(q, k, v, attn_mask, scale, upcast):
+        warnings.warn("picked kernel says hello", UserWarning)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    d = ap.AttentionDispatcher(candidates=("refuses", "picked"), extra_backends={"refuses": refuses, "picked": picked},
+                               measure_cpu=True)
+    q, k, v = _qkv()
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.DEBUG, logger="sdfast.attention"):
+        warnings.simplefilter("always")
+        d(q, k, v)  # probes both, then runs the winner
+        assert [str(w.message) for w in caught] == ["picked kernel says hello"]  # the real call's, not the probes'
+        d(q, k, v)
+    key = d.key_for(q, k, None, False)
+    assert d.choices()[key] == "picked" and "No available kernel" in d.excluded()[key]["refuses"]
+    assert [str(w.message) for w in caught] == ["picked kernel says hello"] * 2
+    assert caplog.text.count("head_dim should be no more than 256") == 1  # once, at debug level
+    assert caplog.text.count("picked kernel says hello") == 1  # each probe call warned; logged once
+    assert "'refuses' excluded" in caplog.text
 
 
 def test_dispatcher_winner_failing_later_falls_back(caplog):

@@ -420,6 +420,44 @@ def test_sdxl_like_two_encoders_pooled_time_ids_matches_stock():
         assert _diff(a, stock.txt2img(LONG, negative_prompt=negative, seed=18, **KW)) <= TOL, negative
 
 
+@pytest.mark.parametrize("arch", ["sd15", "sd21", "sdxl", "tiny", "tiny-v", "tiny-xl"])
+def test_schedulers_built_from_an_architecture_take_its_published_config(arch):
+    # SD 1.5, 2.1 and SDXL base publish clip_sample / set_alpha_to_one false and skip_prk_steps true; a config
+    # without them gives DDIM its class defaults (x0 clipped to [-1, 1], the SD latents' range is about +-4)
+    # and PNDM its PRK warm-up steps.
+    from sdfast.architectures import get_architecture
+    from sdfast.schedulers import make_scheduler
+
+    base = get_architecture(arch)["scheduler"]
+    ddim, pndm = make_scheduler("ddim", base).config, make_scheduler("pndm", base).config
+    assert (ddim.clip_sample, ddim.set_alpha_to_one, pndm.skip_prk_steps) == (False, False, True)
+
+
+def test_sdxl_like_ddim_matches_stock_step_by_step():
+    # With DDIM's clip_sample (the class default, which tiny-xl's Euler config used to leave on) every step
+    # grew the fp32 rounding difference of the optimized kernels about 2x (1e-5 -> 3e-4 in 6 steps), and the
+    # image differed; SDXL fp16 on the GPU ended 16-19 dB from stock.
+    stock, fast = _pair("tiny-xl")
+    seen = {}
+    for tag, engine in (("stock", stock), ("fast", fast)):
+        sched, outputs = engine.scheduler_for("ddim"), seen.setdefault(tag, [])
+        step = sched.step
+
+        def recording_step(model_output, timestep, sample, *args, _step=step, _out=outputs, **kwargs):
+            _out.append(model_output.detach().clone())
+            return _step(model_output, timestep, sample, *args, **kwargs)
+
+        sched.step = recording_step  # this instance only
+        try:
+            seen[tag + " image"] = engine.txt2img("a teapot", seed=11, **dict(KW, num_inference_steps=6))
+        finally:
+            del sched.step
+    assert len(seen["fast"]) == len(seen["stock"]) == 6
+    drift = [float((a - b).abs().max()) for a, b in zip(seen["fast"], seen["stock"])]
+    assert max(drift) <= 5e-5, drift
+    assert _diff(seen["fast image"], seen["stock image"]) == 0
+
+
 def test_sdxl_vae_force_upcast_is_kept_in_fp32_when_the_pipeline_is_fp16():
     engine = sdfast.load("random:tiny-xl", dtype=torch.float16, device="cpu")
     assert engine.pipe.vae.config.force_upcast

@@ -31,6 +31,7 @@ import contextlib
 import logging
 import os
 import time
+import warnings
 from typing import Callable, Dict, Mapping, NamedTuple, Optional, Sequence
 
 import torch
@@ -196,16 +197,41 @@ def _xformers_backend(q, k, v, attn_mask, scale, upcast):
 _xformers_ok: Dict[str, bool] = {}
 
 
+@contextlib.contextmanager
+def quiet_probe(what: str, logged: Optional[set] = None):
+    """Run a backend probe without showing its warnings: torch's SDPA explains at length, in one
+    ``UserWarning`` per reason ("Flash attention kernel not used because", "head_dim should be no more than
+    256", ...), why a forced backend cannot run inputs that another backend runs fine, and a first image at a
+    new shape probes dozens of them. What the probe warns is logged at debug level, each message once per
+    ``logged`` set (a fresh one per call without it). The same kernel warning at a real call is shown as
+    usual: only the probe is quiet.
+
+    ``warnings.catch_warnings`` swaps the process's warning filters, so a warning another thread raises while
+    a probe runs is logged here too instead of shown: hence the probes are short (one call and its timing)."""
+    logged = set() if logged is None else logged
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield
+        finally:
+            for w in caught:
+                msg = f"{w.category.__name__}: {w.message}"
+                if msg not in logged:
+                    logged.add(msg)
+                    log.debug("sdfast attention: probing %s warned: %s", what, msg)
+
+
 def xformers_works(device: torch.device) -> bool:
     """xformers importable AND a tiny call on ``device`` runs (the GPU machine's wheel fails with
     'No operator found'). Probed once per device, on first use, never at import; logged."""
     dkey = str(device)
     if dkey not in _xformers_ok:
         try:
-            import xformers.ops as xops  # type: ignore
+            with quiet_probe(f"xformers on {device}"):
+                import xformers.ops as xops  # type: ignore
 
-            x = torch.randn(1, 4, 1, 40, device=device, dtype=torch.float16)
-            xops.memory_efficient_attention(x, x, x)
+                x = torch.randn(1, 4, 1, 40, device=device, dtype=torch.float16)
+                xops.memory_efficient_attention(x, x, x)
             _xformers_ok[dkey] = True
         except ImportError:
             _xformers_ok[dkey] = False
@@ -371,6 +397,8 @@ class AttentionDispatcher:
     disagrees is excluded for that key and logged (``_exclude``: the one logged dispatch point); the others are timed (CUDA events, about
     ``budget_ms`` each) and the fastest is cached. A key first seen during capture/compile uses
     SDPA's default (``"sdpa"``, capture-safe) uncached, with a warning: warm up before capturing.
+    Probing is quiet (``quiet_probe``): warnings a candidate raises while it is checked and timed go to the
+    debug log, once per message; the picked backend's warnings at real calls are shown.
     On CPU the default is SDPA without measuring (``measure_cpu=True`` measures like CUDA; the
     Triton kernel runs on CPU only under ``TRITON_INTERPRET=1``).
 
@@ -437,6 +465,7 @@ class AttentionDispatcher:
         self._timings: Dict[AttentionKey, Dict[str, float]] = {}
         self._excluded: Dict[AttentionKey, Dict[str, str]] = {}
         self._warned: set = set()
+        self._probe_logged: Dict[tuple, set] = {}  # (key, backend) -> warning messages logged while probing
 
     # -- public views of the cache ------------------------------------------------------------
     def choices(self) -> Dict[AttentionKey, str]:
@@ -575,17 +604,18 @@ class AttentionDispatcher:
         for name in names:
             fn = self._backends[name]
             try:
-                if times and self._too_slow(key, name, fn, args, min(times.values())):
-                    continue
-                with torch.no_grad():
-                    out = fn(q, k, v, attn_mask, scale, upcast)
-                bad = _mismatch(out, ref, _COMPUTE_DTYPE.get(name, q.dtype))
-                del out
-                if bad is not None:
-                    self._exclude(key, name, f"wrong result vs fp32 math: {bad}", wrong=True)
-                    continue
-                with torch.no_grad():
-                    times[name] = _time_us(lambda: fn(q, k, v, attn_mask, scale, upcast), device, self.budget_ms)
+                with self._quiet(key, name):
+                    if times and self._too_slow(key, name, fn, args, min(times.values())):
+                        continue
+                    with torch.no_grad():
+                        out = fn(q, k, v, attn_mask, scale, upcast)
+                    bad = _mismatch(out, ref, _COMPUTE_DTYPE.get(name, q.dtype))
+                    del out
+                    if bad is not None:
+                        self._exclude(key, name, f"wrong result vs fp32 math: {bad}", wrong=True)
+                        continue
+                    with torch.no_grad():
+                        times[name] = _time_us(lambda: fn(q, k, v, attn_mask, scale, upcast), device, self.budget_ms)
             except torch.OutOfMemoryError:
                 # transient: nothing is cached for this key, the next call measures again
                 self._excluded.pop(key, None)
@@ -593,6 +623,10 @@ class AttentionDispatcher:
             except Exception as e:  # noqa: BLE001 - any other failure excludes the backend for this key
                 self._exclude(key, name, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         return times
+
+    def _quiet(self, key: AttentionKey, name: str):
+        """``quiet_probe`` for backend ``name`` at ``key``: its warnings logged at debug level, once each."""
+        return quiet_probe(f"{name!r} for {tuple(key)}", self._probe_logged.setdefault((key, name), set()))
 
     def _choose(self, key, q, k, v, attn_mask, scale, upcast) -> str:
         device = q.device
@@ -612,7 +646,7 @@ class AttentionDispatcher:
                 # a few queries: what compiles is the same, and a real launch (of a compiled kernel) is cheap;
                 # a failure is left to the real pass, whose measurement excludes and logs it
                 qs, ms = _first_queries(q, attn_mask, _dry_rows(q.shape[2]))
-                with contextlib.suppress(Exception), torch.no_grad():
+                with contextlib.suppress(Exception), self._quiet(key, "triton"), torch.no_grad():
                     self._backends["triton"](qs, k, v, ms, scale, upcast)
             return SAFE_DEFAULT
         args = (q, k, v, attn_mask, scale, upcast)
