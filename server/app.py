@@ -52,7 +52,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sdfast.png import encode_png
 
 from .metrics import Metrics, MetricsMiddleware
-from .parse import MAX_DETAIL, BodyValidationError, json_body, openapi_body
+from .parse import MAX_DETAIL, json_body, openapi_body
 from .schemas import (
     MAX_SEED,
     Health,
