@@ -8,15 +8,19 @@ Endpoints (every one but ``/health`` answers 401 without the key when an API key
 
 - ``POST /v1/txt2img``: ``Txt2ImgRequest`` -> ``image/png`` (one image) or, with
   ``response_format: "b64_json"``, ``Txt2ImgResponse`` (each image as base64 PNG with its seed, and timings);
-- ``POST /v1/images/generations``: the OpenAI Images API (``prompt``, ``n``, ``size``,
-  ``response_format: "b64_json"``) -> ``{"created", "data": [{"b64_json"}]}``;
-- ``GET /health``: model, device and GPU, queue depth (503 if the worker thread is gone);
+- ``POST /v1/images/generations``: the OpenAI Images API (``prompt``, ``n``, ``size``, ``output_format``,
+  ... see ``ImagesGenerationsRequest``) -> ``{"created", "data": [{"b64_json"}], "output_format", "size"}``;
+- ``GET``/``HEAD /health``: ``{"status"}``; with the key (or when no key is set) also the model, device and GPU,
+  queue depth (503 if the worker thread is gone);
 - ``GET /metrics``: Prometheus text format (see ``server.metrics``);
-- ``GET /``: the web page (``server/static/index.html``).
+- ``GET``/``HEAD /``: the web page (``server/static/index.html``), with a Content-Security-Policy;
+- ``GET /openapi.json``: the API's schema (no ``/docs``: Swagger UI would load its assets from a CDN).
 
+Request bodies are parsed and validated off the event loop, with bounded work (``server.parse``).
 Errors are JSON in the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``:
-422 bad input (``param`` names the field), 401 no/wrong key, 429 queue full (answered at once),
-503 GPU out of memory (the service goes on), 504 deadline passed, 500 the engine failed on that batch.
+422 bad input (``param`` names the field; ``detail`` lists at most ``MAX_DETAIL`` errors), 401 no/wrong key,
+429 queue full (answered at once), 503 GPU out of memory (the service goes on), 504 deadline passed,
+500 the engine (or the service) failed: a generic message with a ``request_id``, whose log line has the details.
 A client that disconnects while waiting releases its place in the queue.
 """
 
@@ -26,15 +30,20 @@ import asyncio
 import base64
 import binascii
 import contextlib
+import hashlib
 import hmac
+import io
+import json
 import logging
 import os
+import re
 import secrets
 import sys
 import time
+import uuid
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
@@ -43,13 +52,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from sdfast.png import encode_png
 
 from .metrics import Metrics, MetricsMiddleware
+from .parse import MAX_DETAIL, json_body, openapi_body
 from .schemas import (
     MAX_SEED,
     Health,
+    HealthStatus,
     ImageOut,
     ImagesGenerationsRequest,
     ImagesGenerationsResponse,
     OpenAIImage,
+    OversizedInt,
     Timings,
     Txt2ImgRequest,
     Txt2ImgResponse,
@@ -91,6 +103,12 @@ def _presented_keys(headers: dict[bytes, bytes]) -> list[bytes]:
     return keys
 
 
+def has_key(scope, key: bytes) -> bool:
+    """Whether the request of ``scope`` presents ``key`` (compared in constant time)."""
+    headers = dict(scope.get("headers") or [])
+    return any(hmac.compare_digest(k, key) for k in _presented_keys(headers))
+
+
 class APIKeyMiddleware:
     """Pure ASGI middleware: 401 on every path but ``PUBLIC_PATHS`` unless the request carries the key
     as ``Authorization: Bearer KEY``, ``X-API-Key: KEY`` or HTTP Basic with the key as password (so a
@@ -103,8 +121,7 @@ class APIKeyMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope.get("path") in PUBLIC_PATHS:
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        if any(hmac.compare_digest(k, self.key) for k in _presented_keys(headers)):
+        if has_key(scope, self.key):
             return await self.app(scope, receive, send)
         challenge = 'Basic realm="sdfast", charset="UTF-8"' if scope.get("path") == "/" else 'Bearer realm="sdfast"'
         response = error_response(
@@ -162,6 +179,23 @@ def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
 
 
+EXIF_IMAGE_DESCRIPTION = 0x010E
+
+
+def encode_image(image, params: dict, image_format: str = "png", quality: int = 100) -> bytes:
+    """The image file: PNG (``sdfast.png``: the parameters in its ``sdfast`` text chunk), or JPEG / WebP at
+    ``quality`` (0-100, the encoder's), the parameters as JSON (ASCII) in the EXIF ImageDescription."""
+    if image_format == "png":
+        return encode_png(image, params)
+    from PIL import Image
+
+    exif = Image.Exif()
+    exif[EXIF_IMAGE_DESCRIPTION] = json.dumps(params, sort_keys=True)
+    buf = io.BytesIO()
+    image.convert("RGB").save(buf, format=image_format.upper(), quality=quality, exif=exif)
+    return buf.getvalue()
+
+
 # -- the app ---------------------------------------------------------------------------------------
 
 
@@ -200,8 +234,13 @@ class Service:
             raise InvalidRequest(
                 f"{images_field}: at most {self.worker.max_batch} images per request on this service (its max batch; "
                 f"got {num_images})", field=images_field)
+        # Image i uses seed + i, and every seed returned must be one the service accepts: seed + n - 1 <= MAX_SEED.
         if seed is None:
-            seed = secrets.randbelow(MAX_SEED + 1)
+            seed = secrets.randbelow(MAX_SEED + 2 - num_images)
+        elif seed + num_images - 1 > MAX_SEED:
+            raise InvalidRequest(
+                f"seed: image i uses seed + i, so with {images_field}={num_images} the seed must be at most "
+                f"{MAX_SEED - num_images + 1} (got {seed}; seeds are at most {MAX_SEED})", field="seed")
         job = Job(
             prompt=prompt, negative_prompt=negative_prompt, seeds=[seed + i for i in range(num_images)],
             width=width or self.default_size, height=height or self.default_size,
@@ -244,10 +283,13 @@ class Service:
         except InvalidRequestError as e:
             raise InvalidRequest(str(e), field=e.field) from None
 
-    def health(self) -> Health:
+    def health(self, details: bool) -> HealthStatus:
+        """The status; with ``details``, also the model, device, GPU and queue (``Health``)."""
         from sdfast.schedulers import SCHEDULERS
 
         alive = self.worker.alive
+        if not details:
+            return HealthStatus(status="ok" if alive else "degraded")
         return Health(
             status="ok" if alive else "degraded", model=self.model, model_loaded=self.engine is not None,
             device=self.device, gpu=self.gpu, dtype=self.dtype, default_size=self.default_size,
@@ -290,14 +332,19 @@ def _timings(result: JobResult, arrived: float) -> Timings:
 
 
 def _validation_response(request: Request, exc: RequestValidationError) -> JSONResponse:
-    """422 naming the field of the first error; ``detail`` lists them all."""
+    """422 naming the field of the first error; ``detail`` lists the first ``MAX_DETAIL`` errors and
+    ``detail_omitted`` counts the others."""
     items = []
-    for err in exc.errors():
+    errors = exc.errors()
+    omitted = max(0, len(errors) - MAX_DETAIL) + getattr(exc, "omitted", 0)
+    for err in errors[:MAX_DETAIL]:
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        field = ".".join(loc) or "body"
+        field = ".".join(loc)[:100] or "body"
         msg = str(err.get("msg", "invalid"))
         msg = msg.removeprefix("Value error, ")
-        if err.get("type") == "extra_forbidden":
+        if isinstance(err.get("input"), OversizedInt):
+            msg = f"{err['input']!r} is out of range"
+        elif err.get("type") == "extra_forbidden":
             model = ImagesGenerationsRequest if request.url.path == "/v1/images/generations" else Txt2ImgRequest
             msg = f"unknown field; this endpoint accepts: {', '.join(model.model_fields)}"
         elif err.get("type") == "json_invalid":
@@ -308,7 +355,64 @@ def _validation_response(request: Request, exc: RequestValidationError) -> JSONR
     first = items[0] if items else {"field": "body", "message": "body: invalid request"}
     body = _error_body(422, first["message"], "invalid_request_error", first["field"])
     body["detail"] = items
+    if omitted:
+        body["detail_omitted"] = omitted
     return JSONResponse(body, status_code=422)
+
+
+def _internal_error(scope, message: str, exc_info=None) -> JSONResponse:
+    """500 with a generic message and a request id; the log line with that id has the details."""
+    request_id = uuid.uuid4().hex
+    log.error("request %s (%s %s) failed: %s", request_id, scope.get("method"), scope.get("path"), message,
+              exc_info=exc_info)
+    body = _error_body(500, f"internal error (request id {request_id}; the service log has the details)",
+                       "internal_error")
+    body["error"]["request_id"] = request_id
+    return JSONResponse(body, status_code=500, headers={"X-Request-ID": request_id})
+
+
+class InternalErrorMiddleware:
+    """Pure ASGI middleware: an exception no handler took becomes ``_internal_error``'s 500 (no exception text
+    in the body, the traceback logged with the request id), and the connection stays usable. (Starlette's own
+    500 handler re-raises, and uvicorn then closes the connection.)"""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watch(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:  # noqa: BLE001 - answered, and logged with its traceback
+            if started:
+                raise
+            await _internal_error(scope, f"{type(exc).__name__}: {exc}", exc_info=exc)(scope, receive, send)
+
+
+# -- the web page ----------------------------------------------------------------------------------
+
+
+def _csp_hashes(html: str, tag: str) -> str:
+    """CSP source expressions ('sha256-...') for the inline ``<tag>`` elements of ``html``."""
+    blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", html, flags=re.DOTALL)
+    return " ".join(f"'sha256-{base64.b64encode(hashlib.sha256(b.encode()).digest()).decode()}'" for b in blocks)
+
+
+def page_headers(html: str) -> dict[str, str]:
+    """Security headers of the web page: a CSP that allows its own inline script and style (by hash), its
+    fetches to this origin, data: images (the results), and nothing else; no framing; no MIME sniffing."""
+    csp = (f"default-src 'none'; script-src {_csp_hashes(html, 'script')}; style-src {_csp_hashes(html, 'style')}; "
+           "img-src data:; connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+    return {"Content-Security-Policy": csp, "X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "no-referrer"}
 
 
 def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api_key: str | None = None,
@@ -343,12 +447,16 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
         finally:
             await run_in_threadpool(service.worker.stop)
 
-    app = FastAPI(title="sdfast", version=_version(), lifespan=lifespan,
+    # No /docs or /redoc: Swagger UI and ReDoc load their assets from a CDN, so they do not render offline;
+    # /openapi.json stays.
+    app = FastAPI(title="sdfast", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Stable Diffusion image generation (txt2img) on one loaded model.")
     app.state.service = service
 
     @app.exception_handler(ServiceError)
     async def _service_error(request: Request, exc: ServiceError):
+        if exc.status == 500:
+            return _internal_error(request.scope, exc.message)
         headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
         body = _error_body(exc.status, exc.message, exc.type, exc.field)
         if exc.status == 422:  # the same shape as a schema 422: ``detail`` lists the failing fields
@@ -370,8 +478,9 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
             return JSONResponse(body, status_code=422)
         return error_response(exc.status_code, str(exc.detail), "http_error", headers=getattr(exc, "headers", None))
 
-    @app.post("/v1/txt2img", responses={200: {"content": {"image/png": {}}, "model": Txt2ImgResponse}})
-    async def txt2img(body: Txt2ImgRequest, request: Request):
+    @app.post("/v1/txt2img", responses={200: {"content": {"image/png": {}}, "model": Txt2ImgResponse}},
+              openapi_extra=openapi_body(Txt2ImgRequest))
+    async def txt2img(request: Request, body: Txt2ImgRequest = Depends(json_body(Txt2ImgRequest))):
         """Generate ``num_images`` images; ``png`` returns the image file, ``b64_json`` a JSON list."""
         arrived = time.monotonic()
         if body.response_format == "png" and body.num_images != 1:
@@ -400,10 +509,13 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
                   for p, s in zip(pngs, job.seeds)]
         return Txt2ImgResponse(images=images, timings=timings, model=service.model)
 
-    @app.post("/v1/images/generations", response_model=ImagesGenerationsResponse)
-    async def images_generations(body: ImagesGenerationsRequest, request: Request):
-        """The OpenAI Images API: ``prompt``, ``n``, ``size``; answers base64 PNGs. ``model`` and
-        ``user`` are ignored; ``negative_prompt``, ``num_inference_steps``, ``guidance_scale`` and
+    @app.post("/v1/images/generations", response_model=ImagesGenerationsResponse,
+              openapi_extra=openapi_body(ImagesGenerationsRequest))
+    async def images_generations(
+            request: Request, body: ImagesGenerationsRequest = Depends(json_body(ImagesGenerationsRequest))):
+        """The OpenAI Images API: ``prompt``, ``n``, ``size``, ``output_format`` (png, jpeg, webp) at
+        ``output_compression``; answers base64 files. What is ignored and what is refused:
+        ``ImagesGenerationsRequest``. ``negative_prompt``, ``num_inference_steps``, ``guidance_scale`` and
         ``seed`` are optional sdfast extensions."""
         width, height = body.dimensions()
         out = await service.generate(
@@ -413,25 +525,37 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
         if out is None:
             return Response(status_code=CLIENT_CLOSED)
         job, result = out
-        pngs = await run_in_threadpool(
-            lambda: [encode_png(img, _params(job, s)) for img, s in zip(result.images, job.seeds)])
-        return ImagesGenerationsResponse(created=int(time.time()), data=[OpenAIImage(b64_json=_b64(p)) for p in pngs])
+        files = await run_in_threadpool(
+            lambda: [encode_image(img, _params(job, s), body.image_format, body.image_quality)
+                     for img, s in zip(result.images, job.seeds)])
+        return ImagesGenerationsResponse(created=int(time.time()), data=[OpenAIImage(b64_json=_b64(f)) for f in files],
+                                         output_format=body.image_format, size=f"{job.width}x{job.height}")
+
+    key = api_key.encode() if api_key else None
 
     @app.get("/health", response_model=Health)
-    async def health():
-        """Always public. 200 while the worker runs, else 503."""
-        h = service.health()
+    async def health(request: Request):
+        """Always public: 200 while the worker runs, else 503. Without the key (when one is set) only
+        ``status``; the details (model, device, queue) need the key."""
+        h = service.health(details=key is None or has_key(request.scope, key))
         return JSONResponse(h.model_dump(), status_code=200 if h.status == "ok" else 503)
+
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)  # probes that send HEAD
 
     @app.get("/metrics", include_in_schema=False)
     async def metrics():
         return Response(service.metrics.render(), media_type=service.metrics.content_type)
 
-    @app.get("/", include_in_schema=False)
-    async def page():
-        return HTMLResponse((STATIC / "index.html").read_text(encoding="utf-8"))
+    html = (STATIC / "index.html").read_text(encoding="utf-8")
+    headers = page_headers(html)
 
-    # Order: metrics outermost, so answers of the key check are counted too; the body limit innermost.
+    @app.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+    async def page():
+        return HTMLResponse(html, headers=headers)
+
+    # Order: metrics outermost, so answers of the key check are counted too; then the body limit; innermost
+    # the 500 for unexpected exceptions.
+    app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(BodyLimitMiddleware)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)

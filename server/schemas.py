@@ -11,8 +11,14 @@ the queue; each failure becomes a 422 whose message starts with the field's name
 - ``guidance_scale``: [0, 30] (classifier-free guidance, CFG; <= 1 runs the UNet without CFG);
 - ``prompt``: non-empty, at most 1000 characters (CLIP's encoder sees 77 tokens, about 300 characters
   of English, at a time: longer text costs extra 77-token windows in every denoising step);
-- ``seed``: an integer in [0, 2**32 - 1] or null (the service draws one and returns it);
-- ``scheduler``: one of ``sdfast.SCHEDULERS`` or null (the model's own).
+- ``seed``: an integer in [0, 2**32 - 1] or null (the service draws one and returns it); image i uses
+  seed + i, so with n images the seed is at most 2**32 - n (checked by ``server.app``: every seed the
+  service returns is one it accepts);
+- ``scheduler``: one of ``sdfast.SCHEDULERS`` or null (the model's own);
+- ``output_compression`` (OpenAI endpoint): [0, 100].
+
+Numbers: a JSON integer of more than ``MAX_INT_DIGITS`` digits is out of every range above; the body parser
+(``server.parse``) turns it into an ``OversizedInt``, refused naming its field.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ MAX_IMAGES = 8
 MAX_GUIDANCE = 30.0
 MAX_PROMPT_CHARS = 1000
 MAX_SEED = 2**32 - 1
+MAX_INT_DIGITS = 20  # every integer field's range is far below 10**20
 # Why the prompt limit exists, quoted in the 422 message.
 PROMPT_LIMIT_WHY = (
     "CLIP's text encoder sees 77 tokens (about 300 characters of English) at a time, so longer text is "
@@ -67,6 +74,17 @@ def check_scheduler(v: str | None) -> str | None:
     if v is not None and v not in SCHEDULERS:
         raise ValueError(f"unknown scheduler {v!r}; known: {', '.join(sorted(SCHEDULERS))}")
     return v
+
+
+class OversizedInt:
+    """A JSON integer with more than ``MAX_INT_DIGITS`` digits, kept as its digit count: converting it to an
+    ``int`` costs time quadratic in its length (Python refuses past 4300 digits), and no field takes it."""
+
+    def __init__(self, digits: int):
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"a {self.digits}-digit integer"
 
 
 def _in_range(v, lo, hi, what: str):
@@ -125,30 +143,64 @@ class Txt2ImgRequest(BaseModel):
     _seed = field_validator("seed")(staticmethod(check_seed))
 
 
-_SIZE = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+_SIZE = re.compile(r"^ *([0-9]+) *[xX] *([0-9]+) *$")  # ASCII digits only: "６４x６４" is not a size
+
+
+QUALITIES = ("auto", "low", "medium", "high", "xhigh", "max", "standard", "hd")
+OUTPUT_FORMATS = ("png", "jpeg", "webp")
+
+
+def _must_be_absent(v, why: str):
+    """For an OpenAI parameter whose only value this service can honour is null (or false, or 0)."""
+    if v not in (None, False, 0):
+        raise ValueError(why)
+    return v
 
 
 class ImagesGenerationsRequest(BaseModel):
-    """``POST /v1/images/generations``: the OpenAI Images API request.
+    """``POST /v1/images/generations``: the OpenAI Images API request (DALL-E's and the GPT image models').
 
-    ``model``, ``user``, ``quality`` and ``style`` are accepted so that OpenAI clients work unchanged,
-    and ignored: the service serves the one model it was started with and never opens a path a client
-    names; its images have one quality and no style presets.
-    ``response_format`` ``url`` is refused (the service stores no files). sdfast extensions, all
-    optional: ``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``seed`` (as in
-    ``Txt2ImgRequest``).
+    Honoured: ``prompt``, ``n``, ``size`` (``WIDTHxHEIGHT``, or ``auto``: the model's native size),
+    ``output_format`` (png, jpeg, webp), ``output_compression`` (the jpeg/webp encoder's quality, 0 to 100,
+    default 100; PNG is lossless, so it leaves PNG unchanged), ``background`` ``auto``/``opaque`` (every
+    image is opaque).
+
+    Accepted and ignored, so that OpenAI clients work unchanged: ``model`` (the service serves the one
+    model it was started with and never opens a path a client names), ``quality`` (the work per image is
+    ``num_inference_steps``), ``style``, ``moderation`` (the service does no moderation), ``complexity``,
+    ``user``, ``safety_identifier``.
+
+    Refused with a 422 saying why: ``background: "transparent"`` (Stable Diffusion makes no alpha channel),
+    ``response_format: "url"`` (the service stores no files), ``stream: true`` and ``partial_images`` > 0
+    (no streaming), ``output_format`` gif/svg and the parameters that go with them.
+
+    sdfast extensions, all optional: ``negative_prompt``, ``num_inference_steps``, ``guidance_scale``,
+    ``seed`` (as in ``Txt2ImgRequest``).
     """
 
     model_config = ConfigDict(extra="forbid")
 
     prompt: str
     n: int = Field(1, strict=True, description="images, 1 to 8")
-    size: str | None = Field(None, description="'WIDTHxHEIGHT', e.g. '512x512'; default: the model's native size")
-    response_format: str = Field("b64_json", description="only 'b64_json'")
+    size: str | None = Field(
+        None, description="'WIDTHxHEIGHT', e.g. '512x512', or 'auto'; default (and 'auto'): the model's native size")
+    response_format: str | None = Field("b64_json", description="only 'b64_json' (the default)")
+    output_format: str | None = Field("png", description="png (default), jpeg or webp")
+    output_compression: int | None = Field(
+        None, strict=True, description="jpeg/webp quality, 0 to 100; default 100; no effect on png")
+    background: str | None = Field(None, description="'auto' or 'opaque'; 'transparent' is refused (no alpha)")
     model: str | None = Field(None, description="ignored (OpenAI compatibility)")
-    user: str | None = Field(None, description="ignored (OpenAI compatibility)")
-    quality: str | None = Field(None, max_length=32, description="ignored (OpenAI compatibility)")
-    style: str | None = Field(None, max_length=32, description="ignored (OpenAI compatibility)")
+    quality: str | None = Field(None, description=f"ignored (OpenAI compatibility): one of {', '.join(QUALITIES)}")
+    style: Literal["vivid", "natural"] | None = Field(None, description="ignored (OpenAI compatibility)")
+    moderation: Literal["auto", "low"] | None = Field(None, description="ignored: the service does no moderation")
+    complexity: Literal["low", "medium", "high"] | None = Field(None, description="ignored (OpenAI compatibility)")
+    user: str | None = Field(None, max_length=256, description="ignored (OpenAI compatibility)")
+    safety_identifier: str | None = Field(None, max_length=256, description="ignored (OpenAI compatibility)")
+    stream: bool | None = Field(None, description="only false: streaming is not supported")
+    partial_images: int | None = Field(None, description="only 0: partial images need streaming, not supported")
+    frame_count: int | None = Field(None, description="refused: GIF output is not supported")
+    frame_duration_ms: int | None = Field(None, description="refused: GIF output is not supported")
+    svg: dict | None = Field(None, description="refused: SVG output is not supported")
     negative_prompt: str | None = Field(None, max_length=MAX_PROMPT_CHARS, description="sdfast extension")
     num_inference_steps: int = Field(30, strict=True, description="sdfast extension: 1 to 150")
     guidance_scale: float = Field(7.5, strict=True, description="sdfast extension: 0 to 30")
@@ -166,11 +218,11 @@ class ImagesGenerationsRequest(BaseModel):
     @field_validator("size")
     @classmethod
     def _size(cls, v):
-        if v is None:
-            return v
-        m = _SIZE.match(v)
+        if v is None or v == "auto":
+            return None
+        m = _SIZE.fullmatch(v)
         if not m:
-            raise ValueError(f"must look like 'WIDTHxHEIGHT', e.g. '512x512' (got {v!r})")
+            raise ValueError(f"must look like 'WIDTHxHEIGHT' (ASCII digits), e.g. '512x512', or 'auto' (got {v!r})")
         for side in (int(m[1]), int(m[2])):
             check_side(side)
         return f"{int(m[1])}x{int(m[2])}"
@@ -178,9 +230,62 @@ class ImagesGenerationsRequest(BaseModel):
     @field_validator("response_format")
     @classmethod
     def _format(cls, v):
-        if v != "b64_json":
+        if v is not None and v != "b64_json":
             raise ValueError(f"only 'b64_json' is supported (got {v!r}); 'url' is not: this service stores no files")
         return v
+
+    @field_validator("output_format")
+    @classmethod
+    def _output_format(cls, v):
+        if v is not None and v not in OUTPUT_FORMATS:
+            raise ValueError(f"must be one of {', '.join(OUTPUT_FORMATS)} (got {v!r}): the service encodes still "
+                             "raster images only")
+        return v
+
+    @field_validator("output_compression")
+    @classmethod
+    def _compression(cls, v):
+        return v if v is None else _in_range(v, 0, 100, "an integer")
+
+    @field_validator("background")
+    @classmethod
+    def _background(cls, v):
+        if v == "transparent":
+            raise ValueError("'transparent' is not supported: Stable Diffusion makes opaque RGB images (no alpha "
+                             "channel); use 'auto' or 'opaque'")
+        if v not in (None, "auto", "opaque"):
+            raise ValueError(f"must be 'auto' or 'opaque' (got {v!r})")
+        return v
+
+    @field_validator("quality")
+    @classmethod
+    def _quality(cls, v):
+        if v is not None and v not in QUALITIES:
+            raise ValueError(f"must be one of {', '.join(QUALITIES)} (got {v!r}); it is ignored: "
+                             "num_inference_steps sets the work per image")
+        return v
+
+    @field_validator("stream")
+    @classmethod
+    def _stream(cls, v):
+        return _must_be_absent(v, "streaming is not supported: the images come in one response; send stream: false "
+                                  "or leave it out")
+
+    @field_validator("partial_images")
+    @classmethod
+    def _partial(cls, v):
+        return _must_be_absent(v, "partial images are not supported: they need streaming, which this service does not "
+                                  "do; send 0 or leave it out")
+
+    @field_validator("frame_count", "frame_duration_ms")
+    @classmethod
+    def _gif(cls, v):
+        return _must_be_absent(v, "GIF output is not supported (output_format: png, jpeg or webp)")
+
+    @field_validator("svg")
+    @classmethod
+    def _svg(cls, v):
+        return _must_be_absent(v, "SVG output is not supported (output_format: png, jpeg or webp)")
 
     def dimensions(self) -> tuple[int | None, int | None]:
         """(width, height) in pixels, or (None, None) for the model's default."""
@@ -188,6 +293,14 @@ class ImagesGenerationsRequest(BaseModel):
             return None, None
         w, h = self.size.split("x")
         return int(w), int(h)
+
+    @property
+    def image_format(self) -> str:
+        return self.output_format or "png"
+
+    @property
+    def image_quality(self) -> int:
+        return 100 if self.output_compression is None else self.output_compression
 
 
 class Timings(BaseModel):
@@ -214,16 +327,26 @@ class Txt2ImgResponse(BaseModel):
 
 
 class OpenAIImage(BaseModel):
-    b64_json: str
+    b64_json: str = Field(description="the image file (output_format), base64")
 
 
 class ImagesGenerationsResponse(BaseModel):
     created: int
     data: list[OpenAIImage]
+    output_format: str
+    size: str
+    background: Literal["opaque"] = "opaque"
 
 
-class Health(BaseModel):
+class HealthStatus(BaseModel):
+    """What ``/health`` tells a client without the API key (when one is set)."""
+
     status: Literal["ok", "degraded"]
+
+
+class Health(HealthStatus):
+    """``/health`` without an API key set, or with the key."""
+
     model: str
     model_loaded: bool
     device: str

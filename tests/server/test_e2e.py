@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -34,8 +35,15 @@ def _same_image(a: Image.Image, b: Image.Image) -> bool:
     return a.size == b.size and int(np.abs(_pixels(a) - _pixels(b)).max()) <= 1
 
 
-def test_health_is_public_and_describes_the_model(live):
-    with live.client(key=False) as c:
+def test_health_is_public_and_describes_the_model_with_the_key(live):
+    """Issue 29 item 17: without the key /health says only the status (it is public, for probes); its
+    details (the --model argument, a path in real deployments, the GPU, the dtype) need the key."""
+    with live.client(key=False) as anon:
+        r = anon.get("/health")
+        wrong = anon.get("/health", headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 200 and r.json() == {"status": "ok"}
+    assert wrong.status_code == 200 and wrong.json() == {"status": "ok"}
+    with live.client() as c:
         r = c.get("/health")
     assert r.status_code == 200
     h = r.json()
@@ -78,6 +86,19 @@ def test_txt2img_b64_json_gives_every_image_its_seed_and_timings(live):
     assert _same_image(second, _png(alone.content))  # image 2 of a request == that seed alone
 
 
+def test_head_answers_200_and_docs_are_not_served_from_a_cdn(live):
+    """Issue 29 item 10: HEAD / and HEAD /health answer 200 (not 405); /docs (Swagger UI from a CDN) is off,
+    /openapi.json stays."""
+    with live.client(key=False) as anon, live.client() as c:
+        assert anon.head("/health").status_code == 200
+        assert c.head("/").status_code == 200 and c.head("/health").status_code == 200
+        assert c.get("/docs").status_code == 404 and c.get("/redoc").status_code == 404
+        schema = c.get("/openapi.json")
+    assert schema.status_code == 200
+    body = schema.json()["paths"]["/v1/images/generations"]["post"]["requestBody"]
+    assert "output_format" in body["content"]["application/json"]["schema"]["properties"]
+
+
 def test_openai_images_generations(live):
     with live.client() as c:
         r = c.post("/v1/images/generations", json={"prompt": "a cat", "n": 2, "size": "64x64",
@@ -88,6 +109,67 @@ def test_openai_images_generations(live):
     imgs = [_png(base64.b64decode(d["b64_json"])) for d in data["data"]]
     assert all(im.size == (64, 64) for im in imgs)
     assert np.abs(_pixels(imgs[0]) - _pixels(imgs[1])).max() > 10  # two seeds, two images
+
+
+def test_the_official_openai_client(live):
+    """Issue 29 item 4: the official ``openai`` client with gpt-image-1's parameters: output_format png / jpeg /
+    webp encoded as asked at output_compression, size 'auto' the native size, the ignored parameters accepted,
+    and what cannot be honoured refused with a 422 saying why."""
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key=live.key, max_retries=0, timeout=60)
+    common = dict(prompt="a lighthouse", extra_body={"num_inference_steps": STEPS, "seed": 3})
+    r = client.images.generate(**common, size="64x64", response_format="b64_json", model="gpt-image-1",
+                               quality="low", style="vivid", moderation="low", background="opaque", user="u1",
+                               stream=False)
+    png = Image.open(io.BytesIO(base64.b64decode(r.data[0].b64_json)))
+    assert png.format == "PNG" and png.size == (64, 64) and r.output_format == "png" and r.size == "64x64"
+
+    files = {}
+    for fmt, compression in [("jpeg", 95), ("jpeg", 5), ("webp", 95), ("webp", 5)]:
+        r = client.images.generate(**common, size="auto", n=1, output_format=fmt, output_compression=compression,
+                                   quality="high", background="auto")
+        data = base64.b64decode(r.data[0].b64_json)
+        img = Image.open(io.BytesIO(data))
+        assert img.format == fmt.upper() and img.size == (64, 64), (fmt, img.format, img.size)  # auto: native
+        assert json.loads(img.getexif()[0x010E])["seed"] == 3  # the parameters, as in a PNG's text chunk
+        assert r.output_format == fmt
+        files[fmt, compression] = img.convert("RGB")
+    for fmt in ("jpeg", "webp"):  # the compression is honoured: lower quality, further from the PNG
+        err = {c: np.abs(_pixels(files[fmt, c]) - _pixels(png.convert("RGB"))).mean() for c in (95, 5)}
+        assert err[5] > err[95], (fmt, err)
+
+    refused = [({"background": "transparent"}, "background", "alpha"),
+               ({"response_format": "url"}, "response_format", "stores no files"),
+               ({"output_format": "gif"}, "output_format", "png, jpeg, webp"),
+               ({"output_compression": 101}, "output_compression", "[0, 100]"),
+               ({"partial_images": 2}, "partial_images", "streaming")]
+    for change, field, why in refused:
+        with pytest.raises(openai.UnprocessableEntityError) as e:
+            client.images.generate(**common, size="64x64", **change)
+        error = e.value.body if "message" in e.value.body else e.value.body["error"]
+        assert error["param"] == field and why in error["message"], (change, error)
+    with pytest.raises(openai.UnprocessableEntityError) as e:  # the client reads a stream; the 422 comes first
+        client.images.generate(**common, size="64x64", stream=True)
+    assert "streaming is not supported" in str(e.value)
+
+
+def test_returned_seeds_are_accepted_back_and_give_their_image(live):
+    """Issue 29 item 14: image i uses seed + i; a request whose last seed would pass 2**32 - 1 is refused
+    (naming ``seed``), so every seed the service returns is one it accepts, and that seed alone gives the image."""
+    top = 2**32 - 1
+    body = {"prompt": "a cat", "num_inference_steps": STEPS, "response_format": "b64_json"}
+    with live.client() as c:
+        r = c.post(TXT, json={**body, "seed": top - 2, "num_images": 3})
+        over = c.post(TXT, json={**body, "seed": top, "num_images": 3})
+        assert r.status_code == 200, r.text
+        images = r.json()["images"]
+        assert [im["seed"] for im in images] == [top - 2, top - 1, top]
+        again = c.post(TXT, json={**body, "seed": images[-1]["seed"]})
+        assert again.status_code == 200, again.text
+    assert over.status_code == 422 and over.json()["error"]["param"] == "seed"
+    assert "at most 4294967293" in over.json()["error"]["message"]
+    assert _same_image(_png(base64.b64decode(images[-1]["b64_json"])),
+                       _png(base64.b64decode(again.json()["images"][0]["b64_json"])))
 
 
 def test_16_concurrent_requests_equal_the_same_requests_alone(live):
@@ -152,7 +234,15 @@ BAD = [
     (OAI, {"response_format": "url"}, "response_format", "b64_json"),
     (OAI, {"prompt": ""}, "prompt", "non-empty"),
     (OAI, {"scheduler_path": "/tmp/x"}, "scheduler_path", "unknown field"),
-    (OAI, {"quality": "x" * 33}, "quality", "at most 32"),
+    (OAI, {"quality": "x" * 33}, "quality", "standard, hd"),
+    (OAI, {"size": "\uff16\uff14x\uff16\uff14"}, "size", "ASCII digits"),  # full-width "６４x６４" (item 15)
+    (OAI, {"size": "\u0664\u0660x64"}, "size", "ASCII digits"),  # Arabic-Indic digits
+    (OAI, {"size": "64x64\n"}, "size", "WIDTHxHEIGHT"),
+    (OAI, {"background": "transparent"}, "background", "no alpha"),  # item 4
+    (OAI, {"output_format": "svg"}, "output_format", "png, jpeg, webp"),
+    (OAI, {"output_compression": -1}, "output_compression", "[0, 100]"),
+    (OAI, {"stream": True}, "stream", "streaming is not supported"),  # item 10
+    (OAI, {"frame_count": 4}, "frame_count", "GIF output is not supported"),
 ]
 
 
@@ -169,6 +259,51 @@ def test_bad_input_answers_422_naming_the_field(live, path, change, field, hint)
     assert err["type"] == "invalid_request_error"
     detail = r.json()["detail"]  # every 422, from the schema or from the endpoint, lists its fields
     assert detail and detail[0]["field"] == field and detail[0]["message"] == err["message"]
+
+
+NUMERIC = [(TXT, f) for f in ("num_inference_steps", "guidance_scale", "width", "height", "seed", "num_images")] + [
+    (OAI, f) for f in ("n", "num_inference_steps", "guidance_scale", "seed", "output_compression", "partial_images")]
+
+
+@pytest.mark.parametrize("path, field", NUMERIC, ids=[f"{p.split('/')[-1]}-{f}" for p, f in NUMERIC])
+@pytest.mark.parametrize("digits", [25, 5000])
+def test_huge_integer_answers_422_naming_its_field(live, path, field, digits):
+    """Issue 29 item 16: a 5000-digit integer (past Python's 4300-digit int-from-str limit) names its field."""
+    number = "9" * digits
+    raw = '{"prompt": "a cat", "num_inference_steps": %d, "%s": %s}' % (STEPS, field, number)
+    if field == "num_inference_steps":
+        raw = '{"prompt": "a cat", "num_inference_steps": %s}' % number
+    with live.client() as c:
+        r = c.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 422, r.text
+    err = r.json()["error"]
+    assert err["param"] == field and err["message"].startswith(f"{field}:"), err
+    assert len(r.content) < 2000 and number[:30] not in r.text
+
+
+def test_422_for_many_unknown_keys_is_small_and_does_not_stall_the_service(live):
+    """Issue 29 item 11: 1 MiB of ~111,000 unknown keys gets a small 422 (a few errors and a count of the rest),
+    and /health keeps answering while such bodies are validated (off the event loop)."""
+    body = ('{"prompt":"a"' + "".join(f',"{i:x}":0' for i in range(111_000)) + "}").encode()
+    assert len(body) < 1 << 20
+    with live.client() as c, live.client(key=False) as probe, ThreadPoolExecutor(4) as pool:
+        started = time.monotonic()
+        futures = [pool.submit(c.post, TXT, content=body, headers={"content-type": "application/json"})
+                   for _ in range(3)]
+        waits = []
+        while not all(f.done() for f in futures):
+            t0 = time.monotonic()
+            assert probe.get("/health").status_code == 200
+            waits.append(time.monotonic() - t0)
+            time.sleep(0.05)
+        took = time.monotonic() - started
+        answers = [f.result() for f in futures]
+    for r in answers:
+        assert r.status_code == 422 and len(r.content) < 10_000, (r.status_code, len(r.content))
+        data = r.json()
+        assert data["error"]["param"] == "0" and "unknown field" in data["error"]["message"]
+        assert len(data["detail"]) <= 8 and len(data["detail"]) + data["detail_omitted"] == 111_000
+    assert max(waits) < 2.0, f"/health waited {max(waits):.2f} s while the bodies were validated ({took:.1f} s)"
 
 
 def test_every_endpoint_but_health_needs_the_key(live):

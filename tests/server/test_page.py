@@ -27,6 +27,8 @@ def test_page_generates_an_image(live):
             assert browser.evaluate(f"!!document.querySelector('{sel}')"), sel
         browser.wait_for("document.querySelector('#width').value === '64'", timeout=10)
         assert "random:tiny" in browser.evaluate("document.querySelector('#model').textContent")
+        # The Content-Security-Policy (issue 29 item 21) lets the page's inline style and script run.
+        assert browser.evaluate("getComputedStyle(document.querySelector('#generate')).borderTopLeftRadius") == "6px"
 
         browser.type_into("#prompt", "a lighthouse at dusk")
         browser.type_into("#steps", "2")
@@ -52,4 +54,7 @@ def test_page_generates_an_image(live):
         status = browser.wait_for("document.querySelector('#status').textContent", timeout=30)
         assert status.startswith("422: num_inference_steps:"), status
         assert browser.evaluate("document.querySelector('#steps').classList.contains('invalid')")
+        # Issue 29 item 10: the error replaces the previous image, which no longer matches the form.
+        assert browser.evaluate("document.querySelector('#result img') === null")
+        assert browser.evaluate("document.querySelector('#time').textContent") == ""
         assert browser.console_errors() == []

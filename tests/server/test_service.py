@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -110,12 +111,83 @@ def test_gpu_oom_answers_503_then_serves_again():
     assert metric_value(text, "sdfast_images_generated_total") == 1
 
 
-def test_engine_error_answers_500_then_serves_again():
-    engine = FakeEngine(failures=[ValueError("weights went missing")])
-    with serving(create_app(engine, api_key="")) as url, _client(url) as c:
-        r = c.post("/v1/txt2img", json=REQ)
-        assert r.status_code == 500 and "weights went missing" in r.json()["error"]["message"]
-        assert c.post("/v1/txt2img", json=REQ).status_code == 200
+def test_engine_error_answers_500_with_a_request_id_then_serves_again(caplog):
+    """Issue 29 item 20: the 500 body says nothing of the exception (no internal paths); its request id
+    finds the details in the log."""
+    engine = FakeEngine(failures=[ValueError("weights went missing from /srv/models/secret.safetensors")])
+    with caplog.at_level(logging.ERROR, logger="sdfast.server"):
+        with serving(create_app(engine, api_key="")) as url, _client(url) as c:
+            r = c.post("/v1/txt2img", json=REQ)
+            assert r.status_code == 500
+            err = r.json()["error"]
+            assert "/srv" not in r.text and "weights" not in r.text and "ValueError" not in r.text, r.text
+            assert err["type"] == "internal_error" and err["request_id"] in err["message"]
+            assert r.headers["x-request-id"] == err["request_id"]
+            assert c.post("/v1/txt2img", json=REQ).status_code == 200
+    logged = [rec.getMessage() for rec in caplog.records if err["request_id"] in rec.getMessage()]
+    assert logged and "/srv/models/secret.safetensors" in logged[0]
+
+
+def test_unexpected_exception_answers_500_with_a_request_id(caplog):
+    """An exception outside the worker (here: the PNG encoder) gets the same generic 500 as an engine failure."""
+
+    class BrokenImage:
+        def __init__(self, *a, **k):
+            pass
+
+        def save(self, *a, **k):
+            raise OSError("disk full at /var/secret/tmp")
+
+    engine = FakeEngine()
+    engine.txt2img = lambda prompt, **kw: [BrokenImage() for _ in kw["seed"]]
+    with caplog.at_level(logging.ERROR, logger="sdfast.server"):
+        with serving(create_app(engine, api_key="")) as url, _client(url) as c:
+            r = c.post("/v1/txt2img", json=REQ)
+            assert r.status_code == 500 and "/var/secret" not in r.text, r.text
+            rid = r.json()["error"]["request_id"]
+            assert c.post("/v1/images/generations", json={"prompt": "a cat", "output_format": "jpeg"}).status_code == 500
+    assert any(rid in rec.getMessage() and "/var/secret" in rec.getMessage() for rec in caplog.records)
+
+
+def test_drawn_seeds_leave_room_for_every_image(monkeypatch):
+    """Issue 29 item 14: a drawn seed s serves n images s .. s + n - 1, all at most 2**32 - 1, even when the draw
+    is the highest it can be."""
+    import server.app
+
+    monkeypatch.setattr(server.app.secrets, "randbelow", lambda n: n - 1)  # the highest draw
+    engine = FakeEngine()
+    with serving(create_app(engine, max_batch=8, api_key="")) as url, _client(url) as c:
+        r = c.post("/v1/txt2img", json={**REQ, "seed": None, "num_images": 8, "response_format": "b64_json"})
+        assert r.status_code == 200, r.text
+        seeds = [im["seed"] for im in r.json()["images"]]
+        again = c.post("/v1/txt2img", json={**REQ, "seed": seeds[-1]})
+        assert again.status_code == 200, again.text
+    assert seeds == list(range(2**32 - 8, 2**32))
+    assert engine.calls[-1]["seeds"] == [2**32 - 1]
+
+
+def test_page_sends_security_headers_that_allow_its_own_script_and_style():
+    """Issue 29 item 21: Content-Security-Policy (the page's inline script and style allowed by hash, fetches to
+    this origin, data: images), X-Frame-Options DENY, nosniff."""
+    import hashlib
+    import re
+
+    with serving(create_app(FakeEngine(), api_key="")) as url, _client(url) as c:
+        r = c.get("/")
+    assert r.status_code == 200
+    assert r.headers["x-frame-options"] == "DENY" and r.headers["x-content-type-options"] == "nosniff"
+    csp = dict(d.strip().split(" ", 1) for d in r.headers["content-security-policy"].split(";"))
+    assert csp["default-src"] == "'none'" and csp["frame-ancestors"] == "'none'"
+    assert csp["img-src"] == "data:" and csp["connect-src"] == "'self'"
+    for tag in ("script", "style"):
+        blocks = re.findall(rf"<{tag}>(.*?)</{tag}>", r.text, flags=re.DOTALL)
+        assert blocks, tag
+        for block in blocks:
+            digest = base64.b64encode(hashlib.sha256(block.encode()).digest()).decode()
+            assert f"'sha256-{digest}'" in csp[f"{tag}-src"].split(), tag
+        assert "unsafe-inline" not in csp[f"{tag}-src"]
+    assert not re.search(r"<[^>]+\son\w+=", r.text), "inline event handlers would need 'unsafe-inline'"
+    assert not re.search(r"<[^>]+\sstyle=", r.text), "style attributes would need 'unsafe-inline'"
 
 
 def test_batched_requests_get_their_own_images():
@@ -171,7 +243,8 @@ def test_openai_endpoint_maps_n_and_size():
                                                    "style": "vivid", "user": "u1"})
         assert r.status_code == 200
         data = r.json()
-        assert set(data) == {"created", "data"} and len(data["data"]) == 3
+        assert set(data) == {"created", "data", "output_format", "size", "background"} and len(data["data"]) == 3
+        assert data["output_format"] == "png" and data["size"] == "128x64"
         img = Image.open(io.BytesIO(base64.b64decode(data["data"][0]["b64_json"])))
         assert img.size == (128, 64)
     assert engine.calls[0]["width"] == 128 and engine.calls[0]["height"] == 64 and len(engine.calls[0]["seeds"]) == 3
