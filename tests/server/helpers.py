@@ -98,12 +98,18 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str
 
 
 @contextlib.contextmanager
-def serving(app):
-    """Run ``app`` with uvicorn on 127.0.0.1:<free port> in a thread; yields the base URL."""
+def serving(app, guard=None):
+    """Run ``app`` with uvicorn on 127.0.0.1:<free port> in a thread; yields the base URL. With ``guard`` (a
+    ``server.connections.ConnectionGuard``), the server ``serve`` runs (``server.app.uvicorn_server``)."""
     import uvicorn
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    if guard is not None:
+        from server.app import uvicorn_server
+
+        server = uvicorn_server(app, host="127.0.0.1", port=port, guard=guard, log_level="warning")
+    else:
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     try:
