@@ -17,7 +17,9 @@ Endpoints (every one but ``/health`` answers 401 without the key when an API key
 Errors are JSON in the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``:
 422 bad input (``param`` names the field), 401 no/wrong key, 429 queue full (answered at once),
 503 GPU out of memory (the service goes on), 504 deadline passed, 500 the engine failed on that batch.
-A client that disconnects while waiting releases its place in the queue.
+A client that disconnects while waiting releases its place in the queue; a generation stops at the next
+denoising step once every request of its batch is past its deadline or gone. ``serve`` adds the connection
+limits of ``server.connections`` and the ``Host`` check of ``allowed_hosts_for``.
 """
 
 from __future__ import annotations
@@ -274,7 +276,7 @@ class Service:
                 if await request.is_disconnected():
                     self.worker.cancel(job)
                     log.info("client left; its request was %s", "dropped from the queue" if job.future.cancelled()
-                             else "already running, its result is discarded")
+                             else "already running: it stops at the next step once its whole batch is gone")
                     return None
         except asyncio.CancelledError:  # the server cancelled the handler (shutdown, disconnect)
             self.worker.cancel(job)

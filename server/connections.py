@@ -21,7 +21,8 @@ exhaust the process's file descriptors; asyncio then logs every failed ``accept(
 ``Server`` (a ``uvicorn.Server``) installs a loop exception handler that logs asyncio's "socket.accept() out of
 system resource" (EMFILE, ENFILE, ...) once per ``log_interval_s`` with a count, without the traceback; other
 loop errors go to the default handler. (The bound on connections keeps the descriptors from running out: ``serve``
-raises the soft ``RLIMIT_NOFILE`` to fit ``max_connections``; this is for descriptors used up by anything else.) Each of these events is logged the same way (``Every``).
+raises the soft ``RLIMIT_NOFILE`` to fit ``max_connections``; this is for descriptors used up by anything else.)
+Timeouts, evictions, refusals and accept failures are each logged that way (``Every``).
 """
 
 from __future__ import annotations

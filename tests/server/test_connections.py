@@ -47,7 +47,7 @@ def _port(url: str) -> int:
 
 
 def test_unfinished_requests_are_cut_off_and_bounded_while_prompt_clients_are_served():
-    guard = ConnectionGuard(read_timeout_s=1.0, max_connections=20)
+    guard = ConnectionGuard(read_timeout_s=2.0, max_connections=20)
     with serving(create_app(FakeEngine(), api_key=""), guard) as url:
         port = _port(url)
         t0 = time.monotonic()
@@ -59,9 +59,9 @@ def test_unfinished_requests_are_cut_off_and_bounded_while_prompt_clients_are_se
         time.sleep(0.2)
         still_open = [s for s in socks if not _closed_by_server(s)]
         assert len(still_open) <= 20 and len(socks) == 150
-        assert time.monotonic() - t0 < 1.0, "the check above must run within the read timeout"
-        wait_for(lambda: all(_closed_by_server(s) for s in still_open), timeout=3, what="the read timeout")
-        assert time.monotonic() - t0 < 3.5
+        assert time.monotonic() - t0 < 2.0, "the check above must run within the read timeout"
+        wait_for(lambda: all(_closed_by_server(s) for s in still_open), timeout=4, what="the read timeout")
+        assert time.monotonic() - t0 < 5
         for s in socks:
             s.close()
 

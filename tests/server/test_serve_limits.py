@@ -64,7 +64,8 @@ def captured(monkeypatch):
     built = {}
     monkeypatch.setattr(sdfast, "load", lambda model, optimize=True: built.setdefault("engine", FakeEngine()))
     monkeypatch.setattr(app_module, "_check_can_listen", lambda host, port: None)
-    monkeypatch.setattr(app_module, "uvicorn_server", lambda app, **kw: built.setdefault("server", _StubServer(app, **kw)))
+    monkeypatch.setattr(app_module, "uvicorn_server",
+                        lambda app, **kw: built.setdefault("server", _StubServer(app, **kw)))
     return built
 
 
