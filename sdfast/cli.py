@@ -144,6 +144,18 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-batch", type=int, default=4,
                    help="at most this many images in one engine call, and per request (default: 4)")
     p.add_argument("--queue", type=int, default=64, help="requests waiting at most; more get 429 (default: 64)")
+    p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a request's deadline, queue and generation: past it the answer is 504 and its generation "
+                        "stops at the next step (default: $SDFAST_REQUEST_TIMEOUT, else 300)")
+    p.add_argument("--read-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a client that has not sent its complete request (headers and body) this long after "
+                        "connecting is disconnected (default: 30)")
+    p.add_argument("--max-connections", type=int, default=None,
+                   help="open connections at most; past it the oldest without a complete request is closed "
+                        "(default: 256)")
+    p.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                   help="comma-separated Host header names accepted, '*.example.com' for subdomains, '*' for any "
+                        "(default: localhost, 127.0.0.1, [::1] when --host is loopback, else any)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -153,7 +165,9 @@ def cmd_serve(args) -> int:
     except ImportError as e:
         raise SystemExit(f"sdfast: error: the service needs the server extra (pip install 'sdfast[server]'): {e}")
     return serve(model=args.model or default_model(), host=args.host, port=args.port,
-                 max_batch=args.max_batch, queue_size=args.queue) or 0
+                 max_batch=args.max_batch, queue_size=args.queue, request_timeout_s=args.request_timeout,
+                 read_timeout_s=args.read_timeout, max_connections=args.max_connections,
+                 allowed_hosts=args.allowed_hosts) or 0
 
 
 def _add_bench(sub) -> None:

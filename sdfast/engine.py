@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from . import prompts as prompt_policy
-from .errors import NonFiniteOutputError
+from .errors import GenerationCancelled, NonFiniteOutputError
 from .request import check_long_prompt, check_negative_prompt, check_request
 from .runtime import host_timesteps
 from .schedulers import check_steps, make_scheduler
@@ -38,6 +38,17 @@ def _to_uint8(images: torch.Tensor, flags: tuple[torch.Tensor, ...] = ()) -> tup
     host, finite = pixels.to("cpu", non_blocking=True), finite.to("cpu", non_blocking=True)
     torch.cuda.current_stream(pixels.device).synchronize()
     return host.numpy(), bool(finite)
+
+
+def _stopper(should_stop):
+    """A diffusers ``callback_on_step_end`` that raises ``GenerationCancelled`` when ``should_stop()`` is True."""
+
+    def on_step_end(pipe, i, t, callback_kwargs):
+        if should_stop():
+            raise GenerationCancelled(i + 1, int(getattr(pipe, "num_timesteps", 0) or i + 1))
+        return callback_kwargs
+
+    return on_step_end
 
 
 class PromptTruncatedWarning(UserWarning):
@@ -96,6 +107,7 @@ class Engine:
         scheduler: str | None = None,
         progress: bool = False,
         long_prompt: str = "chunk",
+        should_stop=None,
     ):
         """Generate images from text.
 
@@ -117,6 +129,10 @@ class Engine:
                 (``PromptTruncatedWarning``). See ``sdfast.prompts``. With "chunk", every prompt of a
                 batch is padded to the batch's largest window count, so a short prompt batched with a
                 long one does not give the image it gives alone (``sdfast.prompts.windows_of``).
+            should_stop: None, or a function of no arguments called after every denoising step (through diffusers'
+                ``callback_on_step_end``); when it returns True the call stops there, before the next UNet step and
+                without decoding, and raises ``GenerationCancelled``. CUDA graphs stay valid: the callback runs
+                between graph replays, never during a capture, and each call re-projects its text context.
 
         Returns: a list of ``PIL.Image.Image`` (RGB, ``width``×``height``). Each carries, as strings,
             ``info["seed"]``, ``info["prompt_tokens"]`` (CLIP content tokens of its prompt),
@@ -124,10 +140,10 @@ class Engine:
             (tokens dropped from its prompt, plus ``info["negative_prompt_truncated_tokens"]`` with a
             negative prompt). ``engine.last_prompt_report`` holds the same for the whole request.
         Raises: ``InvalidRequestError`` (a ``ValueError`` naming the field) before any step runs;
-            ``NonFiniteOutputError`` if the pipeline produced NaN/Inf (checked on the VAE's output,
-            before pixels are clamped), never a black image; ``torch.OutOfMemoryError`` (a host allocation
-            failure too), after dropping the CUDA graphs that the failed call captured (the service answers
-            503 and goes on).
+            ``GenerationCancelled`` when ``should_stop`` returned True; ``NonFiniteOutputError`` if the
+            pipeline produced NaN/Inf (checked on the VAE's output, before pixels are clamped), never a black
+            image; ``torch.OutOfMemoryError`` (a host allocation failure too), after dropping the CUDA graphs
+            that the failed call captured (the service answers 503 and goes on).
         """
         height = self.default_size if height is None else height
         width = self.default_size if width is None else width
@@ -185,10 +201,12 @@ class Engine:
             lambda module, args, output: finite.append(torch.isfinite(output).all())
         )
         mark = graphs.mark() if graphs is not None else None
+        stop = {} if should_stop is None else {"callback_on_step_end": _stopper(should_stop)}
         t0 = time.perf_counter()
         try:
             out = pipe(
                 **text,
+                **stop,
                 num_inference_steps=num_inference_steps,
                 guidance_scale=guidance_scale,
                 height=height,

@@ -22,3 +22,14 @@ class HubOfflineError(ConnectionError):
 
 class NonFiniteOutputError(RuntimeError):
     """The pipeline produced NaN/Inf pixels (fp16 overflow, a broken kernel): never returned as a black image."""
+
+
+class GenerationCancelled(Exception):
+    """``Engine.txt2img(should_stop=...)`` stopped at a step boundary because ``should_stop()`` returned True: no
+    image. ``step``: denoising-loop iterations run; ``steps``: the iterations the call would have run (PNDM runs one
+    more than ``num_inference_steps``). Not a ``RuntimeError``, so no handler of engine failures mistakes it for one."""
+
+    def __init__(self, step: int, steps: int):
+        super().__init__(f"generation cancelled after step {step} of {steps}")
+        self.step = step
+        self.steps = steps

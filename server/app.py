@@ -21,7 +21,9 @@ Errors are JSON in the OpenAI shape ``{"error": {"message", "type", "param", "co
 422 bad input (``param`` names the field; ``detail`` lists at most ``MAX_DETAIL`` errors), 401 no/wrong key,
 429 queue full (answered at once), 503 GPU out of memory (the service goes on), 504 deadline passed,
 500 the engine (or the service) failed: a generic message with a ``request_id``, whose log line has the details.
-A client that disconnects while waiting releases its place in the queue.
+A client that disconnects while waiting releases its place in the queue; a generation stops at the next
+denoising step once every request of its batch is past its deadline or gone. ``serve`` adds the connection
+limits of ``server.connections`` and the ``Host`` check of ``allowed_hosts_for``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 
 from sdfast.png import encode_png
 
@@ -74,7 +77,8 @@ STATIC = Path(__file__).parent / "static"
 API_KEY_ENV = "SDFAST_API_KEY"
 PUBLIC_PATHS = frozenset({"/health"})
 ENDPOINTS = ("/", "/v1/txt2img", "/v1/images/generations", "/health", "/metrics")
-DEFAULT_TIMEOUT_S = 300.0
+DEFAULT_TIMEOUT_S = 300.0  # seconds a request may wait for its images, queue and generation (--request-timeout)
+REQUEST_TIMEOUT_ENV = "SDFAST_REQUEST_TIMEOUT"
 CLIENT_CLOSED = 499  # nginx's "client closed request": recorded in metrics, never seen by the client
 
 
@@ -172,6 +176,53 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
+# -- Host header -----------------------------------------------------------------------------------
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "[::1]")
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether the bind address ``host`` (an IP literal or a name) is loopback only."""
+    import ipaddress
+    import socket
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    if host.lower() == "localhost":
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except socket.gaierror:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def allowed_hosts_for(host: str, allowed_hosts=None) -> list[str] | None:
+    """The ``Host`` header names the service accepts (any port), or None for any.
+
+    ``allowed_hosts``: a list or a comma-separated string of names (``*.example.com`` for subdomains, ``*``
+    for any; IPv6 literals in brackets). None: loopback names only (``LOOPBACK_HOSTS``, and ``host`` itself)
+    when ``host`` is a loopback address, so a web page cannot reach the service through DNS rebinding; any
+    name otherwise. Raises ``ValueError`` naming ``--allowed-hosts`` for a malformed entry."""
+    if allowed_hosts is None:
+        if not _is_loopback(host):
+            return None
+        literal = f"[{host.strip('[]')}]" if ":" in host else host
+        return list(dict.fromkeys([*LOOPBACK_HOSTS, literal.lower()]))
+    names = allowed_hosts.split(",") if isinstance(allowed_hosts, str) else list(allowed_hosts)
+    names = [n.strip().lower() for n in names if n.strip()]
+    if not names:
+        raise ValueError("--allowed-hosts: give at least one host name, or '*' for any")
+    for n in names:
+        bad_wildcard = "*" in n[1:] or (n.startswith("*") and n != "*" and not n.startswith("*."))
+        if bad_wildcard or (":" in n and not (n.startswith("[") and n.endswith("]"))) or "/" in n:
+            raise ValueError(f"--allowed-hosts: {n!r} is not a host name (no port or scheme; '*.example.com' for "
+                             "subdomains, '[::1]' for an IPv6 address, '*' for any)")
+    return None if "*" in names else names
+
+
 # -- images ----------------------------------------------------------------------------------------
 
 
@@ -264,7 +315,7 @@ class Service:
                 if await request.is_disconnected():
                     self.worker.cancel(job)
                     log.info("client left; its request was %s", "dropped from the queue" if job.future.cancelled()
-                             else "already running, its result is discarded")
+                             else "already running: it stops at the next step once its whole batch is gone")
                     return None
         except asyncio.CancelledError:  # the server cancelled the handler (shutdown, disconnect)
             self.worker.cancel(job)
@@ -416,7 +467,8 @@ def page_headers(html: str) -> dict[str, str]:
 
 
 def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api_key: str | None = None,
-               request_timeout_s: float = DEFAULT_TIMEOUT_S, poll_interval_s: float = 0.05) -> FastAPI:
+               request_timeout_s: float = DEFAULT_TIMEOUT_S, poll_interval_s: float = 0.05,
+               allowed_hosts: list[str] | None = None) -> FastAPI:
     """The FastAPI app serving ``engine_or_model`` (an ``sdfast.Engine``, or anything ``sdfast.load`` takes).
 
     Args:
@@ -424,8 +476,11 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
         queue_size: requests that may wait; one more answers 429 at once.
         api_key: required on every endpoint but ``/health``; default: the ``SDFAST_API_KEY``
             environment variable; None or empty: no key.
-        request_timeout_s: seconds a request may wait for its images (queue + generation) before 504.
+        request_timeout_s: seconds a request may wait for its images (queue + generation) before 504; its
+            generation stops at the next denoising step once every request of its batch is gone.
         poll_interval_s: how often a waiting request checks whether its client is still connected.
+        allowed_hosts: ``Host`` header names accepted (Starlette's ``TrustedHostMiddleware``: others get 400
+            "Invalid host header"); None: any. ``serve`` passes ``allowed_hosts_for(host, ...)``.
     Raises ``ValueError`` for a bad ``max_batch``/``queue_size``/``request_timeout_s``, and what
     ``sdfast.load`` raises for a bad model.
     """
@@ -553,12 +608,14 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
     async def page():
         return HTMLResponse(html, headers=headers)
 
-    # Order: metrics outermost, so answers of the key check are counted too; then the body limit; innermost
-    # the 500 for unexpected exceptions.
+    # Order: metrics outermost, so answers of the host and key checks are counted too; then the body limit;
+    # innermost the 500 for unexpected exceptions.
     app.add_middleware(InternalErrorMiddleware)
     app.add_middleware(BodyLimitMiddleware)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if allowed_hosts is not None:  # before the key check: a rebinding page is refused whatever it sends
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts), www_redirect=False)
     app.add_middleware(MetricsMiddleware, metrics=service.metrics)
     return app
 
@@ -589,24 +646,79 @@ def _check_can_listen(host: str, port: int) -> None:
             raise ValueError(f"--port: cannot listen on {host}:{port} ({e.strerror or e})") from None
 
 
+def request_timeout_from_env(value: float | None) -> float:
+    """``value``, else the ``SDFAST_REQUEST_TIMEOUT`` environment variable, else ``DEFAULT_TIMEOUT_S``; checked > 0."""
+    name = "--request-timeout"
+    if value is None and os.environ.get(REQUEST_TIMEOUT_ENV, "").strip():
+        name, raw = REQUEST_TIMEOUT_ENV, os.environ[REQUEST_TIMEOUT_ENV].strip()
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{name} must be a number of seconds > 0 (got {raw!r})") from None
+    value = DEFAULT_TIMEOUT_S if value is None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{name} must be a number of seconds > 0 (got {value!r})")
+    return float(value)
+
+
+FD_RESERVE = 128  # file descriptors besides the connections: model files, CUDA, the event loop, logs
+
+
+def _fit_file_limit(max_connections: int) -> None:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to fit ``max_connections`` (up to the hard limit); raise
+    ``ValueError`` naming ``--max-connections`` when even the hard limit is too low."""
+    try:
+        import resource
+    except ImportError:  # not on POSIX
+        return
+    need = max_connections + FD_RESERVE
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    if hard != resource.RLIM_INFINITY and hard < need:
+        raise ValueError(f"--max-connections {max_connections} needs about {need} file descriptors and this "
+                         f"process may open at most {hard} (ulimit -Hn); lower --max-connections")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+
+
+def uvicorn_server(app, *, host: str, port: int, guard, log_level: str = "info"):
+    """The ``uvicorn.Server`` that ``serve`` runs: HTTP/1.1 (h11) with ``guard``'s limits
+    (``server.connections``), uvicorn's 5 s keep-alive."""
+    import uvicorn
+
+    from .connections import Server
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=guard.protocol())
+    return Server(config, guard)
+
+
 def serve(*, model: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 4, queue_size: int = 64,
-          api_key: str | None = None, request_timeout_s: float = DEFAULT_TIMEOUT_S, optimize: bool = True,
-          log_level: str = "info") -> int:
+          api_key: str | None = None, request_timeout_s: float | None = None, optimize: bool = True,
+          log_level: str = "info", read_timeout_s: float | None = None, max_connections: int | None = None,
+          allowed_hosts=None) -> int:
     """Load ``model`` and serve it with uvicorn until interrupted (what ``sdfast serve`` runs).
 
     The key comes from ``api_key`` or the ``SDFAST_API_KEY`` environment variable. ``optimize``:
-    passed to ``sdfast.load`` (False: the stock diffusers pipeline). Bad ``max_batch``/``queue_size``
-    raise ``ValueError`` before the model is loaded.
+    passed to ``sdfast.load`` (False: the stock diffusers pipeline). ``request_timeout_s``: the deadline of a
+    request, queue and generation (default: ``SDFAST_REQUEST_TIMEOUT``, else 300 s). ``read_timeout_s``: a
+    client must send its complete request within this time (default 30 s); ``max_connections``: open
+    connections at most (default 256; ``server.connections``). ``allowed_hosts``: the ``Host`` names
+    accepted (``allowed_hosts_for``: loopback names only when ``host`` is loopback). Bad values raise
+    ``ValueError`` before the model is loaded.
     """
-    import uvicorn
-
     import sdfast
+
+    from .connections import DEFAULT_MAX_CONNECTIONS, DEFAULT_READ_TIMEOUT_S, ConnectionGuard
 
     for flag, v in (("--max-batch", max_batch), ("--queue", queue_size)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{flag} must be an integer >= 1 (got {v!r})")
-    if not request_timeout_s > 0:
-        raise ValueError(f"request_timeout_s must be > 0 (got {request_timeout_s!r})")
+    request_timeout_s = request_timeout_from_env(request_timeout_s)
+    guard = ConnectionGuard(
+        read_timeout_s=DEFAULT_READ_TIMEOUT_S if read_timeout_s is None else read_timeout_s,
+        max_connections=DEFAULT_MAX_CONNECTIONS if max_connections is None else max_connections)
+    hosts = allowed_hosts_for(host, allowed_hosts)
+    _fit_file_limit(guard.max_connections)
     _check_can_listen(host, port)  # before the (slow) load: a taken port answers at once
 
     t0 = time.perf_counter()
@@ -616,8 +728,11 @@ def serve(*, model: str, host: str = "127.0.0.1", port: int = 8000, max_batch: i
     if str(model).startswith("random:"):
         print(f"sdfast: note: {model} has random weights, so its images are noise", file=sys.stderr)
     app = create_app(engine, max_batch=max_batch, queue_size=queue_size, api_key=api_key,
-                     request_timeout_s=request_timeout_s)
+                     request_timeout_s=request_timeout_s, allowed_hosts=hosts)
     if any(m.cls is APIKeyMiddleware for m in app.user_middleware):
         print("sdfast: an API key is required on every endpoint but /health", file=sys.stderr)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
-    return 0
+    print(f"sdfast: request deadline {request_timeout_s:g} s, read timeout {guard.read_timeout_s:g} s, at most "
+          f"{guard.max_connections} connections; Host: {', '.join(hosts) if hosts else 'any'}", file=sys.stderr)
+    server = uvicorn_server(app, host=host, port=port, guard=guard, log_level=log_level)
+    server.run()
+    return 0 if server.started else 1

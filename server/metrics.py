@@ -7,7 +7,8 @@ Exposed at ``GET /metrics``:
 - ``sdfast_request_latency_seconds{endpoint}``: time from arrival to answer (histogram);
 - ``sdfast_queue_depth``: requests waiting for the worker;
 - ``sdfast_images_generated_total``: images produced by the engine;
-- ``sdfast_batches_total{outcome}``: engine calls (``ok``, ``oom``, ``error``);
+- ``sdfast_batches_total{outcome}``: engine calls (``ok``, ``oom``, ``error``, ``cancelled``: stopped at a step
+  because every request of the batch was gone);
 - ``sdfast_batch_images``: images per engine call (histogram; shows whether batching happens);
 - ``sdfast_generation_seconds``: duration of an engine call (histogram);
 - ``sdfast_gpu_memory_allocated_bytes`` / ``sdfast_gpu_memory_reserved_bytes``: CUDA memory held by

@@ -7,14 +7,16 @@ with the same ``BatchKey`` while the batch stays within ``max_batch`` images, an
 ``i``'s noise from its own seeded CPU generator, so each job's images are the ones it would get
 alone (up to batch-size-dependent float rounding: at most 1/255 on the CPU).
 
-Failure isolation: ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``) fails the jobs of
-that batch with ``GPUOutOfMemory`` (503), drops every reference to what the failed call held
-(the exception and its traceback are not kept) and returns cached blocks to the driver
-(``torch.cuda.empty_cache()``); any other exception fails that batch with ``GenerationFailed``
-(500). The thread itself never dies from a batch.
+Failure isolation: after ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``) the worker drops every
+reference to what the failed call held (the exception and its traceback are not kept), returns cached blocks
+to the driver (``torch.cuda.empty_cache()``) and, if the batch held several jobs, runs each half again (down
+to single jobs), so only a job that runs out of memory alone gets ``GPUOutOfMemory`` (503). Any other
+exception fails that batch with ``GenerationFailed`` (500). The thread itself never dies from a batch.
 
 A job leaves the queue when the worker takes it, when its handler cancels it (client gone,
-deadline passed: ``Worker.cancel``), or when the worker finds it past its deadline.
+deadline passed: ``Worker.cancel``), or when the worker finds it past its deadline. A running batch
+stops at the next denoising step (``Engine.txt2img(should_stop=...)``) once every job in it was
+cancelled or is past its deadline: the queue does not wait for images nobody will receive.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ import traceback
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
+
+from sdfast.errors import GenerationCancelled
 
 log = logging.getLogger("sdfast.server")
 
@@ -66,6 +70,12 @@ class ShuttingDown(ServiceError):
 
 class DeadlineExceeded(ServiceError):
     status, type = 504, "deadline_exceeded"
+
+
+class Cancelled(ServiceError):
+    """The job's handler gave up on it (client gone, deadline passed) while it waited or ran."""
+
+    status, type = 504, "cancelled"
 
 
 @dataclass(frozen=True)
@@ -115,6 +125,7 @@ class Job:
     text_windows: tuple[int, int] = (1, 1)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     enqueued_at: float = field(default_factory=time.monotonic)
+    abandoned: bool = False  # set by ``Worker.cancel``: nobody waits for the images any more
 
     @property
     def n(self) -> int:
@@ -163,7 +174,7 @@ class Worker:
 
     ``queue_size``: jobs that may wait (the running batch not counted); ``submit`` raises
     ``QueueFull`` beyond it. ``on_batch(images, seconds, outcome)`` is called after each engine call,
-    ``outcome`` one of ``"ok"``, ``"oom"``, ``"error"`` (used for metrics).
+    ``outcome`` one of ``"ok"``, ``"oom"``, ``"error"``, ``"cancelled"`` (used for metrics).
     """
 
     def __init__(self, engine, *, max_batch: int = 4, queue_size: int = 64,
@@ -234,8 +245,10 @@ class Worker:
         return job.future
 
     def cancel(self, job: Job) -> bool:
-        """Take ``job`` out of the queue (its place is released at once). True if it had not started;
-        a job already running finishes with its batch and its result is dropped."""
+        """Take ``job`` out of the queue (its place is released at once). True if it had not started.
+        A running job is marked abandoned: its batch stops at the next denoising step once every job in
+        it is abandoned or past its deadline."""
+        job.abandoned = True
         with self._cond:
             try:
                 self._queue.remove(job)
@@ -286,30 +299,93 @@ class Worker:
                 self._running = []
 
     def _run_batch(self, batch: list[Job]) -> None:
+        """One engine call for ``batch``. Out of memory with several jobs in it: each half runs again (down to
+        single jobs) before any job gets 503, so a request too large for the memory fails alone."""
+        batch = [job for job in batch if not self._drop_if_dead(job)]
+        if not batch:
+            return
+        outcome, error, images, started, seconds = self._call(batch)
+        if outcome == "oom" and len(batch) > 1:
+            log.warning("worker: retrying the %d requests of that batch in two halves", len(batch))
+            half = (len(batch) + 1) // 2
+            self._run_batch(batch[:half])
+            self._run_batch(batch[half:])
+            return
+        n = sum(job.n for job in batch)
+        i = 0
+        for job in batch:
+            if job.future.done():
+                continue
+            if isinstance(error, GenerationCancelled):
+                job.future.set_exception(self._dead_error(job, error))
+            elif error is not None:
+                job.future.set_exception(type(error)(error.message, field=error.field))
+            else:
+                job.future.set_result(JobResult(
+                    images=images[i:i + job.n], queue_s=started - job.enqueued_at, generate_s=seconds,
+                    batch_images=n,
+                ))
+            i += job.n
+
+    @staticmethod
+    def _is_dead(job: Job, now: float) -> bool:
+        """Nobody will read this job's images: its handler left (``cancel``) or its deadline passed."""
+        return job.abandoned or now > job.deadline
+
+    @staticmethod
+    def _dead_error(job: Job, cancelled=None) -> ServiceError:
+        where = f"stopped after step {cancelled.step} of {cancelled.steps}" if cancelled is not None else "not run"
+        if job.abandoned:
+            return Cancelled(f"the request was cancelled (its client left or its deadline passed); {where}")
+        return DeadlineExceeded(f"no image within the {job.timeout_s:g} s deadline; {where}")
+
+    def _drop_if_dead(self, job: Job) -> bool:
+        if job.future.done():
+            return True
+        if self._is_dead(job, time.monotonic()):
+            job.future.set_exception(self._dead_error(job))
+            return True
+        return False
+
+    def _call(self, batch: list[Job]):
+        """The engine call of ``batch``: (outcome, error or None, images, start time, seconds). It stops at the
+        next denoising step once every job of the batch is dead (``GenerationCancelled``: outcome "cancelled")."""
         key = batch[0].key
         prompts = [job.prompt for job in batch for _ in job.seeds]
         seeds = [s for job in batch for s in job.seeds]
         negative = [job.negative_prompt for job in batch for _ in job.seeds] if key.has_negative else None
+
+        def should_stop() -> bool:
+            now = time.monotonic()
+            return all(self._is_dead(job, now) for job in batch)
+
         started = time.monotonic()
-        error: ServiceError | None = None
+        error: ServiceError | GenerationCancelled | None = None
         outcome = "ok"
         images = None
         try:
             images = self.engine.txt2img(
                 prompts, negative_prompt=negative, num_inference_steps=key.num_inference_steps,
                 guidance_scale=key.guidance_scale, height=key.height, width=key.width, seed=seeds,
-                num_images_per_prompt=1, scheduler=key.scheduler,
+                num_images_per_prompt=1, scheduler=key.scheduler, should_stop=should_stop,
             )
             if len(images) != len(seeds):
                 raise RuntimeError(f"the engine returned {len(images)} images for {len(seeds)} seeds")
+        except GenerationCancelled as e:
+            outcome = "cancelled"
+            error = e
+            log.info("worker: %s: every request of its batch is gone", e)
+            _clear_exception_chain(e)
+            images = None
         except Exception as e:  # noqa: BLE001 - each failure becomes an answer; the thread goes on
             # Answer from the message only, and clear the locals of the failed call's frames: its
             # traceback holds them (and so its tensors) for as long as anyone keeps the exception.
             if _is_oom(e):
                 outcome = "oom"
+                alone = "alone" if len(batch) == 1 else f"batched with {len(batch) - 1} other(s)"
                 error = GPUOutOfMemory(
                     f"out of GPU memory generating {len(seeds)} image(s) of {key.width}x{key.height} "
-                    f"(this request was batched with {len(batch) - 1} other(s)); the memory was freed, "
+                    f"(this request ran {alone}); the memory was freed, "
                     "retry, or ask for fewer or smaller images"
                 )
                 log.warning("worker: CUDA out of memory on a batch of %d images at %dx%d",
@@ -332,13 +408,4 @@ class Worker:
                 self.on_batch(len(seeds) if error is None else 0, seconds, outcome)
             except Exception:  # noqa: BLE001 - metrics must not break serving
                 log.exception("worker: on_batch callback failed")
-        i = 0
-        for job in batch:
-            if error is not None:
-                job.future.set_exception(type(error)(error.message, field=error.field))
-                continue
-            job.future.set_result(JobResult(
-                images=images[i:i + job.n], queue_s=started - job.enqueued_at, generate_s=seconds,
-                batch_images=len(seeds),
-            ))
-            i += job.n
+        return outcome, error, images, started, seconds

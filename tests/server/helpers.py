@@ -31,6 +31,9 @@ class FakeEngine:
     ``failures``: exceptions to raise, one per call, in order (None: succeed).
     ``hold``: on a failing call, a tensor is allocated first and a weak reference kept in ``held``,
     so a test can check that nothing keeps the failed call's memory alive.
+    ``oom_prompts``: a call whose prompts include one of these raises ``torch.OutOfMemoryError``.
+    ``step_s``: each call runs ``num_inference_steps`` steps of this many seconds, calling ``should_stop``
+    after each as ``Engine.txt2img`` does (``steps_run`` records how many each call ran).
     """
 
     name = "fake"
@@ -38,7 +41,11 @@ class FakeEngine:
     dtype = torch.float32
     default_size = 64
 
-    def __init__(self, *, gate: threading.Event | None = None, failures=(), hold: bool = False):
+    def __init__(self, *, gate: threading.Event | None = None, failures=(), hold: bool = False, oom_prompts=(),
+                 step_s: float = 0.0):
+        self.oom_prompts = set(oom_prompts)
+        self.step_s = step_s
+        self.steps_run: list[int] = []
         self.gate = gate
         self.failures = list(failures)
         self.hold = hold
@@ -47,7 +54,7 @@ class FakeEngine:
         self.started = threading.Event()
 
     def txt2img(self, prompt, *, negative_prompt=None, num_inference_steps=30, guidance_scale=7.5, height=None,
-                width=None, seed=None, num_images_per_prompt=1, scheduler=None):
+                width=None, seed=None, num_images_per_prompt=1, scheduler=None, should_stop=None):
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         self.calls.append(dict(prompts=prompts, negative_prompt=negative_prompt, seeds=list(seed),
                                steps=num_inference_steps, guidance_scale=guidance_scale, width=width,
@@ -61,6 +68,17 @@ class FakeEngine:
                 held = torch.ones(1 << 16)
                 self.held.append(weakref.ref(held))
             raise failure
+        if self.oom_prompts & set(prompts):
+            raise torch.OutOfMemoryError(f"CUDA out of memory ({len(prompts)} images)")
+        if self.step_s:
+            from sdfast.errors import GenerationCancelled
+
+            for step in range(1, num_inference_steps + 1):
+                time.sleep(self.step_s)
+                if should_stop is not None and should_stop():
+                    self.steps_run.append(step)
+                    raise GenerationCancelled(step, num_inference_steps)
+            self.steps_run.append(num_inference_steps)
         images = []
         for p, s in zip(prompts, seed):
             img = Image.new("RGB", (width, height), seed_color(s, p))
@@ -80,12 +98,18 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02, what: str
 
 
 @contextlib.contextmanager
-def serving(app):
-    """Run ``app`` with uvicorn on 127.0.0.1:<free port> in a thread; yields the base URL."""
+def serving(app, guard=None):
+    """Run ``app`` with uvicorn on 127.0.0.1:<free port> in a thread; yields the base URL. With ``guard`` (a
+    ``server.connections.ConnectionGuard``), the server ``serve`` runs (``server.app.uvicorn_server``)."""
     import uvicorn
 
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    if guard is not None:
+        from server.app import uvicorn_server
+
+        server = uvicorn_server(app, host="127.0.0.1", port=port, guard=guard, log_level="warning")
+    else:
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, name="uvicorn-test", daemon=True)
     thread.start()
     try:

@@ -62,3 +62,30 @@ def _live_blocks_since_recording(top: int = 8) -> list:
                 blocks.append((b["size"], seg.get("stream"), frames))
     return sorted(blocks, key=lambda x: -x[0])[:top]
 
+
+
+def test_generation_stopped_at_a_step_leaves_the_cuda_graphs_valid():
+    """Issue 29 item 13 on the optimized (CUDA-graphed) engine: a call stopped after its first step, at a new
+    shape (so during the call that captured the graphs), and one stopped mid-way leave graphs that give the
+    uncancelled image, bit for bit, without a recapture."""
+    import sdfast
+    from sdfast.errors import GenerationCancelled
+
+    engine = sdfast.load("random:tiny", optimize=True)
+    kw = dict(num_inference_steps=6, seed=5, width=64, height=64)
+    steps = []
+
+    def stop_after(n):
+        steps.clear()
+        return lambda: steps.append(1) or len(steps) >= n
+
+    with pytest.raises(GenerationCancelled):
+        engine.txt2img("a dog", **kw, should_stop=stop_after(1))  # captures at this shape, then stops
+    first = engine.txt2img("a cat", **kw)[0]
+    captures = {name: s["captures"] for name, s in engine.pipe._sdfast.graphs.stats().items()}
+    with pytest.raises(GenerationCancelled) as info:
+        engine.txt2img("a dog", **kw, should_stop=stop_after(3))
+    assert info.value.step == 3
+    again = engine.txt2img("a cat", **kw)[0]
+    assert {name: s["captures"] for name, s in engine.pipe._sdfast.graphs.stats().items()} == captures
+    assert first.tobytes() == again.tobytes()

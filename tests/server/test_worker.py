@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from server.worker import (
+    Cancelled,
     DeadlineExceeded,
     GenerationFailed,
     GPUOutOfMemory,
@@ -230,3 +231,63 @@ def test_stop_fails_waiting_jobs_and_bad_sizes_are_refused(gated):
         Worker(engine, max_batch=0)
     with pytest.raises(ValueError, match="queue_size"):
         Worker(engine, queue_size=0)
+
+
+def test_oom_of_one_request_retries_the_others_in_halves(gated):
+    """Issue 29 item 19: one request that runs out of memory fails alone; its batch-mates get their images."""
+    worker, engine, gate = gated
+    outcomes = []
+    worker.on_batch = lambda n, s, o: outcomes.append((n, o))
+    engine.oom_prompts = {"huge"}
+    _block_worker(worker, engine)
+    a, bad, b, c = job("a", seeds=[1]), job("huge", seeds=[2]), job("b", seeds=[3]), job("c", seeds=[4])
+    for j in (a, bad, b, c):
+        worker.submit(j)
+    gate.set()
+    for j, seed in ((a, 1), (b, 3), (c, 4)):
+        assert j.future.result(10).images[0].info["seed"] == str(seed)
+    with pytest.raises(GPUOutOfMemory, match="ran alone"):
+        bad.future.result(10)
+    assert [c["seeds"] for c in engine.calls[1:]] == [[1, 2, 3, 4], [1, 2], [1], [2], [3, 4]]
+    assert outcomes[1:] == [(0, "oom"), (0, "oom"), (1, "ok"), (0, "oom"), (2, "ok")]
+    assert b.future.result().batch_images == 2
+
+
+def test_running_batch_stops_at_the_next_step_once_every_client_left():
+    """Issue 29 item 13: a running batch stops when all its jobs are cancelled (not while one still waits)."""
+    engine = FakeEngine(step_s=0.01)
+    outcomes = []
+    worker = Worker(engine, max_batch=4, queue_size=4, on_batch=lambda n, s, o: outcomes.append(o))
+    worker.start()
+    try:
+        first, second = job("a", seeds=[1], steps=1000), job("a", seeds=[2], steps=1000)  # 10 s each if run out
+        worker.submit(first)
+        worker.submit(second)
+        assert engine.started.wait(10)
+        worker.cancel(first)
+        threading.Event().wait(0.2)
+        assert worker.busy, "stopped while one client still waited"
+        worker.cancel(second)
+        wait_for(lambda: not worker.busy, timeout=3, what="the batch to stop")
+        assert engine.steps_run[0] < 500 and outcomes == ["cancelled"]
+        with pytest.raises(Cancelled, match="stopped after step"):
+            second.future.result(1)
+        after = job("b", seeds=[3], steps=3)
+        worker.submit(after)
+        assert after.future.result(10).images[0].info["seed"] == "3"
+    finally:
+        worker.stop()
+
+
+def test_running_batch_stops_at_the_next_step_past_its_deadline():
+    engine = FakeEngine(step_s=0.01)
+    worker = Worker(engine, max_batch=4, queue_size=4)
+    worker.start()
+    try:
+        late = job(seeds=[1], steps=1000, timeout_s=0.3)
+        worker.submit(late)
+        with pytest.raises(DeadlineExceeded, match="0.3 s deadline; stopped after step"):
+            late.future.result(5)
+        assert engine.steps_run[0] < 500
+    finally:
+        worker.stop()
