@@ -5,7 +5,7 @@
     images = engine.txt2img("a photo of a cat", seed=0)
     images = sdfast.txt2img("a photo of a cat", model="random:tiny", seed=0)
 
-Importing sdfast does no GPU work.
+Importing sdfast does no GPU work and imports neither torch nor diffusers (they load on first use).
 """
 
 from __future__ import annotations

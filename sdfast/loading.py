@@ -47,14 +47,18 @@ def quiet_loading():
     """While loading: drop transformers' "`CLIPImageProcessor` requires torchvision (not installed); falling back to
     `CLIPImageProcessorPil`" messages (logged when diffusers' pipeline modules import the image processors that SD's
     safety checker uses; sdfast never runs them). Only those messages, only inside the block: the filter sits on the
-    one logger that emits them and is removed afterwards."""
-    logger = logging.getLogger("transformers.utils.import_utils")
-    drop = _DropMessages("requires torchvision (not installed); falling back to")
-    logger.addFilter(drop)
+    one logger that emits them and is removed afterwards. Likewise diffusers' "There are modules in UNet2DConditionModel
+    that should be kept in float32: []" of a single-file load, with its empty list (no module is concerned)."""
+    filters = [(logging.getLogger("transformers.utils.import_utils"),
+                _DropMessages("requires torchvision (not installed); falling back to")),
+               (logging.getLogger("diffusers.models.modeling_utils"), _DropMessages("that should be kept in float32: []."))]
+    for logger, drop in filters:
+        logger.addFilter(drop)
     try:
         yield
     finally:
-        logger.removeFilter(drop)
+        for logger, drop in filters:
+            logger.removeFilter(drop)
 
 
 def default_device_dtype(device=None, dtype=None) -> tuple[torch.device, torch.dtype]:
