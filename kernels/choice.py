@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from kernels import precompile
-from kernels.dispatch import log_fallback
+from kernels.dispatch import has_kernel_choice, log_fallback
 
 
 def gpu_times_us(candidates: dict[str, Callable[[], object]], iters: int = 5, rounds: int = 2) -> dict[str, float]:
@@ -66,7 +66,8 @@ def choose_config(cache: dict, key: tuple, x: torch.Tensor, *, name: str, instea
         return cache[key]
     why = problem()
     if why is not None:
-        log_fallback(name, why, instead=instead)
+        if has_kernel_choice(x):  # on a CPU without the interpreter the library path is the only one: no log
+            log_fallback(name, why, instead=instead)
         cache[key] = None
     elif force is not None:
         cache[key] = None if force == "cublas" else force

@@ -41,6 +41,12 @@ def can_use_triton(*tensors: torch.Tensor | None) -> tuple[bool, str]:
     return False, f"tensors on {sorted(devices)} and TRITON_INTERPRET is not set"
 
 
+def has_kernel_choice(x: torch.Tensor) -> bool:
+    """Whether a choice between a library path (cuDNN, cuBLAS) and a Triton kernel is made for ``x``: on a GPU, or on
+    the CPU in the interpreter (CI). Elsewhere only the library path runs, and there is nothing to log about it."""
+    return x.is_cuda or (x.device.type == "cpu" and interpret_mode())
+
+
 def log_fallback(op: str, reason: str, instead: str = "the PyTorch reference") -> None:
     """Log (once per op and reason) that ``op`` ran ``instead`` (by default its PyTorch reference) because of
     ``reason``."""

@@ -5,19 +5,14 @@
     images = engine.txt2img("a photo of a cat", seed=0)
     images = sdfast.txt2img("a photo of a cat", model="random:tiny", seed=0)
 
-Importing sdfast does no GPU work.
+Importing sdfast does no GPU work and imports neither torch nor diffusers (they load on first use).
 """
 
 from __future__ import annotations
 
 import os
 
-import torch
-
-from .config import KERNEL_DTYPES, OptimizeConfig
-from .engine import Engine, PromptTruncatedWarning
 from .errors import HubOfflineError, InvalidRequestError, ModelNotFoundError, NonFiniteOutputError
-from .schedulers import SCHEDULERS
 
 __all__ = [
     "Engine", "load", "txt2img", "optimize", "unoptimize", "OptimizeConfig", "SCHEDULERS",
@@ -25,8 +20,12 @@ __all__ = [
     "quantize_", "dequantize_", "sparsify_", "W8A8Config", "W4A16Config", "Int8OutlierConfig", "Sparse24Config",
 ]
 
-# Imported on first use (they pull in the Triton kernels): name -> module.
+# Imported on first use, so that ``import sdfast`` (and the CLI's ``--help``) does not import torch, diffusers or
+# the Triton kernels: name -> module.
 _LAZY = {
+    "Engine": ".engine", "PromptTruncatedWarning": ".engine",
+    "OptimizeConfig": ".config", "KERNEL_DTYPES": ".config",
+    "SCHEDULERS": ".schedulers",
     "W8A8Config": ".passes.quantize", "W4A16Config": ".passes.quantize", "Int8OutlierConfig": ".passes.quantize",
     "Sparse24Config": ".passes.sparsity",
 }
@@ -36,14 +35,22 @@ def __getattr__(name):
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value  # once: later lookups are plain attribute reads
+        return value
     raise AttributeError(f"module 'sdfast' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __version__ = "0.1.0"
 
-_ENGINES: dict[tuple, Engine] = {}
+_ENGINES: dict[tuple, "Engine"] = {}
 
 
-def optimize(pipe, config: OptimizeConfig | None = None):
+def optimize(pipe, config: "OptimizeConfig | None" = None):
     """Optimize a diffusers SD/SDXL pipeline in place (see ``sdfast.optimizer``); returns it."""
     from .optimizer import optimize as _optimize
 
@@ -84,7 +91,7 @@ def sparsify_(module, config=None, *, filter_fn=None, calibration=None):
                      calibration=calibration)
 
 
-def load(model, *, device=None, dtype=None, seed: int = 0, optimize: bool | OptimizeConfig = True) -> Engine:
+def load(model, *, device=None, dtype=None, seed: int = 0, optimize: "bool | OptimizeConfig" = True) -> "Engine":
     """Load ``model`` into an ``Engine``.
 
     ``model``: a diffusers pipeline folder, a single-file ``.safetensors`` checkpoint, a hub id
@@ -93,6 +100,10 @@ def load(model, *, device=None, dtype=None, seed: int = 0, optimize: bool | Opti
     ``optimize``: True (default ``OptimizeConfig``), an ``OptimizeConfig``, or False for the stock pipeline.
     Raises ``ModelNotFoundError``, ``HubOfflineError``, ``ValueError``, ``TypeError`` (see ``sdfast.loading``).
     """
+    import torch
+
+    from .config import KERNEL_DTYPES, OptimizeConfig
+    from .engine import Engine
     from .loading import load_pipeline
 
     if not isinstance(optimize, (bool, OptimizeConfig)):
@@ -112,6 +123,8 @@ def load(model, *, device=None, dtype=None, seed: int = 0, optimize: bool | Opti
 
 def txt2img(prompt, *, model: str = "random:tiny", device=None, dtype=None, optimize=True, **kwargs):
     """``load(model).txt2img(prompt, **kwargs)``, keeping one engine per (model, device, dtype, optimize)."""
+    from .config import OptimizeConfig
+
     if not isinstance(optimize, (bool, OptimizeConfig)):
         raise TypeError(f"optimize must be True, False or an sdfast.OptimizeConfig, got {optimize!r}")
     key = (model, str(device), str(dtype), optimize)

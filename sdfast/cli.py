@@ -57,24 +57,30 @@ def _add_txt2img(sub) -> None:
     p.add_argument("--scheduler", default=None,
                    help="ddim, pndm, euler, euler_a, dpmpp_2m, dpmpp_2m_karras, unipc or lcm (default: the model's own)")
     p.add_argument("--out", default="sdfast.png",
-                   help="output PNG path, or a folder (ending in /) for sdfast.png in it; with --n > 1, _0, _1, ... are appended")
+                   help="output file: .png, .jpg/.jpeg or .webp (the format follows the extension; the parameters go "
+                        "into the file), or a folder (ending in /) for sdfast.png in it; with --n > 1, _0, _1, ... are "
+                        "appended")
+    p.add_argument("--quality", type=int, default=None,
+                   help="JPEG / WebP quality, 1 to 100 (default: 90); not for PNG, which is lossless")
     p.add_argument("--no-optimize", action="store_true", help="run the stock diffusers pipeline")
     p.set_defaults(func=cmd_txt2img)
 
 
 def _out_paths(out: str, n: int) -> list[Path]:
     """The file of each image: ``out`` (``.png`` added when it has no extension), with ``_0``, ``_1``, ...
-    before the extension when n > 1. Raises ValueError for an extension PIL cannot write or a folder
-    that cannot be written, before anything is generated."""
-    from PIL import Image
+    before the extension when n > 1. Raises ValueError for an extension other than .png, .jpg/.jpeg and .webp or a
+    folder that cannot be written, before anything is generated."""
+    from sdfast.png import format_for_path
 
     path = Path(out)
     if out.endswith(("/", "\\")) or path.is_dir():  # a folder: the image goes inside it
         path = path / "sdfast.png"
     if not path.suffix:
         path = path.with_suffix(".png")
-    if path.suffix.lower() not in Image.registered_extensions():
-        raise ValueError(f"--out: unknown image file extension {path.suffix!r} (use .png)")
+    try:
+        format_for_path(path)
+    except ValueError as e:
+        raise ValueError(f"--out: {e}") from None
     blocker = next((p for p in (path.parent, *path.parent.parents) if p.exists()), None)
     if blocker is not None and not blocker.is_dir():
         raise ValueError(f"--out: {blocker} is a file, not a folder")
@@ -98,9 +104,31 @@ def _check_steps_before_load(steps: int, scheduler: str | None) -> None:
     check_steps(steps, make_scheduler(scheduler or "pndm", sd_config), scheduler or "model's")
 
 
+# The txt2img flag of each engine argument, for the error messages (``--steps: must be ...``).
+_FLAGS = {"num_inference_steps": "--steps", "guidance_scale": "--guidance", "height": "--size", "width": "--size",
+          "seed": "--seed", "num_images_per_prompt": "--n", "negative_prompt": "--negative", "scheduler": "--scheduler"}
+
+
+def _flag_error(e) -> str:
+    """An ``InvalidRequestError`` worded with the CLI's flag: ``--size: height must be ...``, ``--steps: ...``."""
+    flag = _FLAGS.get(e.field)
+    if flag is None:
+        return str(e)
+    return f"{flag}: {e.field} {e.reason}" if e.field in ("height", "width") else f"{flag}: {e.reason}"
+
+
 def cmd_txt2img(args) -> int:
+    from sdfast.errors import InvalidRequestError
+
+    try:
+        return _txt2img(args)
+    except InvalidRequestError as e:  # the engine names its argument: name the flag
+        raise ValueError(_flag_error(e)) from None
+
+
+def _txt2img(args) -> int:
     import sdfast
-    from sdfast.png import save_png
+    from sdfast.png import check_quality, format_for_path, save_image
     from sdfast.request import check_request
 
     if args.model is not None and not args.model.strip():
@@ -113,6 +141,13 @@ def cmd_txt2img(args) -> int:
                   scheduler=args.scheduler, seed=args.seed)
     _check_steps_before_load(args.steps, args.scheduler)
     paths = _out_paths(args.out, args.n)
+    fmt = format_for_path(paths[0])
+    if fmt == "png" and args.quality is not None:
+        raise ValueError(f"--quality: only for .jpg/.jpeg and .webp files; PNG ({paths[0].name}) is lossless")
+    try:
+        check_quality(fmt, args.quality)
+    except ValueError as e:  # "quality: ..."
+        raise ValueError(f"--{e}") from None
     if model.startswith("random:"):
         from sdfast.architectures import get_architecture
 
@@ -131,7 +166,7 @@ def cmd_txt2img(args) -> int:
         params = {"prompt": args.prompt, "negative_prompt": args.negative, "seed": int(img.info["seed"]),
                   "steps": args.steps, "guidance_scale": args.guidance, "scheduler": args.scheduler,
                   "width": img.width, "height": img.height, "model": model}
-        save_png(img, path, params)
+        save_image(img, path, format=fmt, quality=args.quality, parameters=params)
         print(f"saved {path} ({img.width}x{img.height}, seed {img.info['seed']}) in {took:.2f} s")
     return 0
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 
 class InvalidRequestError(ValueError):
-    """A generation argument is out of range; ``field`` is its name (e.g. ``"height"``)."""
+    """A generation argument is out of range; ``field`` is its name (e.g. ``"height"``), ``reason`` the message
+    without it (the CLI puts its flag in front instead)."""
 
     def __init__(self, field: str, message: str):
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.reason = message
 
 
 class ModelNotFoundError(FileNotFoundError):

@@ -31,6 +31,36 @@ _DTYPES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float1
            "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
 
 
+class _DropMessages(logging.Filter):
+    """A logging filter dropping records whose message contains one of ``fragments``."""
+
+    def __init__(self, *fragments: str):
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(f in record.getMessage() for f in self.fragments)
+
+
+@contextlib.contextmanager
+def quiet_loading():
+    """While loading: drop transformers' "`CLIPImageProcessor` requires torchvision (not installed); falling back to
+    `CLIPImageProcessorPil`" messages (logged when diffusers' pipeline modules import the image processors that SD's
+    safety checker uses; sdfast never runs them). Only those messages, only inside the block: the filter sits on the
+    one logger that emits them and is removed afterwards. Likewise diffusers' "There are modules in UNet2DConditionModel
+    that should be kept in float32: []" of a single-file load, with its empty list (no module is concerned)."""
+    filters = [(logging.getLogger("transformers.utils.import_utils"),
+                _DropMessages("requires torchvision (not installed); falling back to")),
+               (logging.getLogger("diffusers.models.modeling_utils"), _DropMessages("that should be kept in float32: []."))]
+    for logger, drop in filters:
+        logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        for logger, drop in filters:
+            logger.removeFilter(drop)
+
+
 def default_device_dtype(device=None, dtype=None) -> tuple[torch.device, torch.dtype]:
     """CUDA and fp16 when a GPU is present, else CPU and fp32 (each overridable; ``dtype`` may also be a
     name: "float16", "bfloat16", "float32"). Raises ValueError for an unknown or unavailable device and
@@ -140,6 +170,49 @@ def _check_pipeline_folder(path: Path) -> None:
                                      f"[library, class], got {value!r}")
         if not (path / key).is_dir():
             raise ModelNotFoundError(f"{path} is not a complete pipeline folder: component folder {path / key} is missing")
+        _check_component_configs(path / key, key, value[1])
+
+
+def _config_name(class_name: str) -> str:
+    """The config file diffusers / transformers read for a component of class ``class_name``."""
+    if class_name.endswith("Scheduler"):
+        return "scheduler_config.json"
+    if "Tokenizer" in class_name:
+        return "tokenizer_config.json"
+    if class_name.endswith(("FeatureExtractor", "ImageProcessor")):
+        return "preprocessor_config.json"
+    return "config.json"
+
+
+def _check_component_configs(folder: Path, name: str, class_name: str) -> None:
+    """The component's config file exists, and every JSON file of the folder is a JSON object: else a
+    ``ModelNotFoundError`` naming the component and the file (diffusers' own message names neither, or, for a text
+    encoder without its config, fails later on every weight's shape)."""
+    import json
+
+    config = folder / _config_name(class_name)
+    if not config.is_file():
+        raise ModelNotFoundError(f"component {name!r} ({class_name}) of the pipeline folder is incomplete: {config} is missing")
+    for file in sorted(folder.glob("*.json")):
+        try:
+            data = json.loads(file.read_text())
+        except (ValueError, OSError) as e:
+            raise ModelNotFoundError(f"component {name!r} ({class_name}): {file} is not valid JSON "
+                                     f"({type(e).__name__}: {e})") from None
+        if not isinstance(data, dict):
+            raise ModelNotFoundError(f"component {name!r} ({class_name}): {file} must hold a JSON object, "
+                                     f"got {type(data).__name__}")
+
+
+def _failed_component(tb) -> str | None:
+    """The pipeline component diffusers was loading when it raised (``load_sub_model``'s ``name`` argument, read
+    from the traceback), or None."""
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == "load_sub_model" and isinstance(frame.f_locals.get("name"), str):
+            return frame.f_locals["name"]
+        tb = tb.tb_next
+    return None
 
 
 # Built-in architectures per original-format family, told apart by the UNet's conv_in width.
@@ -171,6 +244,10 @@ def _checkpoint_architecture(path: Path) -> str:
         family = "sd2"
     elif any(k.startswith("cond_stage_model.transformer") for k in keys):
         family = "sd1"
+    elif _CONV_IN in keys:  # a UNet without any text encoder
+        raise ModelNotFoundError(
+            f"checkpoint {str(path)!r} is incomplete: it has a Stable Diffusion UNet but no weights for the text "
+            f"encoder (cond_stage_model.* or conditioner.embedders.*); {_INCOMPLETE_ADVICE}")
     else:
         raise ModelNotFoundError(f"{path}: not a Stable Diffusion checkpoint (no known text-encoder keys)")
     if width is None:
@@ -184,11 +261,48 @@ def _checkpoint_architecture(path: Path) -> str:
     )
 
 
+# The original key prefixes of each component of a single-file checkpoint, per family.
+_COMPONENT_PREFIXES = {
+    "sd1": {"UNet": ("model.diffusion_model.",), "VAE": ("first_stage_model.",),
+            "text encoder (CLIP)": ("cond_stage_model.transformer.",)},
+    "sd2": {"UNet": ("model.diffusion_model.",), "VAE": ("first_stage_model.",),
+            "text encoder (OpenCLIP)": ("cond_stage_model.model.",)},
+    "sdxl": {"UNet": ("model.diffusion_model.",), "VAE": ("first_stage_model.",),
+             "first text encoder (CLIP)": ("conditioner.embedders.0.transformer.",),
+             "second text encoder (OpenCLIP)": ("conditioner.embedders.1.model.",)},
+}
+_ARCH_FAMILY = {name: family for family, names in _FAMILIES.items() for name in names}
+_INCOMPLETE_ADVICE = ("use a checkpoint that includes it (or the model's diffusers folder, which has one folder per "
+                      "component)")
+
+
+def _checkpoint_keys(path: Path) -> set[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return set(f.keys())
+
+
+def _check_components(path: Path, family: str, keys: set[str]) -> None:
+    """Raise ``ModelNotFoundError`` naming each component of ``family`` that has no weights in ``keys``."""
+    missing = [f"the {what} ({prefixes[0]}*)" for what, prefixes in _COMPONENT_PREFIXES[family].items()
+               if not any(k.startswith(prefixes) for k in keys)]
+    if missing:
+        raise ModelNotFoundError(f"checkpoint {str(path)!r} is incomplete: it has no weights for "
+                                 f"{' and '.join(missing)}; {_INCOMPLETE_ADVICE}")
+
+
 def load_single_file(path: Path, *, dtype, architecture: str | None = None):
-    """Load an original-format SD checkpoint offline, with the configs sdfast ships for its architecture."""
+    """Load an original-format SD checkpoint offline, with the configs sdfast ships for its architecture.
+
+    Raises ``ModelNotFoundError`` for a file that is not a supported SD checkpoint (see ``_checkpoint_architecture``)
+    or that lacks a component's weights (the VAE's ``first_stage_model.*``, a text encoder's), naming the component.
+    """
     import diffusers
+    from diffusers.loaders.single_file_utils import SingleFileComponentError
 
     arch_name = architecture or _checkpoint_architecture(path)
+    _check_components(path, _ARCH_FAMILY.get(arch_name, "sd1"), _checkpoint_keys(path))
     arch = architectures.get_architecture(arch_name)
     cls = getattr(diffusers, arch["pipeline"])
     extra = {"tokenizer": clip_tokenizer(arch["tokenizer_pad"])}
@@ -199,7 +313,10 @@ def load_single_file(path: Path, *, dtype, architecture: str | None = None):
     with tempfile.TemporaryDirectory() as tmp:
         config = architectures.write_config_folder(arch_name, tmp)
         try:
-            pipe = cls.from_single_file(str(path), config=str(config), local_files_only=True, torch_dtype=dtype, **extra)
+            pipe = cls.from_single_file(str(path), config=str(config), local_files_only=True, dtype=dtype, **extra)
+        except SingleFileComponentError as e:  # a component the checks above did not foresee
+            raise ModelNotFoundError(f"checkpoint {str(path)!r} is incomplete: {str(e).splitlines()[0]} "
+                                     f"({_INCOMPLETE_ADVICE})") from None
         except NotImplementedError as e:  # diffusers/accelerate moving weights the file did not have
             if "meta tensor" not in str(e):
                 raise
@@ -222,24 +339,30 @@ def load_hub(model_id: str, *, dtype):
     import diffusers
 
     try:
-        return diffusers.DiffusionPipeline.from_pretrained(model_id, torch_dtype=dtype, local_files_only=True)
+        return diffusers.DiffusionPipeline.from_pretrained(model_id, dtype=dtype, local_files_only=True)
     except Exception:  # not in the local cache
         pass
     if not _hub_reachable():
         raise HubOfflineError(
             f"{model_id!r} looks like a Hugging Face Hub id, but the Hub cannot be reached (offline) and the model "
-            "is not in the local cache. Download it where there is network (`huggingface-cli download "
+            "is not in the local cache. Download it where there is network (`hf download "
             f"{model_id} --local-dir DIR`) and pass the local folder: sdfast.load('DIR')."
         )
-    return diffusers.DiffusionPipeline.from_pretrained(model_id, torch_dtype=dtype)
+    return diffusers.DiffusionPipeline.from_pretrained(model_id, dtype=dtype)
 
 
 def load_pipeline(model, *, device=None, dtype=None, seed: int = 0):
     """Resolve ``model`` (see module docstring) to a diffusers pipeline on ``device`` in ``dtype``.
 
     Raises ``ModelNotFoundError`` (missing path or file, naming it; unknown ``random:`` architecture, listing
-    the known ones), ``HubOfflineError``, ``TypeError`` (unsupported object).
+    the known ones; a folder or checkpoint missing a component, naming it), ``HubOfflineError``, ``TypeError``
+    (unsupported object).
     """
+    with quiet_loading():
+        return _load_pipeline(model, device=device, dtype=dtype, seed=seed)
+
+
+def _load_pipeline(model, *, device, dtype, seed: int):
     if not isinstance(model, (str, os.PathLike)):
         if hasattr(model, "unet") and hasattr(model, "vae"):
             # a pipeline object is used as it is, moved or cast only when asked to
@@ -264,9 +387,17 @@ def load_pipeline(model, *, device=None, dtype=None, seed: int = 0):
 
         _check_pipeline_folder(path)
         try:
-            pipe = diffusers.DiffusionPipeline.from_pretrained(str(path), torch_dtype=dtype, local_files_only=True)
+            pipe = diffusers.DiffusionPipeline.from_pretrained(str(path), dtype=dtype, local_files_only=True)
         except OSError as e:  # a component folder without its weights file, and kin
-            raise ModelNotFoundError(f"model folder {name!r} is incomplete: {str(e).splitlines()[0]}") from None
+            component = _failed_component(e.__traceback__)
+            where = f" (component {component!r})" if component else ""
+            raise ModelNotFoundError(f"model folder {name!r} is incomplete{where}: {str(e).splitlines()[0]}") from None
+        except (ValueError, TypeError, KeyError, RuntimeError) as e:  # a config value the class cannot take, and kin
+            component = _failed_component(e.__traceback__)
+            if component is None:
+                raise
+            raise ModelNotFoundError(f"model folder {name!r}: component {component!r} ({path / component}) cannot "
+                                     f"be loaded: {type(e).__name__}: {str(e).splitlines()[0]}") from None
     elif path.is_file():
         pipe = load_single_file(path, dtype=dtype)
     elif _HUB_ID.match(name) and not name.startswith((".", "/", "~")):

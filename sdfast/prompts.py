@@ -24,6 +24,7 @@ Token counts are in CLIP BPE tokens, after textual-inversion expansion (``maybe_
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -58,10 +59,36 @@ def _tokenizers(pipe) -> list:
     return [t for t in (getattr(pipe, "tokenizer", None), getattr(pipe, "tokenizer_2", None)) if t is not None]
 
 
+_TOO_LONG = "sequence-length-is-longer-than-the-specified-maximum"  # transformers' once-per-tokenizer flag
+
+
+@contextlib.contextmanager
+def _no_length_warning(tokenizer):
+    """Inside: the tokenizer's own "already warned" flag for "Token indices sequence length is longer than the
+    specified maximum sequence length" is set (this module windows long texts, so nothing is indexed past 77);
+    afterwards it is as it was, so diffusers' own calls still warn."""
+    flags = getattr(tokenizer, "deprecation_warnings", None)
+    if not isinstance(flags, dict):
+        yield
+        return
+    had, before = _TOO_LONG in flags, flags.get(_TOO_LONG)
+    flags[_TOO_LONG] = True
+    try:
+        yield
+    finally:
+        if had:
+            flags[_TOO_LONG] = before
+        else:
+            flags.pop(_TOO_LONG, None)
+
+
 def _convert(pipe, texts: list[str], tokenizer) -> list[str]:
     """Textual-inversion expansion of multi-vector tokens, as diffusers' ``encode_prompt`` does."""
     convert = getattr(pipe, "maybe_convert_prompt", None)
-    return convert(list(texts), tokenizer) if convert is not None else list(texts)
+    if convert is None:
+        return list(texts)
+    with _no_length_warning(tokenizer):  # it tokenizes the whole text (``tokenizer.tokenize``) without a flag
+        return convert(list(texts), tokenizer)
 
 
 def content_ids(pipe, texts: list[str], tokenizer=None) -> list[list[int]]:

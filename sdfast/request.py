@@ -6,12 +6,12 @@ import math
 import numbers
 
 from .errors import InvalidRequestError
-
 from .schedulers import check_scheduler_name
 
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
 MAX_SIDE = 8192  # pixels: 8x SD1.5's and 4x SDXL's native side (a 64x larger latent than SDXL's)
 MAX_IMAGES = 64  # images per call (prompts x num_images_per_prompt); loop for more
+MAX_GUIDANCE = 100.0  # guidance_scale: SD is used at 1-20 (the HTTP service takes 0-30); 1e308 overflows to Inf/NaN
 
 
 def check_request(
@@ -33,15 +33,17 @@ def check_request(
     height, width, num_inference_steps, num_images_per_prompt = (
         _as_int(v) for v in (height, width, num_inference_steps, num_images_per_prompt))
     for field, v in (("height", height), ("width", width)):
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0 or v % 8:
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise InvalidRequestError(field, f"must be an integer, a positive multiple of 8 (got {type(v).__name__} {v!r})")
+        if v <= 0 or v % 8:
             raise InvalidRequestError(field, f"must be a positive multiple of 8 (got {v!r})")
         if v > MAX_SIDE:
             raise InvalidRequestError(field, f"must be at most {MAX_SIDE} pixels (got {v})")
     if not isinstance(num_inference_steps, int) or isinstance(num_inference_steps, bool) or num_inference_steps < 1:
         raise InvalidRequestError("num_inference_steps", f"must be an integer >= 1 (got {num_inference_steps!r})")
     if (not isinstance(guidance_scale, numbers.Real) or isinstance(guidance_scale, bool)
-            or not math.isfinite(guidance_scale) or guidance_scale < 0):
-        raise InvalidRequestError("guidance_scale", f"must be a finite number >= 0 (got {guidance_scale!r})")
+            or not math.isfinite(guidance_scale) or not 0 <= guidance_scale <= MAX_GUIDANCE):
+        raise InvalidRequestError("guidance_scale", f"must be a number in [0, {MAX_GUIDANCE:g}] (got {guidance_scale!r})")
     if not isinstance(num_images_per_prompt, int) or isinstance(num_images_per_prompt, bool) or num_images_per_prompt < 1:
         raise InvalidRequestError("num_images_per_prompt", f"must be an integer >= 1 (got {num_images_per_prompt!r})")
     if scheduler is not None:

@@ -7,8 +7,6 @@ prediction type and timestep spacing, exactly as diffusers' docs recommend for s
 
 from __future__ import annotations
 
-import diffusers
-
 from .errors import InvalidRequestError
 
 SCHEDULERS: dict[str, tuple[str, dict]] = {
@@ -30,10 +28,18 @@ def check_scheduler_name(name: str) -> None:
 
 
 def make_scheduler(name: str, base_config) -> object:
-    """A new diffusers scheduler called ``name``, configured from the model's ``base_config``."""
+    """A new diffusers scheduler called ``name``, configured from the model's ``base_config``.
+
+    Keys of ``base_config`` that the new class does not take (e.g. PNDM's ``skip_prk_steps`` for LCM) are left out:
+    diffusers would ignore them anyway, with a "config attributes ... will be ignored" warning."""
+    import diffusers
+
     check_scheduler_name(name)
     cls_name, overrides = SCHEDULERS[name]
-    return getattr(diffusers, cls_name).from_config(base_config, **overrides)
+    cls = getattr(diffusers, cls_name)
+    accepted = cls._get_init_keys(cls)
+    config = {k: v for k, v in dict(base_config).items() if k in accepted or k.startswith("_")}
+    return cls.from_config(config, **overrides)
 
 
 def check_steps(num_inference_steps: int, scheduler, name: str | None) -> None:

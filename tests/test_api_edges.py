@@ -18,6 +18,8 @@ from sdfast.errors import InvalidRequestError
     ({"prompt": {"a": 1}}, "prompt"),
     ({"scheduler": ["ddim"]}, "scheduler"),
     ({"guidance_scale": float("inf")}, "guidance_scale"),
+    ({"guidance_scale": 1e308}, "guidance_scale"),  # finite, but overflows to NaN in the first step
+    ({"guidance_scale": 100.5}, "guidance_scale"),
     ({"num_inference_steps": True}, "num_inference_steps"),
     ({"height": 10**6}, "height"),
     ({"width": 8200}, "width"),
@@ -167,3 +169,112 @@ def test_float64_is_refused_when_optimizing_before_anything_loads(monkeypatch):
     assert engine.txt2img("a cat", num_inference_steps=1, height=64, width=64, seed=0)[0].size == (64, 64)
     with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
         sdfast.optimize(engine.pipe)
+
+
+# --- issue 29 -----------------------------------------------------------------------------------
+
+
+def test_a_float_size_is_told_to_be_an_integer(tiny_engine):
+    """Issue 29, item 8: ``height=64.0`` said "must be a positive multiple of 8 (got 64.0)"."""
+    with pytest.raises(InvalidRequestError, match=r"height: must be an integer, a positive multiple of 8 \(got float 64.0\)"):
+        tiny_engine.txt2img("a cat", height=64.0)
+
+
+class _Records(list):
+    """Log records of one library logger (diffusers and transformers do not propagate to the root logger)."""
+
+
+@pytest.fixture
+def library_records():
+    import logging
+
+    records = _Records()
+    handler = logging.Handler()
+    handler.emit = records.append
+    loggers = [logging.getLogger(n) for n in ("diffusers", "transformers")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    yield records
+    for logger in loggers:
+        logger.removeHandler(handler)
+
+
+def test_lcm_from_an_sd_config_warns_of_no_ignored_attributes(tiny_engine, library_records):
+    """Issue 29, item 8: ``scheduler="lcm"`` printed "The config attributes {'skip_prk_steps': True} were passed to
+    LCMScheduler, but are not expected and will be ignored"."""
+    from sdfast.schedulers import make_scheduler
+
+    sched = make_scheduler("lcm", tiny_engine.pipe.scheduler.config)
+    assert type(sched).__name__ == "LCMScheduler"
+    assert sched.config.beta_schedule == tiny_engine.pipe.scheduler.config.beta_schedule
+    assert not [r for r in library_records if "will be ignored" in r.getMessage()]
+
+
+def test_a_chunked_long_prompt_logs_no_token_length_warning(tiny_engine, library_records):
+    """Issue 29, item 8: a 5000-character prompt, chunked, still logged transformers' "Token indices sequence length
+    is longer than the specified maximum ... will result in indexing errors" (from diffusers' textual-inversion
+    check, which tokenizes the whole text). The tokenizer's own once-only flag is left as it was."""
+    flags = tiny_engine.pipe.tokenizer.deprecation_warnings
+    key = "sequence-length-is-longer-than-the-specified-maximum"
+    flags.pop(key, None)  # the tokenizer is shared (cached): as if it had never warned
+    tiny_engine.txt2img(("a watercolor lighthouse " * 300)[:5000], num_inference_steps=1, seed=0)
+    assert tiny_engine.last_prompt_report.chunks > 1
+    assert not [r for r in library_records if "Token indices sequence length" in r.getMessage()]
+    assert key not in flags
+
+
+def test_kernel_choices_are_not_logged_on_a_cpu_without_the_interpreter(monkeypatch, caplog):
+    """Issue 29, item 8: ``-v`` on the CPU logged "conv3x3: using cuDNN" and "geglu_projection: using cuBLAS and the
+    GEGLU kernel", where no GPU choice is made."""
+    import logging
+
+    from kernels import dispatch
+    from kernels.conv import conv3x3 as c3
+    from kernels.gemm import geglu_projection as gp
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(dispatch, "_logged", set())
+    monkeypatch.setattr(c3, "_choices", {})
+    monkeypatch.setattr(gp, "_choices", {})
+    caplog.set_level(logging.INFO, logger="sdfast.kernels")
+    x, w = torch.randn(1, 8, 6, 6), torch.randn(4, 8, 3, 3)
+    torch.testing.assert_close(c3.conv3x3(x, w), torch.nn.functional.conv2d(x, w, padding=1))
+    gp.geglu_projection(torch.randn(3, 16), torch.randn(32, 16))
+    assert not [r for r in caplog.records if "conv3x3" in r.getMessage() or "geglu_projection" in r.getMessage()]
+
+
+@pytest.mark.parametrize("fmt, pil", [("png", "PNG"), ("jpeg", "JPEG"), ("jpg", "JPEG"), ("webp", "WEBP")])
+def test_encode_image_writes_the_format_with_the_parameters(fmt, pil):
+    """Issue 29, item 6: one encoder for the CLI and the service; the parameters survive in every format."""
+    import io
+
+    from PIL import Image
+
+    from sdfast.png import encode_image, read_parameters
+
+    params = {"prompt": "un chat é 猫", "seed": 2**63 - 1, "negative_prompt": None}
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (24, 40, 3), dtype=np.uint8))
+    data = encode_image(image, fmt, parameters=params)
+    out = Image.open(io.BytesIO(data))
+    assert out.format == pil and out.size == (40, 24) and read_parameters(out) == params
+    if pil == "PNG":
+        assert np.array_equal(np.asarray(out), np.asarray(image))  # lossless
+    else:  # a lower quality gives fewer bytes
+        assert len(encode_image(image, fmt, quality=30)) < len(encode_image(image, fmt, quality=95))
+
+
+@pytest.mark.parametrize("fmt, quality, message", [
+    ("gif", None, "image format must be png, jpeg or webp"),
+    ("png", 80, "quality: PNG is lossless"),
+    ("jpeg", 0, r"quality: must be an integer in \[1, 100\]"),
+    ("webp", 101, r"quality: must be an integer in \[1, 100\]"),
+    ("jpeg", 50.5, "quality: must be an integer"),
+    ("jpeg", True, "quality: must be an integer"),
+])
+def test_encode_image_refuses_what_it_cannot_honour(fmt, quality, message):
+    from PIL import Image
+
+    from sdfast.png import encode_image
+
+    with pytest.raises(ValueError, match=message):
+        encode_image(Image.new("RGB", (8, 8)), fmt, quality=quality)

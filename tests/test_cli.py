@@ -40,26 +40,31 @@ def test_png_carries_the_generation_parameters(tmp_path):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--size", "100x64"], "width"),
-        (["--steps", "0"], "num_inference_steps"),
-        (["--guidance", "-2"], "guidance_scale"),
-        (["--n", "0"], "num_images_per_prompt"),
+        (["--size", "100x64"], "--size: width must be a positive multiple of 8"),
+        (["--steps", "0"], "--steps: must be an integer >= 1"),
+        (["--guidance", "-2"], "--guidance: must be a number in [0, 100]"),
+        (["--guidance", "1e308"], "--guidance: must be a number in [0, 100]"),  # refused before the load, not NaN after
+        (["--n", "0"], "--n: must be an integer >= 1"),
         (["--scheduler", "nope"], "known: ddim"),
         (["--model", "/does/not/exist"], "no such folder"),
         (["--model", "random:nope"], "random:tiny"),
-        (["--size", "0x64"], "width"),
-        (["--guidance", "inf"], "guidance_scale"),
-        (["--seed", "99999999999999999999"], "seed"),
+        (["--size", "0x64"], "--size: width"),
+        (["--size", "0x0"], "--size: height"),
+        (["--guidance", "inf"], "--guidance"),
+        (["--seed", "99999999999999999999"], "--seed: must be an integer"),
         (["--model", ""], "--model is empty"),
-        (["--out", "x.unknownext"], "unknown image file extension"),
+        (["--out", "x.unknownext"], "--out: sdfast writes .png, .jpg/.jpeg or .webp files (got '.unknownext')"),
+        (["--out", "x.bmp"], "--out: sdfast writes .png, .jpg/.jpeg or .webp files (got '.bmp')"),  # PIL knows .bmp
+        (["--quality", "80"], "--quality: only for .jpg/.jpeg and .webp files; PNG (x.png) is lossless"),
+        (["--out", "x.jpg", "--quality", "0"], "--quality: must be an integer in [1, 100]"),
         (["--out", "/proc/x.png"], "cannot create a file in /proc"),
         (["--out", "/dev/null/x.png"], "/dev/null is a file, not a folder"),
         (["--size", "100000x100000"], "at most 8192"),
         (["--steps", "x"], "invalid int value"),
         (["--size", "-64x64"], "expected one argument"),
-        (["--steps", "5000"], "at most 999"),
+        (["--steps", "5000"], "--steps: at most 999"),
         (["--steps", "1000"], "at most 999"),
-        (["--scheduler", "lcm", "--steps", "60"], "at most 50"),
+        (["--scheduler", "lcm", "--steps", "60"], "--steps: at most 50"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, monkeypatch, args, message):
@@ -162,3 +167,90 @@ def test_a_non_finite_image_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
     assert main(["txt2img", "a cat", "--out", str(tmp_path / "x.png")]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == "sdfast: error: the decoded image holds NaN or Inf values"
+
+
+# --- issue 29 -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, fmt, extra", [("x.jpg", "JPEG", []), ("x.jpeg", "JPEG", ["--quality", "60"]),
+                                              ("x.webp", "WEBP", [])])
+def test_out_extension_picks_the_format_and_the_parameters_go_in_it(tmp_path, name, fmt, extra):
+    """Issue 29, item 6: ``--out x.jpg`` wrote PNG bytes under the .jpg name."""
+    from sdfast.png import read_parameters
+
+    out = tmp_path / name
+    assert main(["txt2img", "a cat", "--steps", "1", "--seed", "4", "--no-optimize", "--out", str(out), *extra]) == 0
+    img = Image.open(out)
+    assert img.format == fmt and img.size == (64, 64)
+    params = read_parameters(img)
+    assert params["prompt"] == "a cat" and params["seed"] == 4 and params["steps"] == 1
+
+
+_HEAVY = ("torch", "diffusers", "transformers", "triton", "server", "benchmarks")
+
+
+def test_help_and_argument_errors_import_nothing_heavy():
+    """Issue 29, item 8: ``sdfast --help`` and argparse errors took about 8 s (importing sdfast.cli imported torch and
+    diffusers). ``import sdfast`` stays light too, and its API names still resolve (lazily)."""
+    code = f"""
+import sys
+import sdfast, sdfast.cli
+from sdfast.cli import main
+for argv in (["--help"], ["txt2img", "--help"], ["txt2img", "a", "--steps", "x"], ["serve", "--port", "x"]):
+    try:
+        main(argv)
+    except SystemExit:
+        pass
+heavy = sorted(m for m in {_HEAVY!r} if m in sys.modules)
+assert not heavy, heavy
+assert sdfast.OptimizeConfig.__name__ == "OptimizeConfig" and "lcm" in sdfast.SCHEDULERS and sdfast.Engine
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+
+
+def test_a_folder_run_prints_no_library_noise(tmp_path):
+    """Issue 29, item 8: a fresh process loading a folder with ``-v`` on the CPU printed transformers' "requires
+    torchvision" messages, diffusers' "`torch_dtype` is deprecated", LCM's "config attributes ... will be ignored",
+    "Token indices sequence length is longer than ..." for a chunked 5000-character prompt, and kernel choices
+    ("conv3x3: using cuDNN", "using cuBLAS") where there is no GPU to choose on."""
+    import os
+
+    import sdfast
+
+    sdfast.load("random:tiny", optimize=False).pipe.save_pretrained(tmp_path / "tiny")
+    prompt = ("a watercolor painting of a lighthouse " * 140)[:5000]
+    env = dict(os.environ, TRITON_INTERPRET="0")  # a user's CPU: no Triton interpreter
+    proc = subprocess.run([sys.executable, "-m", "sdfast.cli", "-v", "txt2img", prompt, "--model", str(tmp_path / "tiny"),
+                           "--steps", "1", "--scheduler", "lcm", "--out", str(tmp_path / "x.png")],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "long prompt encoded in" in proc.stderr  # the prompt was chunked, and -v logs sdfast's decisions
+    for noise in ("requires torchvision", "torch_dtype", "will be ignored", "Token indices sequence length",
+                  "conv3x3", "cuBLAS", "cuDNN"):
+        assert noise not in proc.stderr, (noise, proc.stderr[-3000:])
+
+
+def _incomplete_checkpoint(tmp_path, drop: str):
+    from safetensors.torch import save_file
+
+    import sdfast
+    from tests.ldm_checkpoint import original_state_dict
+
+    sd = original_state_dict(sdfast.load("random:tiny", optimize=False, seed=3).pipe, "sd1")
+    path = tmp_path / "partial.safetensors"
+    save_file({k: v for k, v in sd.items() if not k.startswith(drop)}, str(path))
+    return path
+
+
+@pytest.mark.parametrize("command", ["txt2img", "serve"])
+def test_a_checkpoint_without_its_vae_is_one_error_line(tmp_path, capsys, command):
+    """Issue 29, item 5: a single file without ``first_stage_model.*`` ended in diffusers' SingleFileComponentError
+    traceback (exit 1), from ``txt2img`` and ``serve``."""
+    path = _incomplete_checkpoint(tmp_path, "first_stage_model.")
+    args = ["txt2img", "a cat", "--out", str(tmp_path / "x.png")] if command == "txt2img" else ["serve", "--port", "0"]
+    assert main([*args[:1], "--model", str(path), *args[1:]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("sdfast: error: checkpoint") and "no weights for the VAE (first_stage_model.*)" in err[-1]
+    assert not any("Traceback" in line for line in err)

@@ -118,3 +118,101 @@ def test_random_weights_leave_the_global_rng_alone_and_bad_seeds_are_refused():
     for bad in ("x", -1, 1.5, True):
         with pytest.raises(ValueError, match="seed"):
             sdfast.load("random:tiny", optimize=False, seed=bad)
+
+
+# --- issue 29 -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("drop, component", [
+    ("first_stage_model.", "the VAE (first_stage_model.*)"),
+    ("cond_stage_model.", "the text encoder"),
+])
+def test_a_single_file_missing_a_component_is_model_not_found_naming_it(tmp_path, drop, component):
+    """Issue 29, item 5: diffusers' bare ``SingleFileComponentError`` ("Failed to load AutoencoderKL") came through
+    ``sdfast.load``; a ModelNotFoundError naming the component is what callers catch."""
+    from safetensors.torch import save_file
+
+    from tests.ldm_checkpoint import original_state_dict
+
+    sd = original_state_dict(sdfast.load("random:tiny", optimize=False, seed=3).pipe, "sd1")
+    save_file({k: v for k, v in sd.items() if not k.startswith(drop)}, str(tmp_path / "partial.safetensors"))
+    with pytest.raises(sdfast.ModelNotFoundError, match="is incomplete") as info:
+        sdfast.load(str(tmp_path / "partial.safetensors"), optimize=False)
+    assert component in str(info.value)
+
+
+def test_hub_id_offline_recommends_the_hf_command(monkeypatch):
+    """Issue 29, item 7: the pinned huggingface_hub answers ``huggingface-cli`` with "Use `hf` instead"."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(sdfast.HubOfflineError) as info:
+        sdfast.load("someone/some-model-that-is-not-cached")
+    assert "`hf download someone/some-model-that-is-not-cached --local-dir DIR`" in str(info.value)
+    assert "huggingface-cli" not in str(info.value)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("folder") / "tiny"
+    sdfast.load("random:tiny", optimize=False).pipe.save_pretrained(path)
+    return path
+
+
+def _broken_copy(tiny_folder, tmp_path, edit):
+    import shutil
+
+    path = tmp_path / "broken"
+    shutil.copytree(tiny_folder, path)
+    edit(path)
+    return path
+
+
+def _set_unet_in_channels(path):
+    import json
+
+    config = json.loads((path / "unet" / "config.json").read_text())
+    config["in_channels"] = "four"
+    (path / "unet" / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda p: (p / "text_encoder" / "config.json").unlink(), "component 'text_encoder' (CLIPTextModel)"),
+    (lambda p: (p / "vae" / "config.json").write_text('{"a":'), "component 'vae' (AutoencoderKL): "),
+    (lambda p: (p / "scheduler" / "scheduler_config.json").write_text("[1]"), "component 'scheduler' (PNDMScheduler)"),
+    (_set_unet_in_channels, "component 'unet'"),
+])
+def test_a_broken_component_config_names_the_component(tiny_folder, tmp_path, edit, message):
+    """Issue 29, item 8: a text encoder without its config.json failed on every weight's shape with transformers'
+    "You set `ignore_mismatched_sizes` to `False`" (an option sdfast does not have), a bad config value with a bare
+    TypeError; the error names the component."""
+    with pytest.raises(sdfast.ModelNotFoundError) as info:
+        sdfast.load(str(_broken_copy(tiny_folder, tmp_path, edit)), optimize=False)
+    assert message in str(info.value)
+    assert "ignore_mismatched_sizes" not in str(info.value)
+
+
+def test_loading_a_folder_uses_no_deprecated_argument(tiny_folder):
+    """Issue 29, item 8: ``from_pretrained(torch_dtype=...)`` printed diffusers' "`torch_dtype` is deprecated"."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sdfast.load(str(tiny_folder), optimize=False)
+    assert not [w for w in caught if "torch_dtype" in str(w.message)]
+
+
+def test_the_torchvision_messages_are_dropped_only_while_loading():
+    """Issue 29, item 8: the filter for transformers' "requires torchvision" message is scoped to the load."""
+    import logging
+
+    from sdfast.loading import quiet_loading
+
+    logger = logging.getLogger("transformers.utils.import_utils")
+    record = logging.LogRecord(logger.name, logging.WARNING, __file__, 1,
+                               "`CLIPImageProcessor` requires torchvision (not installed); falling back to x", None, None)
+    other = logging.LogRecord(logger.name, logging.WARNING, __file__, 1, "something else", None, None)
+    diffusers = logging.getLogger("diffusers.models.modeling_utils")
+    empty = logging.LogRecord(diffusers.name, logging.WARNING, __file__, 1, "There are modules in AutoencoderKL that "
+                              "should be kept in float32: []. Casting directly with `to()` ...", None, None)
+    with quiet_loading():
+        assert not logger.filter(record) and logger.filter(other) and not diffusers.filter(empty)
+    assert logger.filter(record) and diffusers.filter(empty)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from sdfast.passes.quantize import (
+    NothingQuantizedWarning,
     Int8OutlierConfig,
     QuantizeStats,
     W4A16Config,
@@ -171,7 +172,8 @@ def test_shape_filter_and_already_quantized(unet, monkeypatch):
     n2 = quantize_(u, W8A8Config(min_features=32))
     assert n2 == N_TRANSFORMER_LINEARS - 8 and n2.skipped_already == 8
     assert sum(isinstance(m, W4A16Linear) for m in u.modules()) == 8
-    n3 = quantize_(u, W8A8Config(min_features=32))
+    with pytest.warns(NothingQuantizedWarning, match=f"{N_TRANSFORMER_LINEARS} linear\\(s\\) are quantized already"):
+        n3 = quantize_(u, W8A8Config(min_features=32))
     assert n3 == 0 and n3.skipped_already == N_TRANSFORMER_LINEARS
     # filter_fn narrows the targets; dequantize_ with a filter restores only those
     assert dequantize_(u, filter_fn=lambda m, name: isinstance(m, W4A16Linear)) == 8
@@ -482,3 +484,19 @@ def test_fp8_below_sm89_error_names_the_fix(monkeypatch):
         qpass._check_fp8_device({"l": type("L", (), {"weight": FakeCuda()})()})
     with pytest.raises(NotImplementedError, match=r"W8A8Config\(dtype='int8'\)\) instead"):
         w8a8.check_fp8_supported(FakeCuda(), "w8a8_gemm")
+
+
+def test_nothing_quantized_warns_why_without_calibrating_and_without_nan(unet):
+    """Issue 29, item 9: the README's FP8 example on random:tiny returned ``QuantizeStats(quantized=0,
+    skipped_shape=40, ..., weight_ratio=nan)`` silently, without running the calibration."""
+    import math
+
+    u = copy.deepcopy(unet)
+    ran = []
+    with pytest.warns(NothingQuantizedWarning, match=r"smaller than W8A8Config.min_features=320 .*the largest is 64.*"
+                                                     r"calibration was not run"):
+        n = quantize_(u, W8A8Config(dtype="fp8", activations="static", alpha=0.0), calibration=lambda: ran.append(1))
+    assert n == 0 and n.skipped_shape == N_TRANSFORMER_LINEARS and not ran
+    assert n.weight_ratio == 1.0 and not math.isnan(n.weight_ratio) and "nan" not in repr(n)
+    with pytest.warns(NothingQuantizedWarning, match="no nn.Linear of the module matched filter_fn"):
+        assert quantize_(u, W8A8Config(), filter_fn=lambda m, name: False) == 0

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from kernels import choice, precompile
 from kernels.conv.im2col import im2col3x3
-from kernels.dispatch import log_fallback
+from kernels.dispatch import has_kernel_choice, log_fallback
 from kernels.gemm._common import plain_tensor
 
 log = logging.getLogger("sdfast.kernels")
@@ -89,7 +89,8 @@ def conv3x3(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     if key not in _choices:
         why = gemm_problem(x, weight, bias)
         if why is not None:
-            log_fallback("conv3x3", why, instead="cuDNN")
+            if has_kernel_choice(x):  # on a CPU without the interpreter cuDNN's path is the only one: no log
+                log_fallback("conv3x3", why, instead="cuDNN")
             _choices[key] = "cudnn"
         elif TUNING["force"] is not None:
             if TUNING["force"] not in _PATHS:

@@ -28,6 +28,7 @@ skipped and counted (``QuantizeStats.skipped_shape``): they are too small for an
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -40,6 +41,11 @@ from sdfast.quantization.calibration import collect_linear_stats
 from sdfast.quantization.modules import Int8OutlierLinear, QuantizedLinear, W4A16Linear, W8A8Linear, W8A8StaticLinear
 
 FilterFn = Callable[[nn.Module, str], bool]
+
+
+class NothingQuantizedWarning(UserWarning):
+    """``quantize_`` converted no layer (every target too small, already quantized, or none matched); the message
+    says which, and that calibration did not run."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,8 +192,9 @@ class QuantizeStats(int):
 
     @property
     def weight_ratio(self) -> float:
-        """weight_bytes_after / weight_bytes_before (nan when nothing was quantized)."""
-        return self.weight_bytes_after / self.weight_bytes_before if self.weight_bytes_before else float("nan")
+        """weight_bytes_after / weight_bytes_before of the quantized layers (1.0 when nothing was quantized: no
+        weight changed)."""
+        return self.weight_bytes_after / self.weight_bytes_before if self.weight_bytes_before else 1.0
 
     def __repr__(self) -> str:
         return (f"QuantizeStats(quantized={int(self)}, skipped_shape={self.skipped_shape}, "
@@ -269,7 +276,8 @@ def quantize_(
     keep_original: keep a CPU copy of each original weight so :func:`dequantize_` restores it exactly
         (otherwise it restores the dequantized weight).
 
-    Returns a :class:`QuantizeStats` (an int: the number of layers converted).
+    Returns a :class:`QuantizeStats` (an int: the number of layers converted). When it is 0, warns
+    (:class:`NothingQuantizedWarning`) why, before any calibration runs.
     Raises: TypeError (bad module / config), ValueError (AWQ / GPTQ without calibration).
     """
     root = _root(module)
@@ -278,6 +286,7 @@ def quantize_(
     filter_fn = filter_fn or default_filter
     targets: dict[str, nn.Linear] = {}
     skipped_shape = skipped_already = 0
+    widest_skipped = 0  # the largest min(in, out) among the layers skipped for their shape
     for name, m in root.named_modules():
         if isinstance(m, QuantizedLinear):
             skipped_already += 1
@@ -287,9 +296,11 @@ def quantize_(
         if min(m.in_features, m.out_features) < config.min_features or (_static(config) and (
                 m.in_features % 16 or m.out_features % 16)):  # cuBLASLt FP8: K and N multiples of 16
             skipped_shape += 1
+            widest_skipped = max(widest_skipped, min(m.in_features, m.out_features))
             continue
         targets[name] = m
     if not targets:
+        _warn_nothing_quantized(config, skipped_shape, skipped_already, widest_skipped, calibration is not None)
         return QuantizeStats(0, skipped_shape=skipped_shape, skipped_already=skipped_already)
 
     needs_cal = (isinstance(config, W4A16Config) and config.method in ("awq", "gptq")) or _static(config)
@@ -341,6 +352,24 @@ def quantize_(
                          weight_bytes_before=before, weight_bytes_after=after, layers=done)
 
 
+def _warn_nothing_quantized(config, skipped_shape: int, skipped_already: int, widest_skipped: int,
+                            calibration: bool) -> None:
+    reasons = []
+    if skipped_shape:
+        reasons.append(
+            f"{skipped_shape} targeted linear(s) are smaller than {type(config).__name__}.min_features="
+            f"{config.min_features} in their in or out features (the largest is {widest_skipped}"
+            + (", or not a multiple of 16 as FP8 GEMMs need" if _static(config) else "")
+            + f"; pass min_features<={max(widest_skipped, 1)} to quantize them, though layers that small rarely run "
+            "faster quantized)")
+    if skipped_already:
+        reasons.append(f"{skipped_already} linear(s) are quantized already")
+    if not reasons:
+        reasons.append("no nn.Linear of the module matched filter_fn (default: the UNet's transformer-block linears)")
+    warnings.warn("quantize_: no layer was quantized: " + "; ".join(reasons)
+                  + ("; calibration was not run" if calibration else ""), NothingQuantizedWarning, stacklevel=3)
+
+
 def dequantize_(module: nn.Module, *, filter_fn: FilterFn | None = None) -> int:
     """Undo :func:`quantize_`: replace every :class:`QuantizedLinear` (passing ``filter_fn`` when given)
     by an ``nn.Linear`` (the kept original weight, else the dequantized one). Returns how many."""
@@ -353,5 +382,6 @@ def dequantize_(module: nn.Module, *, filter_fn: FilterFn | None = None) -> int:
 
 __all__ = [
     "quantize_", "dequantize_", "default_filter", "W8A8Config", "W4A16Config", "Int8OutlierConfig", "QuantizeStats",
+    "NothingQuantizedWarning",
 ]
 
