@@ -61,7 +61,7 @@ def _add_txt2img(sub) -> None:
                         "into the file), or a folder (ending in /) for sdfast.png in it; with --n > 1, _0, _1, ... are "
                         "appended")
     p.add_argument("--quality", type=int, default=None,
-                   help="JPEG / WebP quality, 1 to 100 (default: 90); not for PNG, which is lossless")
+                   help="JPEG / WebP quality, 0 to 100 (default: 90); not for PNG, which is lossless")
     p.add_argument("--no-optimize", action="store_true", help="run the stock diffusers pipeline")
     p.set_defaults(func=cmd_txt2img)
 

@@ -48,13 +48,13 @@ def format_for_path(path: str | Path) -> str:
 
 def check_quality(fmt: str, quality) -> int | None:
     """The quality ``encode_image`` uses for format ``fmt`` (canonical name): ``quality``, or the default for JPEG /
-    WebP. Raises ValueError (message starting ``quality:``) for a quality given for PNG or outside [1, 100]."""
+    WebP. Raises ValueError (message starting ``quality:``) for a quality given for PNG or outside [0, 100]."""
     if quality is None:
         return DEFAULT_QUALITY if fmt != "png" else None
     if fmt == "png":
         raise ValueError("quality: PNG is lossless and takes no quality (give None)")
-    if not isinstance(quality, numbers.Integral) or isinstance(quality, bool) or not 1 <= quality <= 100:
-        raise ValueError(f"quality: must be an integer in [1, 100] (got {quality!r})")
+    if not isinstance(quality, numbers.Integral) or isinstance(quality, bool) or not 0 <= quality <= 100:
+        raise ValueError(f"quality: must be an integer in [0, 100] (got {quality!r})")
     return int(quality)
 
 
@@ -70,7 +70,7 @@ def _exif(parameters: dict):
 def encode_image(image, format: str = "png", *, quality: int | None = None, parameters: dict | None = None) -> bytes:
     """The bytes of a PIL image as a ``format`` file: ``"png"``, ``"jpeg"`` (or ``"jpg"``) or ``"webp"``.
 
-    quality: JPEG / WebP quality, an integer in [1, 100] (default ``DEFAULT_QUALITY``, 90); must be None for PNG.
+    quality: JPEG / WebP quality, an integer in [0, 100] (default ``DEFAULT_QUALITY``, 90); must be None for PNG.
     parameters: a JSON-serializable dict stored in the file (PNG ``sdfast`` text chunk; JPEG / WebP EXIF
         ``UserComment``), or None.
     Raises ValueError for an unknown format or a bad quality, and what PIL raises (e.g. OSError for an image mode

@@ -34,8 +34,6 @@ import binascii
 import contextlib
 import hashlib
 import hmac
-import io
-import json
 import logging
 import os
 import re
@@ -52,7 +50,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
 
-from sdfast.png import encode_png
+from sdfast.png import encode_image, encode_png
 
 from .metrics import Metrics, MetricsMiddleware
 from .parse import MAX_DETAIL, json_body, openapi_body
@@ -228,23 +226,6 @@ def allowed_hosts_for(host: str, allowed_hosts=None) -> list[str] | None:
 
 def _b64(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
-
-
-EXIF_IMAGE_DESCRIPTION = 0x010E
-
-
-def encode_image(image, params: dict, image_format: str = "png", quality: int = 100) -> bytes:
-    """The image file: PNG (``sdfast.png``: the parameters in its ``sdfast`` text chunk), or JPEG / WebP at
-    ``quality`` (0-100, the encoder's), the parameters as JSON (ASCII) in the EXIF ImageDescription."""
-    if image_format == "png":
-        return encode_png(image, params)
-    from PIL import Image
-
-    exif = Image.Exif()
-    exif[EXIF_IMAGE_DESCRIPTION] = json.dumps(params, sort_keys=True)
-    buf = io.BytesIO()
-    image.convert("RGB").save(buf, format=image_format.upper(), quality=quality, exif=exif)
-    return buf.getvalue()
 
 
 # -- the app ---------------------------------------------------------------------------------------
@@ -581,7 +562,7 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
             return Response(status_code=CLIENT_CLOSED)
         job, result = out
         files = await run_in_threadpool(
-            lambda: [encode_image(img, _params(job, s), body.image_format, body.image_quality)
+            lambda: [encode_image(img, body.image_format, quality=body.image_quality, parameters=_params(job, s))
                      for img, s in zip(result.images, job.seeds)])
         return ImagesGenerationsResponse(created=int(time.time()), data=[OpenAIImage(b64_json=_b64(f)) for f in files],
                                          output_format=body.image_format, size=f"{job.width}x{job.height}")

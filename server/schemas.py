@@ -299,7 +299,10 @@ class ImagesGenerationsRequest(BaseModel):
         return self.output_format or "png"
 
     @property
-    def image_quality(self) -> int:
+    def image_quality(self) -> int | None:
+        """``sdfast.png.encode_image``'s quality: None for PNG (lossless), else ``output_compression`` (default 100)."""
+        if self.image_format == "png":
+            return None
         return 100 if self.output_compression is None else self.output_compression
 
 

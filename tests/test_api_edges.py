@@ -266,8 +266,8 @@ def test_encode_image_writes_the_format_with_the_parameters(fmt, pil):
 @pytest.mark.parametrize("fmt, quality, message", [
     ("gif", None, "image format must be png, jpeg or webp"),
     ("png", 80, "quality: PNG is lossless"),
-    ("jpeg", 0, r"quality: must be an integer in \[1, 100\]"),
-    ("webp", 101, r"quality: must be an integer in \[1, 100\]"),
+    ("jpeg", -1, r"quality: must be an integer in \[0, 100\]"),
+    ("webp", 101, r"quality: must be an integer in \[0, 100\]"),
     ("jpeg", 50.5, "quality: must be an integer"),
     ("jpeg", True, "quality: must be an integer"),
 ])

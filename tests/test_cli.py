@@ -56,7 +56,7 @@ def test_png_carries_the_generation_parameters(tmp_path):
         (["--out", "x.unknownext"], "--out: sdfast writes .png, .jpg/.jpeg or .webp files (got '.unknownext')"),
         (["--out", "x.bmp"], "--out: sdfast writes .png, .jpg/.jpeg or .webp files (got '.bmp')"),  # PIL knows .bmp
         (["--quality", "80"], "--quality: only for .jpg/.jpeg and .webp files; PNG (x.png) is lossless"),
-        (["--out", "x.jpg", "--quality", "0"], "--quality: must be an integer in [1, 100]"),
+        (["--out", "x.jpg", "--quality", "101"], "--quality: must be an integer in [0, 100]"),
         (["--out", "/proc/x.png"], "cannot create a file in /proc"),
         (["--out", "/dev/null/x.png"], "/dev/null is a file, not a folder"),
         (["--size", "100000x100000"], "at most 8192"),
