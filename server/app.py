@@ -301,6 +301,10 @@ class Service:
         except asyncio.CancelledError:  # the server cancelled the handler (shutdown, disconnect)
             self.worker.cancel(job)
             raise
+        finally:
+            # Left without the answer (deadline, client gone): the error a stopped job gets later has no
+            # reader, and asyncio would log it as "Future exception was never retrieved".
+            waiter.cancel()
 
     def _check_steps(self, steps: int, scheduler: str | None) -> None:
         """The scheduler's own step limit (LCM: 50) as a 422 before the request is queued (``sdfast.schedulers``)."""

@@ -281,3 +281,26 @@ def test_more_images_than_max_batch_are_refused_with_the_field():
         assert engine.calls == []
         assert c.post("/v1/txt2img", json={**REQ, "num_images": 2, "response_format": "b64_json"}).status_code == 200
         assert [len(call["seeds"]) for call in engine.calls] == [2]
+
+
+@pytest.mark.parametrize("leave", ["deadline", "client"])
+def test_a_stopped_generation_logs_no_unretrieved_future_error(caplog, leave):
+    """A running job stopped because its deadline passed (or its client left) used to end in asyncio's
+    "Future exception was never retrieved" (with the Cancelled / DeadlineExceeded) in the service log: the
+    handler had left its ``wrap_future`` waiter, which still received the worker's error."""
+    import gc
+
+    engine = FakeEngine(step_s=0.05)
+    timeout_s = 0.5 if leave == "deadline" else 30
+    app = create_app(engine, max_batch=1, queue_size=4, api_key="", request_timeout_s=timeout_s)
+    with caplog.at_level(logging.ERROR, logger="asyncio"), serving(app) as url, _client(url) as c:
+        if leave == "deadline":
+            assert c.post("/v1/txt2img", json={**REQ, "num_inference_steps": 150}).status_code == 504
+        else:
+            with pytest.raises(httpx.ReadTimeout), _client(url, timeout=0.5) as impatient:
+                impatient.post("/v1/txt2img", json={**REQ, "num_inference_steps": 150})
+        wait_for(lambda: engine.steps_run, timeout=5, what="the generation to stop")
+        assert c.post("/v1/txt2img", json={**REQ, "num_inference_steps": 1}).status_code == 200
+        gc.collect()
+    assert engine.steps_run[0] < 100
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()], caplog.text
