@@ -304,3 +304,27 @@ def test_a_stopped_generation_logs_no_unretrieved_future_error(caplog, leave):
         gc.collect()
     assert engine.steps_run[0] < 100
     assert not [r for r in caplog.records if "never retrieved" in r.getMessage()], caplog.text
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_no_internal_error(caplog):
+    """A client gone before its body arrived (it left, or --read-timeout / --max-connections closed it) was a
+    500 with an ERROR traceback per connection (``ClientDisconnect`` out of the body reader): a flood of
+    half-sent bodies filled the log. It is counted as 499 (client left), and logs no error."""
+    import socket
+
+    from .helpers import metric_value
+
+    app = create_app(FakeEngine(), api_key="")
+    with caplog.at_level(logging.INFO), serving(app) as url, _client(url) as c:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        for _ in range(3):
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                s.sendall(b"POST /v1/txt2img HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                          b"content-length: 100\r\n\r\n{\"prompt\":")
+                time.sleep(0.2)  # the app is reading the body when the client goes
+        count = lambda status: metric_value(c.get("/metrics").text, "sdfast_requests_total",  # noqa: E731
+                                            endpoint="/v1/txt2img", status=status)
+        wait_for(lambda: (count("499") or 0) + (count("500") or 0) == 3, what="the three requests answered")
+        assert count("499") == 3, c.get("/metrics").text
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, caplog.text
