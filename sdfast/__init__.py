@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import os
 
-from .errors import HubOfflineError, InvalidRequestError, ModelNotFoundError, NonFiniteOutputError
+from .errors import (GenerationCancelled, HubOfflineError, InvalidRequestError, ModelNotFoundError,
+                     NonFiniteOutputError)
 
 __all__ = [
     "Engine", "load", "txt2img", "optimize", "unoptimize", "OptimizeConfig", "SCHEDULERS",
     "InvalidRequestError", "ModelNotFoundError", "HubOfflineError", "NonFiniteOutputError", "PromptTruncatedWarning",
+    "GenerationCancelled", "NothingQuantizedWarning",
     "quantize_", "dequantize_", "sparsify_", "W8A8Config", "W4A16Config", "Int8OutlierConfig", "Sparse24Config",
 ]
 
@@ -26,7 +28,7 @@ _LAZY = {
     "Engine": ".engine", "PromptTruncatedWarning": ".engine",
     "OptimizeConfig": ".config", "KERNEL_DTYPES": ".config",
     "SCHEDULERS": ".schedulers",
-    "W8A8Config": ".passes.quantize", "W4A16Config": ".passes.quantize", "Int8OutlierConfig": ".passes.quantize",
+    "W8A8Config": ".passes.quantize", "NothingQuantizedWarning": ".passes.quantize", "W4A16Config": ".passes.quantize", "Int8OutlierConfig": ".passes.quantize",
     "Sparse24Config": ".passes.sparsity",
 }
 

@@ -346,7 +346,7 @@ def load_hub(model_id: str, *, dtype):
         raise HubOfflineError(
             f"{model_id!r} looks like a Hugging Face Hub id, but the Hub cannot be reached (offline) and the model "
             "is not in the local cache. Download it where there is network (`hf download "
-            f"{model_id} --local-dir DIR`) and pass the local folder: sdfast.load('DIR')."
+            f"{model_id} --local-dir DIR`) and pass the local folder (`sdfast.load('DIR')`; on the CLI `--model DIR`)."
         )
     return diffusers.DiffusionPipeline.from_pretrained(model_id, dtype=dtype)
 

@@ -49,6 +49,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import ClientDisconnect
 
 from sdfast.png import encode_image, encode_png
 
@@ -301,6 +302,10 @@ class Service:
         except asyncio.CancelledError:  # the server cancelled the handler (shutdown, disconnect)
             self.worker.cancel(job)
             raise
+        finally:
+            # Left without the answer (deadline, client gone): the error a stopped job gets later has no
+            # reader, and asyncio would log it as "Future exception was never retrieved".
+            waiter.cancel()
 
     def _check_steps(self, steps: int, scheduler: str | None) -> None:
         """The scheduler's own step limit (LCM: 50) as a 422 before the request is queued (``sdfast.schedulers``)."""
@@ -498,6 +503,12 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
         if exc.status == 422:  # the same shape as a schema 422: ``detail`` lists the failing fields
             body["detail"] = [{"field": exc.field or "body", "message": exc.message}]
         return JSONResponse(body, status_code=exc.status, headers=headers)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_left(request: Request, exc: ClientDisconnect):
+        # The client went before its body arrived (it left, or --read-timeout / --max-connections closed it):
+        # nobody reads an answer, and it is no service failure to log.
+        return Response(status_code=CLIENT_CLOSED)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

@@ -278,3 +278,17 @@ def test_encode_image_refuses_what_it_cannot_honour(fmt, quality, message):
 
     with pytest.raises(ValueError, match=message):
         encode_image(Image.new("RGB", (8, 8)), fmt, quality=quality)
+
+
+def test_every_public_name_the_docs_use_is_in_the_package():
+    """``NothingQuantizedWarning`` (what ``quantize_`` warns when nothing was converted, named in the README) and
+    ``GenerationCancelled`` (what ``Engine.txt2img(should_stop=...)`` raises) were only reachable through
+    private modules: a user could not filter or catch them as ``sdfast.<name>``."""
+    import sdfast
+    from sdfast.errors import GenerationCancelled
+    from sdfast.passes.quantize import NothingQuantizedWarning
+
+    assert sdfast.NothingQuantizedWarning is NothingQuantizedWarning
+    assert sdfast.GenerationCancelled is GenerationCancelled
+    missing = [name for name in sdfast.__all__ if not hasattr(sdfast, name)]
+    assert not missing

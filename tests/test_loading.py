@@ -148,6 +148,7 @@ def test_hub_id_offline_recommends_the_hf_command(monkeypatch):
         sdfast.load("someone/some-model-that-is-not-cached")
     assert "`hf download someone/some-model-that-is-not-cached --local-dir DIR`" in str(info.value)
     assert "huggingface-cli" not in str(info.value)
+    assert "`--model DIR`" in str(info.value)  # the same message reaches CLI users, who have no sdfast.load
 
 
 @pytest.fixture(scope="module")

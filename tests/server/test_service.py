@@ -281,3 +281,50 @@ def test_more_images_than_max_batch_are_refused_with_the_field():
         assert engine.calls == []
         assert c.post("/v1/txt2img", json={**REQ, "num_images": 2, "response_format": "b64_json"}).status_code == 200
         assert [len(call["seeds"]) for call in engine.calls] == [2]
+
+
+@pytest.mark.parametrize("leave", ["deadline", "client"])
+def test_a_stopped_generation_logs_no_unretrieved_future_error(caplog, leave):
+    """A running job stopped because its deadline passed (or its client left) used to end in asyncio's
+    "Future exception was never retrieved" (with the Cancelled / DeadlineExceeded) in the service log: the
+    handler had left its ``wrap_future`` waiter, which still received the worker's error."""
+    import gc
+
+    engine = FakeEngine(step_s=0.05)
+    timeout_s = 0.5 if leave == "deadline" else 30
+    app = create_app(engine, max_batch=1, queue_size=4, api_key="", request_timeout_s=timeout_s)
+    with caplog.at_level(logging.ERROR, logger="asyncio"), serving(app) as url, _client(url) as c:
+        if leave == "deadline":
+            assert c.post("/v1/txt2img", json={**REQ, "num_inference_steps": 150}).status_code == 504
+        else:
+            with pytest.raises(httpx.ReadTimeout), _client(url, timeout=0.5) as impatient:
+                impatient.post("/v1/txt2img", json={**REQ, "num_inference_steps": 150})
+        wait_for(lambda: engine.steps_run, timeout=5, what="the generation to stop")
+        assert c.post("/v1/txt2img", json={**REQ, "num_inference_steps": 1}).status_code == 200
+        gc.collect()
+    assert engine.steps_run[0] < 100
+    assert not [r for r in caplog.records if "never retrieved" in r.getMessage()], caplog.text
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_no_internal_error(caplog):
+    """A client gone before its body arrived (it left, or --read-timeout / --max-connections closed it) was a
+    500 with an ERROR traceback per connection (``ClientDisconnect`` out of the body reader): a flood of
+    half-sent bodies filled the log. It is counted as 499 (client left), and logs no error."""
+    import socket
+
+    from .helpers import metric_value
+
+    app = create_app(FakeEngine(), api_key="")
+    with caplog.at_level(logging.INFO), serving(app) as url, _client(url) as c:
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        for _ in range(3):
+            with socket.create_connection((host, int(port)), timeout=5) as s:
+                s.sendall(b"POST /v1/txt2img HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                          b"content-length: 100\r\n\r\n{\"prompt\":")
+                time.sleep(0.2)  # the app is reading the body when the client goes
+        count = lambda status: metric_value(c.get("/metrics").text, "sdfast_requests_total",  # noqa: E731
+                                            endpoint="/v1/txt2img", status=status)
+        wait_for(lambda: (count("499") or 0) + (count("500") or 0) == 3, what="the three requests answered")
+        assert count("499") == 3, c.get("/metrics").text
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, caplog.text
