@@ -1,6 +1,7 @@
 # Two entry points that work on a fresh machine:
 #   make demo   - set up .venv and generate one image with the built-in default model
-#   make test   - set up .venv and run the test suite (CPU; Triton kernels in the interpreter)
+#   make test   - set up .venv and run the test suite (CPU; Triton kernels in the interpreter; one pytest-xdist
+#                 worker per core, each test file on one worker)
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -23,7 +24,7 @@ demo: setup
 	$(BIN)/sdfast txt2img "a photo of a cat" --seed 0 --out out/demo.png
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
 clean:
 	rm -rf $(VENV) out
