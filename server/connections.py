@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -74,8 +75,8 @@ class ConnectionGuard:
     waiting: dict = field(default_factory=dict)  # protocol -> None, insertion-ordered
 
     def __post_init__(self):
-        if not self.read_timeout_s > 0:
-            raise ValueError(f"--read-timeout must be > 0 seconds (got {self.read_timeout_s!r})")
+        if not 0 < self.read_timeout_s < math.inf:  # NaN too; inf would be no read deadline at all
+            raise ValueError(f"--read-timeout must be > 0 seconds, finite (got {self.read_timeout_s!r})")
         if not isinstance(self.max_connections, int) or isinstance(self.max_connections, bool) \
                 or self.max_connections < 1:
             raise ValueError(f"--max-connections must be an integer >= 1 (got {self.max_connections!r})")

@@ -96,6 +96,8 @@ def test_sdfast_serve_passes_the_limits_and_the_host_rule(captured, monkeypatch)
     (["--request-timeout", "inf"], None, "--request-timeout must be a number of seconds > 0"),
     ([], "soon", "SDFAST_REQUEST_TIMEOUT must be a number of seconds > 0 (got 'soon')"),
     (["--read-timeout", "-1"], None, "--read-timeout must be > 0"),
+    (["--read-timeout", "inf"], None, "--read-timeout must be > 0 seconds, finite"),
+    (["--read-timeout", "nan"], None, "--read-timeout must be > 0 seconds, finite"),
     (["--max-connections", "0"], None, "--max-connections must be an integer >= 1"),
     (["--allowed-hosts", "x.example:80"], None, "--allowed-hosts: 'x.example:80' is not a host name"),
 ])
