@@ -8,10 +8,6 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
-if os.environ.get("PYTEST_XDIST_WORKER") and not HAS_CUDA:
-    # one worker per core (``make test``): torch's intra-op threads would only contend with the other workers
-    # (the interpreted Triton kernels, most of the suite's time, run in Python anyway)
-    torch.set_num_threads(1)
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # Triton picks interpreter or compiler when a kernel is decorated, i.e. at import: import every kernel
