@@ -11,6 +11,7 @@ Importing sdfast does no GPU work and imports neither torch nor diffusers (they 
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from .errors import (GenerationCancelled, HubOfflineError, InvalidRequestError, ModelNotFoundError,
                      NonFiniteOutputError)
@@ -46,6 +47,10 @@ def __getattr__(name):
 def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
+
+if TYPE_CHECKING:  # for the annotations below; at run time these load lazily (``__getattr__``)
+    from .config import OptimizeConfig
+    from .engine import Engine
 
 __version__ = "0.1.0"
 
