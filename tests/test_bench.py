@@ -396,3 +396,22 @@ def test_write_sweep_writes_rows_env_and_table(tmp_path):
     assert data["rows"] == [{"us": 1.5}] and "torch" in data["env"]
     md = (tmp_path / "sweep" / "conv.md").read_text()
     assert md.startswith("GPU ") and "torch " in md and md.endswith("| 1.5 |\n")
+
+
+@pytest.mark.parametrize("epilogue", [None, "geglu"])
+def test_gemm_benchmark_candidates_run_on_cpu(epilogue):
+    """The benchmark's backends (minus cuBLAS-only and CUDA C++ ones) give the product they claim."""
+    from benchmarks.kernel_benches import gemm as bench
+
+    shape = dict(model="t", layer="t", M=20, K=64, N=16, epilogue=epilogue, count=1)
+    cands = bench._candidates(shape, "main", {}, device="cpu")
+    refs = cands.pop("_refs")
+    assert {"cublas_fp16", "w8a8_int8", "w8a8_fp8", "w4a16_triton", "int8_outlier"} <= set(cands)
+    for name, (fn, kind) in cands.items():
+        if kind not in refs:
+            continue
+        out = fn()
+        ref = refs[kind]
+        rel = ((out.float() - ref).norm() / ref.norm()).item()
+        assert rel < (0.12 if "w4a16" in name or "fp8" in name else 0.03), f"{name}: rel err {rel:.3f}"
+    assert bench.run.__doc__ and bench._shapes(True) and len(bench._shapes(False)) == 20

@@ -4,7 +4,6 @@
 
 - ``cublas_fp16``: ``F.linear(x, W, b)`` (for GEGLU shapes the 2N-row GEMM alone, no activation).
 - ``cublas_fp16+geglu_eager`` (GEGLU shapes): ``F.linear`` then ``chunk`` + ``gelu`` + ``mul`` as diffusers runs it.
-- ``triton_fp16``: ``kernels.gemm.matmul.linear`` (GEGLU fused in the epilogue for GEGLU shapes).
 - ``csrc_fp16``: the CUDA C++ cp.async / mma.sync GEMM (``kernels/csrc``; built in a background thread
   at the start; a row says so if the build fails).
 - ``w8a8_int8``: per-token quantize kernel + int8 GEMM with dequant epilogue (SmoothQuant, smoothing fused);
@@ -101,7 +100,6 @@ def _candidates(shape: dict, phase: str, csrc_state: dict, device: str = "cuda")
     ``phase="main"``: everything but the CUDA C++ kernels; ``phase="csrc"``: those (run last, after the
     background build, so the build overlaps the main phase)."""
     from kernels.gemm.int8_outlier import int8_outlier_linear
-    from kernels.gemm.matmul import linear
     from kernels.gemm.w4a16 import quantize_w4, w4a16_linear
     from kernels.gemm.w8a8 import quantize_per_token, quantize_weight_per_channel, w8a8_gemm, w8a8_linear
 
@@ -137,7 +135,6 @@ def _candidates(shape: dict, phase: str, csrc_state: dict, device: str = "cuda")
                 "w4a16_csrc": (lambda: gemm_w4a16(x, qw4, s4, z4, b, group_size=128), "gemm")}
     c: dict = {
         "cublas_fp16": (lambda: F.linear(x, w, b), "gemm"),
-        "triton_fp16": (lambda: linear(x, w, b, epilogue=epi), "fused"),
     }
     if epi == "geglu":
         def eager_geglu():

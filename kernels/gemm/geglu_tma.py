@@ -68,11 +68,14 @@ CONFIGS = (
 # --------------------------------------------------------------------------------------------
 # reference
 # --------------------------------------------------------------------------------------------
-def geglu_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain PyTorch, fp32 math: ``a * gelu(g)`` with ``a, g = (x @ weight^T + bias).chunk(2, -1)``.
+def geglu_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     upcast: bool = True) -> torch.Tensor:
+    """Plain PyTorch: ``a * gelu(g)`` with ``a, g = (x @ weight^T + bias).chunk(2, -1)``.
 
-    x: (..., K); weight: (2N, K); bias: (2N,) or None. Returns (..., N) in ``x.dtype``."""
-    y = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    x: (..., K); weight: (2N, K); bias: (2N,) or None. With ``upcast`` the math runs in fp32, else in ``x.dtype``
+    (the "torch low precision" baseline of the tests' tolerance rule). Returns (..., N) in ``x.dtype``."""
+    ct = torch.float32 if upcast else x.dtype
+    y = torch.nn.functional.linear(x.to(ct), weight.to(ct), None if bias is None else bias.to(ct))
     a, g = y.chunk(2, dim=-1)
     return (a * torch.nn.functional.gelu(g)).to(x.dtype)
 
