@@ -4,8 +4,6 @@
 
 - ``cublas_fp16``: ``F.linear(x, W, b)`` (for GEGLU shapes the 2N-row GEMM alone, no activation).
 - ``cublas_fp16+geglu_eager`` (GEGLU shapes): ``F.linear`` then ``chunk`` + ``gelu`` + ``mul`` as diffusers runs it.
-- ``csrc_fp16``: the CUDA C++ cp.async / mma.sync GEMM (``kernels/csrc``; built in a background thread
-  at the start; a row says so if the build fails).
 - ``w8a8_int8``: per-token quantize kernel + int8 GEMM with dequant epilogue (SmoothQuant, smoothing fused);
   ``w8a8_int8_gemm_only``: the int8 GEMM on pre-quantized activations; ``torch_int_mm``: ``torch._int_mm``
   on the same operands (int32 out, no dequant) for reference.
@@ -16,7 +14,9 @@
   tensor on pre-quantized activations (with fast accumulation: no fp32 promotion in cuBLASLt's K loop).
   ``w8a8_fp8_static``: what ``W8A8StaticLinear`` runs per call: the static quantize kernel, then that GEMM
   with fast accumulation (``kernels.gemm.fp8_static``).
-- ``w4a16_triton`` / ``w4a16_csrc``: packed int4, group_size 128, dequantized in the main loop.
+- ``w4a16_triton`` / ``w4a16_csrc``: packed int4, group_size 128, dequantized in the main loop (``w4a16_csrc``: the
+  CUDA C++ cp.async / mma.sync kernel of ``kernels/csrc``, built in a background thread at the start; a row says so
+  if the build fails).
 - ``int8_outlier``: LLM.int8() with a fixed outlier mask of 8 columns (as after calibration).
 
 Times: ``us`` = ``triton.testing.do_bench_cudagraph`` median (kernels replayed in a CUDA graph, as sdfast
@@ -128,11 +128,10 @@ def _candidates(shape: dict, phase: str, csrc_state: dict, device: str = "cuda")
         if th is not None:
             th.join()
         if "backend" not in csrc_state:
-            return {**refs, "csrc_fp16": (None, f"error: csrc build failed: {csrc_state.get('error')}")}
-        from kernels.csrc.build import gemm_f16, gemm_w4a16
+            return {**refs, "w4a16_csrc": (None, f"error: csrc build failed: {csrc_state.get('error')}")}
+        from kernels.csrc.build import gemm_w4a16
 
-        return {**refs, "csrc_fp16": (lambda: gemm_f16(x, w, b), "gemm"),
-                "w4a16_csrc": (lambda: gemm_w4a16(x, qw4, s4, z4, b, group_size=128), "gemm")}
+        return {**refs, "w4a16_csrc": (lambda: gemm_w4a16(x, qw4, s4, z4, b, group_size=128), "gemm")}
     c: dict = {
         "cublas_fp16": (lambda: F.linear(x, w, b), "gemm"),
     }
@@ -218,7 +217,7 @@ def run(quick: bool = False) -> list[dict]:
         return [_row({}, bench="gemm", note="skipped: needs a CUDA GPU")]
     meta = _meta()
     t_start = time.perf_counter()
-    want_csrc = bool(_selected({"csrc_fp16": 1, "w4a16_csrc": 1}).keys() - {"cublas_fp16"})
+    want_csrc = bool(_selected({"w4a16_csrc": 1}).keys() - {"cublas_fp16"})
     csrc_state = _start_csrc_build() if want_csrc else {}
     rows: list[dict] = []
     totals: dict[tuple[str, str], float] = {}
