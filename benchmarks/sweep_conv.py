@@ -2,7 +2,7 @@
 
     python -m benchmarks.sweep_conv [--out DIR] [--models sd15,sdxl]
 
-For each row of ``kernels.conv.sd_shapes.SD_CONV3X3_SHAPES`` (fp16, batch 2, channels_last, no bias: as the UNet's
+For each row of ``benchmarks.sd_shapes.SD_CONV3X3_SHAPES`` (fp16, batch 2, channels_last, no bias: as the UNet's
 ResNet blocks run them): cuDNN (``F.conv2d``), cuDNN after ``torch.backends.cudnn.benchmark`` picked its fastest
 engine, im2col + cuBLAS (``kernels.conv.conv3x3.gemm_conv3x3``), what ``kernels.conv.conv3x3``'s measured choice
 picks, each timed in a CUDA graph (``triton.testing.do_bench_cudagraph``, median) and checked against the fp32
@@ -27,7 +27,7 @@ def run(models=("sd15", "sdxl")) -> list[dict]:
     import torch.nn.functional as F
 
     from kernels.conv import conv3x3 as cv
-    from kernels.conv.sd_shapes import SD_CONV3X3_SHAPES
+    from benchmarks.sd_shapes import SD_CONV3X3_SHAPES
 
     rows = []
     cl = torch.channels_last

@@ -194,7 +194,7 @@ def _tensorwise_fp8(x: torch.Tensor, w32: torch.Tensor, b: torch.Tensor) -> dict
 
 
 def _shapes(quick: bool) -> list[dict]:
-    from kernels.gemm.sd_shapes import SD_LINEAR_SHAPES
+    from benchmarks.sd_shapes import SD_LINEAR_SHAPES
 
     out = [dict(model=m, layer=n, M=M, K=K, N=N, epilogue=e, count=c) for m, n, M, K, N, e, c in SD_LINEAR_SHAPES]
     if quick:

@@ -1,12 +1,12 @@
 """GPU tests (marker ``gpu``): every GEMM kernel at the real SD1.5 / SDXL linear shapes
-(kernels/gemm/sd_shapes.py) against its fp32 reference, plus CUDA-graph capture and torch.compile
+(benchmarks/sd_shapes.py) against its fp32 reference, plus CUDA-graph capture and torch.compile
 of the custom op. Run on the GPU machine: ``pytest -m gpu tests/kernels/test_gemm_gpu.py``."""
 
 import pytest
 import torch
 
 from kernels.gemm.int8_outlier import int8_outlier_linear, int8_outlier_linear_ref
-from kernels.gemm.sd_shapes import SD_LINEAR_SHAPES
+from benchmarks.sd_shapes import SD_LINEAR_SHAPES
 from kernels.gemm.w4a16 import quantize_w4, w4a16_linear, w4a16_linear_ref
 from kernels.gemm.w8a8 import (
     quantize_per_token,
