@@ -1,4 +1,4 @@
-"""Norm-family kernels at every GroupNorm / LayerNorm / GEGLU shape SD actually runs (H200, fp16).
+"""Norm-family kernels at every GroupNorm / LayerNorm / GEGLU shape SD actually runs (fp16; GPU only).
 
 ``run(quick=False) -> list[dict]`` (GPU only; nothing runs at import). Shapes come from
 ``benchmarks.sd_shapes`` (derived with forward hooks from the diffusers configs): SD1.5 UNet 512²

@@ -1,5 +1,5 @@
 """GPU tests (marker ``gpu``, sm_90+): the TMA GEGLU GEMM's every tile config at SD1.5's and SDXL's GEGLU shapes
-against the fp32 reference (DESIGN.md's rule against cuBLAS fp16 + GEGLU), bf16, CUDA graph replay on new inputs,
+against the fp32 reference (flash-attention's rule, kernels.testing, against cuBLAS fp16 + GEGLU), bf16, CUDA graph replay on new inputs,
 and ``geglu_projection``'s measured choice (logged, kept, not taken inside a capture)."""
 
 import logging

@@ -64,7 +64,7 @@ def test_w8a8_sd_shapes(M, K, N, epi, qdtype):
     lowp = ref32.half()
     # The reference quantizes x / smooth computed in fp32, the kernel from fp16: an activation on a code
     # boundary can round to the neighbouring code, a step of 1/8 of its value in FP8 (E4M3) against
-    # 1/127 of the row's max in int8; at K = 5120 a few such flips reach ~0.025 (seen on the H200).
+    # 1/127 of the row's max in int8; at K = 5120 a few such flips reach ~0.025 (seen on sm_90).
     atol = 4e-2 if qdtype == "fp8" else 2e-2
     assert_close_rule(ours, ref32, lowp, atol, f"w8a8 {qdtype} M{M} K{K} N{rows}")
     _rel_ok(ours, x.float() @ w.t() + b.float(), 0.02 if qdtype != "fp8" else 0.08, "w8a8 vs fp32 product")
@@ -180,7 +180,7 @@ def test_fp8_linear_sd_shapes(M, K, N, epi, fast_accum):
     ours = fp8_linear(q, qw, sa, sw, b, out_dtype=torch.float16, fast_accum=fast_accum)
     ref32 = fp8_linear_ref(q, qw, sa, sw, b, torch.float32)
     # Fast accumulation keeps Hopper's FP8 accumulator (about 14 mantissa bits, DeepSeek-V3 report) without
-    # promotion to fp32: max error 0.024 at K = 5120 against 0.014 allowed for fp32 accumulation (H200), well
+    # promotion to fp32: max error 0.024 at K = 5120 against 0.014 allowed for fp32 accumulation (sm_90), well
     # under the E4M3 quantization error itself (~0.037 relative L2, checked against the fp32 product below).
     atol = 4e-2 if fast_accum else 1e-2
     assert_close_rule(ours, ref32, ref32.half(), atol, f"fp8_linear M{M} K{K} N{rows} fast_accum={fast_accum}")
