@@ -316,7 +316,7 @@ def test_transformer_block_adds_ff_bias_and_residual_in_the_output_gemm(monkeypa
 
 def test_norm_pass_fuses_the_vae_decoders_resnets():
     """The VAE decoder's up-block resnets say time_embedding_norm="group" and have no time-embedding
-    projection: norm2 alone, as "default" without temb, so they take the fused forward too (run 9: unfused,
+    projection: norm2 alone, as "default" without temb, so they take the fused forward too (unfused,
     they cost the SDXL decode 40 SiLU and 44 add passes)."""
     from diffusers.models.resnet import ResnetBlock2D
 

@@ -1,5 +1,5 @@
 """GPU tests (marker ``gpu``): the im2col + cuBLAS path of ``kernels.conv.conv3x3`` at SD1.5's 8x8 and 16x16
-convolution shapes against the fp32 reference (DESIGN.md's rule against cuDNN fp16), bf16 and a bias, the im2col
+convolution shapes against the fp32 reference (flash-attention's rule, kernels.testing, against cuDNN fp16), bf16 and a bias, the im2col
 kernel bit-identical, the measured choice (logged, kept, not taken inside a capture), and CUDA graph replay of the
 chosen path on new inputs and an in-place weight change."""
 

@@ -1,5 +1,5 @@
 """GPU tests (marker ``gpu``, sm_90+): the TMA linear GEMM's tile configs (persistent and per-tile grids) at SD1.5's and
-SDXL's small-K linear shapes, with bias and with the residual, against the fp32 reference (DESIGN.md's rule against
+SDXL's small-K linear shapes, with bias and with the residual, against the fp32 reference (flash-attention's rule, kernels.testing, against
 cuBLAS fp16); bf16; CUDA graph replay on new inputs and an in-place weight change; and ``linear_projection``'s
 measured choice (logged, kept, correct, not taken inside a capture)."""
 
