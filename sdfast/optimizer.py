@@ -1,9 +1,10 @@
-"""``optimize(pipe, config)``: compose sdfast's passes on a diffusers pipeline, in place, reversibly.
+"""``optimize(pipe, config)``: apply sdfast's pass table to a diffusers pipeline, in place, reversibly.
 
-Order: attention processor -> norm fusion -> channels_last layout -> time-embedding packing -> upsampling -> skip
-concatenation -> convolution biases -> small-K linears -> CUDA graphs. Each pass is its own module (``sdfast.passes``,
-``sdfast.runtime``), counts what it changed, and can be undone (``unoptimize``). The pipeline object stays the same
-diffusers pipeline.
+``PASSES`` is the one table: fp32 VAE -> attention processor -> norm fusion -> channels_last layout ->
+time-embedding packing -> upsampling -> skip concatenation -> convolution biases -> small-K linears -> CUDA graphs
+-> execution device. Each pass is its own module (``sdfast.passes``, ``sdfast.runtime``), counts what it changed,
+and can be undone (``unoptimize`` runs the table backwards). What one pass leaves for another is a typed slot of
+``sdfast.passes.state``. The pipeline object stays the same diffusers pipeline.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import types
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +34,7 @@ class OptimizeState:
     graphs: object | None = None  # runtime.cuda_graphs.GraphCache
     vae_upcast: bool = False
     vae_dispatcher: object | None = None  # the fp32 VAE's own AttentionDispatcher (TF32 allowed), if any
+    applied: list = field(default_factory=list)  # names of the passes applied, in order
 
 
 def _denoisers(pipe) -> list[torch.nn.Module]:
@@ -71,6 +74,105 @@ def _install_graphs(pipe, state: OptimizeState) -> None:
     host_timesteps.keep_on_host(pipe.scheduler)  # no GPU->host sync per step in the scheduler (PNDM)
 
 
+# -- the passes: apply(pipe, state) -> modules changed; undo(pipe, state) --------------------------------------
+
+
+def _upcast_vae(pipe, state: OptimizeState) -> int:
+    vae = pipe.vae
+    if not (hasattr(pipe, "upcast_vae") and vae.dtype == torch.float16 and vae.config.force_upcast):
+        return 0
+    vae.to(torch.float32)
+    _vae_decode_in_own_dtype(vae)
+    state.vae_upcast = True
+    return 1
+
+
+def _undo_vae_upcast(pipe, state: OptimizeState) -> None:
+    if state.vae_upcast:
+        del pipe.vae.decode
+        pipe.vae.to(torch.float16)
+
+
+def _attention(pipe, state: OptimizeState) -> int:
+    from .passes import attention
+
+    config = state.config
+    if state.vae_upcast and config.vae_tf32:
+        state.vae_dispatcher = attention.AttentionDispatcher(allow_tf32=True)
+    return sum(attention.apply(m, fuse_projections=config.fuse_qkv,
+                               dispatcher=state.vae_dispatcher if m is pipe.vae else None)
+               for m in _denoisers(pipe))
+
+
+def _per_denoiser(module_name: str, fn_name: str):
+    """``sdfast.passes.<module_name>.<fn_name>`` over the UNet and the VAE, summed."""
+    def run(pipe, state) -> int:
+        import importlib
+
+        fn = getattr(importlib.import_module(f"sdfast.passes.{module_name}"), fn_name)
+        return sum(fn(m) or 0 for m in _denoisers(pipe))
+    return run
+
+
+def _on_unet(module_name: str, fn_name: str):
+    """``sdfast.passes.<module_name>.<fn_name>`` on the UNet."""
+    def run(pipe, state) -> int:
+        import importlib
+
+        return getattr(importlib.import_module(f"sdfast.passes.{module_name}"), fn_name)(pipe.unet) or 0
+    return run
+
+
+def _graphs(pipe, state: OptimizeState) -> int:
+    _install_graphs(pipe, state)
+    return len(state.graphs.runners)
+
+
+def _undo_graphs(pipe, state: OptimizeState) -> None:
+    state.graphs.uninstall()
+    del pipe.check_inputs
+    host_timesteps.release(pipe.scheduler)
+
+
+def _execution_device(pipe, state: OptimizeState) -> int:
+    execution_device.install(pipe)  # no walk over every submodule at each call (host time, GPU idle)
+    return 1
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One rewrite of a pipeline. ``enabled(config, pipe)``: whether ``optimize`` applies it; ``apply(pipe, state)``
+    returns how many modules it changed (kept in ``state.counts[name]`` when ``counted``); ``undo(pipe, state)``
+    reverses it (``unoptimize`` runs the applied passes' undos in reverse order)."""
+
+    name: str
+    enabled: Callable
+    apply: Callable
+    undo: Callable
+    counted: bool = True
+
+
+# The one pass table: optimize applies it top to bottom, unoptimize undoes it bottom to top. Order matters where a
+# pass reads what an earlier one left (sdfast.passes.state): time-embedding packing needs the norm pass's fused
+# ResNet blocks and runs after the layout pass (the pack's views are the final storage); CUDA graphs come last.
+PASSES: tuple[Pass, ...] = (
+    Pass("vae_fp32", lambda c, p: c.vae_fp32_when_asked, _upcast_vae, _undo_vae_upcast, counted=False),
+    Pass("attention", lambda c, p: c.attention, _attention, _per_denoiser("attention", "undo")),
+    Pass("norms", lambda c, p: c.fuse_norms, _per_denoiser("norms", "apply"), _per_denoiser("norms", "undo")),
+    Pass("layout", lambda c, p: c.channels_last, _per_denoiser("layout", "apply"), _per_denoiser("layout", "undo")),
+    Pass("temb", lambda c, p: c.fuse_norms and c.batch_temb, _on_unet("time_embedding", "apply"),
+         _on_unet("time_embedding", "undo")),
+    Pass("upsample", lambda c, p: c.upsample, _per_denoiser("upsample", "apply"), _per_denoiser("upsample", "undo")),
+    Pass("skip_concat", lambda c, p: c.skip_concat, _on_unet("skip_concat", "apply"), _on_unet("skip_concat", "undo")),
+    Pass("conv_bias", lambda c, p: c.conv_bias, _per_denoiser("conv_bias", "apply"),
+         _per_denoiser("conv_bias", "undo")),
+    Pass("linear", lambda c, p: c.tma_linear, _on_unet("linear", "apply"), _on_unet("linear", "undo")),
+    Pass("cuda_graphs", lambda c, p: c.cuda_graphs and p.unet.device.type == "cuda", _graphs, _undo_graphs),
+    Pass("execution_device", lambda c, p: True, _execution_device, lambda p, s: execution_device.uninstall(p),
+         counted=False),
+)
+
+
 _policy_in_force: KernelPolicy | None = None
 
 
@@ -86,15 +188,14 @@ def _use_policy(policy: KernelPolicy) -> None:
 
 
 def optimize(pipe, config: OptimizeConfig | None = None):
-    """Optimize a diffusers SD/SDXL pipeline in place and return it.
+    """Optimize a diffusers SD/SDXL pipeline in place and return it: every pass of ``PASSES`` its config turns on,
+    in order.
 
     Raises ``TypeError`` if ``pipe`` has no ``unet`` and ``vae``, if its UNet is not in float16, bfloat16 or
     float32 (the fused kernels' dtypes), or if ``config`` is not an ``OptimizeConfig`` (or None). Calling it again
     on an optimized pipeline returns it unchanged with the same config (or None); with another config it raises
     ``ValueError``: ``unoptimize`` first to change the config.
     """
-    from .passes import attention, conv_bias, layout, linear, norms, skip_concat, time_embedding, upsample
-
     if not (hasattr(pipe, "unet") and hasattr(pipe, "vae")):
         raise TypeError(f"optimize expects a diffusers Stable Diffusion pipeline, got {type(pipe).__name__}")
     if pipe.unet.dtype not in KERNEL_DTYPES:
@@ -113,65 +214,28 @@ def optimize(pipe, config: OptimizeConfig | None = None):
     config = config or OptimizeConfig(kernels=KernelPolicy.from_env())
     _use_policy(config.kernels)
     state = OptimizeState(config=config)
-    vae = pipe.vae
-    if config.vae_fp32_when_asked and hasattr(pipe, "upcast_vae") and vae.dtype == torch.float16 and vae.config.force_upcast:
-        vae.to(torch.float32)
-        _vae_decode_in_own_dtype(vae)
-        state.vae_upcast = True
-    if config.attention:
-        if state.vae_upcast and config.vae_tf32:
-            state.vae_dispatcher = attention.AttentionDispatcher(allow_tf32=True)
-        state.counts["attention"] = sum(
-            attention.apply(m, fuse_projections=config.fuse_qkv, dispatcher=state.vae_dispatcher if m is vae else None)
-            for m in _denoisers(pipe))
-    if config.fuse_norms:
-        state.counts["norms"] = sum(norms.apply(m) for m in _denoisers(pipe))
-    if config.channels_last:
-        state.counts["layout"] = sum(layout.apply(m) for m in _denoisers(pipe))
-    if config.fuse_norms and config.batch_temb:  # after the layout pass: the pack's views are the final storage
-        state.counts["temb"] = time_embedding.apply(pipe.unet)
-    if config.upsample:
-        state.counts["upsample"] = sum(upsample.apply(m) for m in _denoisers(pipe))
-    if config.skip_concat:
-        state.counts["skip_concat"] = skip_concat.apply(pipe.unet)
-    if config.conv_bias:
-        state.counts["conv_bias"] = sum(conv_bias.apply(m) for m in _denoisers(pipe))
-    if config.tma_linear:
-        state.counts["linear"] = linear.apply(pipe.unet)
-    if config.cuda_graphs and pipe.unet.device.type == "cuda":
-        _install_graphs(pipe, state)
-        state.counts["cuda_graphs"] = len(state.graphs.runners)
-    execution_device.install(pipe)  # no walk over every submodule at each call (host time, GPU idle)
+    for p in PASSES:
+        if p.enabled(config, pipe):
+            count = p.apply(pipe, state)
+            state.applied.append(p.name)
+            if p.counted:
+                state.counts[p.name] = count
     pipe._sdfast = state
     log.info("sdfast: optimized %s: %s", type(pipe).__name__, state.counts)
     return pipe
 
 
 def unoptimize(pipe):
-    """Undo ``optimize``: the stock modules, processors, layouts and forwards come back. Returns ``pipe``."""
-    from .passes import attention, conv_bias, layout, linear, norms, skip_concat, time_embedding, upsample
-
+    """Undo ``optimize``: the passes it applied are undone in reverse order; the stock modules, processors, layouts
+    and forwards come back. Returns ``pipe``."""
     if not (hasattr(pipe, "unet") and hasattr(pipe, "vae")):
         raise TypeError(f"unoptimize expects a diffusers Stable Diffusion pipeline, got {type(pipe).__name__}")
     state: OptimizeState | None = getattr(pipe, "_sdfast", None)
     execution_device.uninstall(pipe)  # also on a from_pipe copy, which shares the class but has no state
     if state is None:
         return pipe
-    if state.graphs is not None:
-        state.graphs.uninstall()
-        del pipe.check_inputs
-        host_timesteps.release(pipe.scheduler)
-    linear.undo(pipe.unet)
-    time_embedding.undo(pipe.unet)
-    skip_concat.undo(pipe.unet)
-    for m in _denoisers(pipe):
-        conv_bias.undo(m)
-        upsample.undo(m)
-        layout.undo(m)
-        norms.undo(m)
-        attention.undo(m)
-    if state.vae_upcast:
-        del pipe.vae.decode
-        pipe.vae.to(torch.float16)
+    for p in reversed(PASSES):
+        if p.name in state.applied:
+            p.undo(pipe, state)
     pipe._sdfast = None
     return pipe

@@ -10,6 +10,7 @@ import sdfast
 from kernels.gemm import linear_projection as lp
 from kernels import select
 from kernels.select import rules
+from sdfast.passes.state import TOKENS_LINEAR
 from kernels.gemm.linear_tma import LinearTile
 from sdfast.passes import attention, layout, linear, norms
 
@@ -47,7 +48,7 @@ def test_routes_outputs_and_cross_queries_only(unet16):
         assert not any(_rebound(m) for m in (b.attn1.to_q, b.attn1.to_k, b.attn1.to_v, b.attn2.to_k, b.attn2.to_v))
         assert not _rebound(b.ff.net[0].proj) and not _rebound(b.ff.net[-1])
         assert attention._fused_layer(b.attn1, "to_qkv") is not None
-    assert all(getattr(t, linear.TOKENS_MARKER) for t in transformers)
+    assert all(TOKENS_LINEAR.get(t) for t in transformers)
 
 
 def test_unet_output_with_the_tma_gemm_forced(unet16, inputs, monkeypatch):
@@ -84,7 +85,7 @@ def test_undo_and_optimize_flag():
     n = linear.apply(pipe.unet)
     assert linear.undo(pipe.unet) == n
     assert not any(_rebound(m) for m in pipe.unet.modules() if isinstance(m, nn.Linear))
-    assert not any(hasattr(t, linear.TOKENS_MARKER) for t in linear._transformers(pipe.unet))
+    assert not any(TOKENS_LINEAR.get(t) is not None for t in linear._transformers(pipe.unet))
     sdfast.optimize(pipe, sdfast.OptimizeConfig(tma_linear=False, cuda_graphs=False))
     assert "linear" not in pipe._sdfast.counts
     sdfast.unoptimize(pipe)

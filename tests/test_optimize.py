@@ -7,6 +7,7 @@ import torch
 
 import sdfast
 from sdfast.config import OptimizeConfig
+from sdfast.passes.state import NORMS_FUSED
 from sdfast.passes import layout, norms
 
 
@@ -113,7 +114,7 @@ def test_norm_pass_runs_resnet_convs_through_im2col_gemm_and_keeps_output(unet_i
     stock = _run(unet, inputs).float()
     norms.apply(unet)
     torch.testing.assert_close(_run(unet, inputs).float(), stock, atol=2e-2, rtol=1e-2)
-    resnets = sum(1 for m in unet.modules() if getattr(m, "_sdfast_norms", False) and hasattr(m, "conv1"))
+    resnets = sum(1 for m in unet.modules() if NORMS_FUSED.get(m, False) and hasattr(m, "conv1"))
     assert resnets > 0 and len(calls) == 2 * resnets
 
 
@@ -121,7 +122,7 @@ def test_norm_pass_filter_fn(unet_inputs):
     unet = sdfast.load("random:tiny", optimize=False).pipe.unet
     n = norms.apply(unet, filter_fn=lambda m, name: name.startswith("down_blocks"))
     assert 0 < n < 21
-    assert all(name.startswith("down_blocks") for name, m in unet.named_modules() if getattr(m, "_sdfast_norms", False))
+    assert all(name.startswith("down_blocks") for name, m in unet.named_modules() if NORMS_FUSED.get(m, False))
 
 
 def test_fused_resnet_adds_time_embedding_inside_the_norm(monkeypatch, unet_inputs):
@@ -329,7 +330,7 @@ def test_norm_pass_fuses_the_vae_decoders_resnets():
         stock = vae.decoder(z)
         norms.apply(vae)
         ours = vae.decoder(z)
-    assert all(getattr(r, "_sdfast_norms", False) for r in resnets)
+    assert all(NORMS_FUSED.get(r, False) for r in resnets)
     torch.testing.assert_close(ours, stock, atol=2e-4, rtol=1e-4)
 
 
@@ -346,7 +347,7 @@ def test_fused_resnet_without_projection_treats_temb_as_stock(norm):
         stock = [r(x, None), r(x, temb)]
         norms.apply(r)
         ours = [r(x, None), r(x, temb)]
-    assert getattr(r, "_sdfast_norms", False)
+    assert NORMS_FUSED.get(r, False)
     for o, s in zip(ours, stock):
         torch.testing.assert_close(o, s, atol=2e-5, rtol=1e-5)
     assert torch.equal(ours[0], ours[1]) == (norm == "group")

@@ -12,6 +12,7 @@ from torch import nn
 import sdfast
 from sdfast.config import OptimizeConfig
 from sdfast.passes import norms, time_embedding
+from sdfast.passes.state import BLOCK_TEMB, TEMB_PACK
 
 
 @pytest.fixture
@@ -73,7 +74,7 @@ def test_packed_projections_match_each_block_computing_its_own(unets, inputs, mo
 def test_packed_parameters_are_views_so_in_place_updates_are_seen(unets, inputs):
     ref, unet = unets
     time_embedding.apply(unet)
-    pack = unet._sdfast_temb_pack
+    pack = TEMB_PACK.get(unet)
     blocks = _resnets(unet)
     storage = pack._weight().untyped_storage().data_ptr()
     assert all(b.time_emb_proj.weight.untyped_storage().data_ptr() == storage for b in blocks)
@@ -97,7 +98,7 @@ def test_a_replaced_parameter_is_repacked(unets, inputs, caplog):
         got = _run(unet, inputs)
     assert "repacked" in caplog.text
     torch.testing.assert_close(got, _run(ref, inputs), atol=2e-4, rtol=1e-4)
-    pack = unet._sdfast_temb_pack
+    pack = TEMB_PACK.get(unet)
     assert len(pack.slices) == 8
     assert _resnets(unet)[5].time_emb_proj.weight.untyped_storage().data_ptr() == pack._weight().untyped_storage().data_ptr()
 
@@ -130,7 +131,7 @@ def test_a_wrapped_projection_or_conv_is_run_by_its_block(unets, inputs, index):
     got = _run(unet, inputs)
     torch.testing.assert_close(got, _run(ref, inputs), atol=2e-4, rtol=1e-4)
     assert _resnets(unet)[index].time_emb_proj.calls == 1
-    pack = unet._sdfast_temb_pack
+    pack = TEMB_PACK.get(unet)
     assert id(_resnets(unet)[index]) not in pack.slices and len(pack.slices) == 7
     # the wrapped block's base layer holds its own storage, not a view keeping the dropped pack alive
     w = _resnets(unet)[index].time_emb_proj.base_layer.weight
@@ -172,14 +173,14 @@ def test_undo_gives_each_parameter_its_own_storage(unets, inputs):
     assert time_embedding.undo(unet) == 0
     ptrs = [b.time_emb_proj.weight.untyped_storage().data_ptr() for b in _resnets(unet)]
     assert len(set(ptrs)) == len(ptrs)
-    assert all("_sdfast_temb" not in b.__dict__ for b in _resnets(unet))
+    assert all(BLOCK_TEMB.get(b) is None for b in _resnets(unet))
     torch.testing.assert_close(_run(unet, inputs), want, atol=2e-4, rtol=1e-4)
 
 
 def test_optimize_packs_the_unet_unless_turned_off():
     pipe = sdfast.load("random:tiny", optimize=False).pipe
     sdfast.optimize(pipe)
-    assert pipe._sdfast.counts["temb"] == 8 and pipe.unet._sdfast_temb_pack is not None
+    assert pipe._sdfast.counts["temb"] == 8 and TEMB_PACK.get(pipe.unet) is not None
     sdfast.unoptimize(pipe)
     assert getattr(pipe.unet, "_sdfast_temb_pack", None) is None
     sdfast.optimize(pipe, OptimizeConfig(batch_temb=False))
@@ -192,7 +193,7 @@ def test_to_dtype_repacks_and_keeps_no_old_pack(unets, inputs, caplog):
     bf16 (the values rounded the same way in both UNets), compared in fp32."""
     ref, unet = unets
     time_embedding.apply(unet)
-    pack = unet._sdfast_temb_pack
+    pack = TEMB_PACK.get(unet)
     for m in (ref, unet):
         m.to(torch.bfloat16).to(torch.float32)
     with caplog.at_level(logging.INFO, logger="sdfast"):
@@ -212,7 +213,7 @@ def test_repack_under_inference_mode_keeps_ordinary_parameters(unets, inputs):
         unet(**inputs, return_dict=False)
     w = _resnets(unet)[2].time_emb_proj.weight
     assert not w.is_inference() and w.untyped_storage().data_ptr() == \
-        unet._sdfast_temb_pack._weight().untyped_storage().data_ptr()
+        TEMB_PACK.get(unet)._weight().untyped_storage().data_ptr()
     w.requires_grad_(True)  # raises for an inference tensor
 
 
@@ -225,7 +226,7 @@ def test_a_repack_to_fewer_than_two_blocks_and_undo(unets, inputs):
         for b in _resnets(m)[1:]:
             b.time_emb_proj = _Wrapped(b.time_emb_proj)
     torch.testing.assert_close(_run(unet, inputs), _run(ref, inputs), atol=2e-4, rtol=1e-4)
-    pack = unet._sdfast_temb_pack
+    pack = TEMB_PACK.get(unet)
     assert pack.leader is None and not pack.slices
     w = _resnets(unet)[3].time_emb_proj.base_layer.weight
     assert w.untyped_storage().nbytes() == w.numel() * w.element_size()
@@ -243,7 +244,7 @@ def test_refresh_repacks_before_a_call(unets, inputs):
         b = _resnets(m)[4]
         b.time_emb_proj.bias = nn.Parameter(b.time_emb_proj.bias.detach() + 1, requires_grad=False)
     assert time_embedding.refresh(unet) is True and time_embedding.refresh(unet) is False
-    pack = unet._sdfast_temb_pack
+    pack = TEMB_PACK.get(unet)
     assert pack.state() == pack._state
     torch.testing.assert_close(_run(unet, inputs), _run(ref, inputs), atol=2e-4, rtol=1e-4)
 
@@ -255,7 +256,7 @@ def test_batch_one_and_call_order(unets, inputs):
     time_embedding.apply(unet)
     one = {k: (v[:1] if k != "timestep" else v) for k, v in inputs.items()}
     torch.testing.assert_close(_run(unet, one), _run(ref, one), atol=2e-4, rtol=1e-4)
-    pack = unet._sdfast_temb_pack
+    pack = TEMB_PACK.get(unet)
     assert pack.leader is unet.down_blocks[0].resnets[0]
     order = [id(b) for b in pack.blocks]
     assert order.index(id(unet.mid_block.resnets[0])) < order.index(id(unet.up_blocks[0].resnets[0]))

@@ -18,7 +18,8 @@ from torch import nn
 
 from kernels.elementwise import bias_residual_add
 from kernels.gemm.linear_projection import linear_projection
-from sdfast.passes.linear import TOKENS_MARKER, routable
+from sdfast.passes.linear import routable
+from sdfast.passes.state import TOKENS_LINEAR
 from sdfast.passes._modules import runs_as_its_class
 
 
@@ -46,7 +47,7 @@ def _transformer_input(self, hidden_states):
     if not self.use_linear_projection and _pointwise_conv(self.proj_in) and _is_channels_last(hidden_states):
         tokens = hidden_states.permute(0, 2, 3, 1).reshape(batch, height * width, inner_dim)
         weight, bias = self.proj_in.weight.flatten(1), self.proj_in.bias
-        tma = getattr(self, TOKENS_MARKER, False) and routable(tokens, weight, bias)
+        tma = TOKENS_LINEAR.get(self, False) and routable(tokens, weight, bias)
         out = (linear_projection if tma else F.linear)(tokens, weight, bias)
         return out, out.shape[-1]
     if not self.use_linear_projection:
@@ -66,7 +67,7 @@ def _transformer_output(self, hidden_states, residual, batch_size, height, width
         if (_pointwise_conv(self.proj_out) and fmt is torch.channels_last and residual.dtype == hidden_states.dtype
                 and residual.dtype in _KERNEL_DTYPES):  # else (autocast's mixed dtypes, fp64) diffusers' own ops
             weight, bias = self.proj_out.weight.flatten(1), self.proj_out.bias
-            if getattr(self, TOKENS_MARKER, False) and routable(hidden_states, weight, bias):
+            if TOKENS_LINEAR.get(self, False) and routable(hidden_states, weight, bias):
                 # sdfast.passes.linear: the bias and the residual in the GEMM's epilogue
                 tokens = residual.permute(0, 2, 3, 1).reshape(batch_size, height * width, -1)  # a view (NHWC memory)
                 out = linear_projection(hidden_states, weight, bias, tokens)

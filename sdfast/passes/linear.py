@@ -20,10 +20,10 @@ from torch import nn
 from kernels.gemm._common import TMA_DTYPES
 from kernels.gemm.linear_projection import linear_projection
 from sdfast.passes._modules import rebind_forward, restore_forwards, runs_as_its_class
+from sdfast.passes.state import TOKENS_LINEAR
 
 MAX_K = 640  # above this cuBLAS won every SD1.5/SDXL linear shape of the sweep
 _MARKER = "_sdfast_linear"
-TOKENS_MARKER = "_sdfast_tma_linear"  # on Transformer2DModel: its proj_in / proj_out use linear_projection
 
 
 def routable(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -70,7 +70,7 @@ def apply(model: nn.Module) -> int:
         for m in _targets(block):
             rebind_forward(m, tma_linear_forward, _MARKER)
             changed += 1
-        setattr(block, TOKENS_MARKER, True)
+        TOKENS_LINEAR.set(block, True)
         changed += 1
     return changed
 
@@ -79,6 +79,6 @@ def undo(model: nn.Module) -> int:
     """Restore every forward and marker ``apply`` set. Returns how many."""
     restored = restore_forwards(model, _MARKER)
     for block in _transformers(model):
-        if block.__dict__.pop(TOKENS_MARKER, None):
+        if TOKENS_LINEAR.clear(block):
             restored += 1
     return restored

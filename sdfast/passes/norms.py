@@ -30,8 +30,9 @@ from kernels.elementwise import bias_residual_add
 from kernels.gemm.geglu_projection import geglu_projection
 from kernels.norm import geglu, group_norm, layer_norm
 from sdfast.passes._modules import rebind_forward, runs_as_its_class
+from sdfast.passes.state import BLOCK_TEMB, NORMS_FUSED
 
-_MARKER = "_sdfast_norms"  # set on every module apply changed (undo looks for it)
+_MARKER = NORMS_FUSED.attr  # set on every module apply changed (undo looks for it; time_embedding reads it)
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -152,7 +153,7 @@ def _time_bias(block: nn.Module, temb: torch.Tensor | None, conv_bias: torch.Ten
     """norm2's per-(batch, channel) bias: ``time_emb_proj(silu(temb))`` + conv1's folded bias. From the UNet's
     packed projections when ``sdfast.passes.time_embedding`` applies (they fold conv1's bias exactly when
     ``conv_bias`` is not None), else computed here."""
-    pack = block.__dict__.get("_sdfast_temb")
+    pack = BLOCK_TEMB.get(block)
     if pack is not None and temb is not None:
         packed = pack.lookup(block, temb)
         if packed is not None:

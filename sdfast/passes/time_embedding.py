@@ -36,6 +36,7 @@ from torch import nn
 
 from sdfast.passes._modules import runs_as_its_class
 from sdfast.passes.norms import folded_conv_bias
+from sdfast.passes.state import BLOCK_TEMB, NORMS_FUSED, TEMB_PACK
 
 log = logging.getLogger("sdfast")
 
@@ -199,31 +200,30 @@ def apply(unet: nn.Module) -> int:
     first). Returns the blocks packed (0 when fewer than two can share one GEMM, or already applied)."""
     from diffusers.models.resnet import ResnetBlock2D
 
-    if getattr(unet, "_sdfast_temb_pack", None) is not None:
+    if TEMB_PACK.get(unet) is not None:
         return 0
-    blocks = [m for m in _call_order(unet) if isinstance(m, ResnetBlock2D) and getattr(m, "_sdfast_norms", False)
+    blocks = [m for m in _call_order(unet) if isinstance(m, ResnetBlock2D) and NORMS_FUSED.get(m, False)
               and m.time_emb_proj is not None]
     pack = TembPack(blocks)
     if not pack.slices:
         return 0
-    unet._sdfast_temb_pack = pack
+    TEMB_PACK.set(unet, pack)
     for b in blocks:
-        b._sdfast_temb = pack
+        BLOCK_TEMB.set(b, pack)
     return len(pack.slices)
 
 
 def refresh(unet: nn.Module) -> bool:
     """Repack ``unet``'s time-embedding projections if they changed (``TembPack.refresh``); False when not applied."""
-    pack = getattr(unet, "_sdfast_temb_pack", None)
+    pack = TEMB_PACK.get(unet)
     return pack is not None and pack.refresh()
 
 
 def undo(unet: nn.Module) -> int:
     """Unpack (each parameter its own storage again, same values). Returns the blocks that were packed."""
-    pack = getattr(unet, "_sdfast_temb_pack", None)
+    pack = TEMB_PACK.clear(unet)
     if pack is None:
         return 0
     for b in pack.blocks:
-        b.__dict__.pop("_sdfast_temb", None)
-    del unet._sdfast_temb_pack
+        BLOCK_TEMB.clear(b)
     return pack.unpack()
