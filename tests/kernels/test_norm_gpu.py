@@ -10,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.norm import geglu, geglu_ref, group_norm, group_norm_ref, layer_norm, layer_norm_ref
+from kernels.group_norm import group_norm, group_norm_ref
+from kernels.norm import geglu, geglu_ref, layer_norm, layer_norm_ref
 from kernels.norm import sd_shapes
 from kernels.testing import assert_close_rule
 

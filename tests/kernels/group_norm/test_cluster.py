@@ -1,5 +1,5 @@
-"""CPU tests of the cluster GroupNorm's planner and dispatch (``kernels.norm.group_norm_cluster``); the kernel
-itself needs an sm_90 GPU (``test_group_norm_cluster_gpu.py``) and its source compiles in
+"""CPU tests of the cluster GroupNorm's planner and dispatch (``kernels.group_norm.cluster``); the kernel
+itself needs an sm_90 GPU (``test_cluster_gpu.py``) and its source compiles in
 ``test_csrc_compile.py``."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kernels import dispatch
-from kernels.norm import group_norm_cluster as gc, sd_shapes
+from kernels.group_norm import cluster as gc
+from kernels.norm import sd_shapes
 
 
 def _valid(plan, B, C, HW, G, elem_size):

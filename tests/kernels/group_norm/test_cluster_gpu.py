@@ -1,4 +1,4 @@
-"""GPU tests of the cluster GroupNorm (``kernels.norm.group_norm_cluster``, sm_90+): every channels_last and NCHW
+"""GPU tests of the cluster GroupNorm (``kernels.group_norm.cluster``, sm_90+): every channels_last and NCHW
 GroupNorm shape of the SD UNets it plans for, the ResNet-block fusion, bf16/fp32, odd H*W and channel counts,
 every launch shape at a small size, the statistics of an input with a large mean, CUDA-graph replay, and the
 fallbacks. Outputs are poisoned (NaN) before the call, so an element the kernel forgets stays NaN."""
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kernels import dispatch
-from kernels.norm import group_norm, group_norm_cluster as gc, group_norm_ref, sd_shapes
+from kernels.group_norm import cluster as gc, group_norm, group_norm_ref
+from kernels.norm import sd_shapes
 from kernels.testing import assert_close_rule
 
 pytestmark = pytest.mark.gpu
