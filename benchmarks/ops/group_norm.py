@@ -163,7 +163,9 @@ KNOBS = {
 
 
 def _device_us(fn) -> float:
-    from benchmarks.kernel_benches.device_time import device_time_us  # GPU time, L2 flushed before each call
+    from benchmarks.kernel_benches.device_time import (
+        device_time_us,  # GPU time, L2 flushed before each call
+    )
 
     return device_time_us(fn)
 
@@ -221,6 +223,8 @@ def tune_shape(shape, layout: str, deadline: float) -> list[dict]:
 
 
 def _plan(gn, shape, layout, tuning):
+    from kernels.group_norm import plan as gn_plan
+
     saved = dict(gn_plan.TUNING)
     gn_plan.TUNING.update(tuning)
     try:
@@ -287,7 +291,8 @@ def _cluster_case(shape, eps, silu, fused) -> dict:
     import torch
 
     from benchmarks.kernel_benches.device_time import device_time_us
-    from kernels.group_norm import cluster as group_norm_cluster, group_norm
+    from kernels.group_norm import cluster as group_norm_cluster
+    from kernels.group_norm import group_norm
 
     x, w, b, cb, r = _inputs(shape, fused)
     act = "silu" if silu else None
@@ -332,7 +337,8 @@ def _sweep(shape, nchw: bool = False) -> list[dict]:
     import torch
 
     from benchmarks.kernel_benches.device_time import device_time_us
-    from kernels.group_norm import cluster as gc, group_norm
+    from kernels.group_norm import cluster as gc
+    from kernels.group_norm import group_norm
 
     B, C, H, W = shape
     x, w, b, _, _ = _inputs(shape, False)

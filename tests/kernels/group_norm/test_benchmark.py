@@ -35,3 +35,13 @@ def test_cli_subcommands(capsys):
 def test_unknown_op_is_named():
     with pytest.raises(ValueError, match="'nope'"):
         bench.make_bench_case(dict(op="nope", shape=(1, 32, 2, 2), eps=1e-5, layout="nchw"), device="cpu")
+
+
+def test_tune_plans_under_a_trial_tuning_and_restores_the_defaults():
+    import kernels.group_norm as gn
+    from kernels.group_norm import plan
+
+    before = dict(plan.TUNING)
+    assert bench._plan(gn, (2, 320, 64, 64), "nhwc", {"nhwc_channel_tiles": False}).path == "twopass"
+    assert bench._plan(gn, (2, 320, 64, 64), "nhwc", {}).path == "nhwc_tiles"
+    assert plan.TUNING == before

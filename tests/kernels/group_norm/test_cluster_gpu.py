@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kernels import dispatch
-from kernels.group_norm import cluster as gc, group_norm, group_norm_ref
+from kernels.group_norm import cluster as gc
+from kernels.group_norm import group_norm, group_norm_ref
 from kernels.norm import sd_shapes
 from kernels.testing import assert_close_rule
 
