@@ -36,6 +36,7 @@ def run(tma: bool = False, extra: bool = False, models=("sd15", "sdxl")) -> list
     import torch
     import torch.nn.functional as F
 
+    from kernels import select
     from kernels.conv import conv3x3 as cv
     from kernels.conv.conv3x3_tma import CONFIGS, conv3x3_ref, tma_conv3x3
     from kernels.conv.sd_shapes import SD_CONV3X3_SHAPES
@@ -59,9 +60,9 @@ def run(tma: bool = False, extra: bool = False, models=("sd15", "sdxl")) -> list
         torch.backends.cudnn.benchmark = False
         row["gemm_us"] = _time(lambda: cv.gemm_conv3x3(x, wt, None))
         row["gemm_err"] = float((cv.gemm_conv3x3(x, wt, None).float() - ref).abs().max())
-        cv._choices.clear()
+        select.clear("conv3x3")
         cv.conv3x3(x, wt, None)
-        row["measured_choice"] = next(iter(cv._choices.values()))
+        row["measured_choice"] = select.decisions("conv3x3")[0].winner
         row["configs"] = {}
         for c in (CONFIGS + (extra_configs() if extra else ())) if tma else ():
             try:

@@ -26,6 +26,12 @@ if not HAS_CUDA:
     import kernels.norm  # noqa: F401,E402
 
 
+def pytest_configure(config):
+    from kernels import select
+
+    select.persist(False)  # tests measure; they neither read nor write the user's saved kernel choices
+
+
 def pytest_collection_modifyitems(config, items):
     if HAS_CUDA:
         return
@@ -38,6 +44,17 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def fresh_choices():
+    """No kernel choice made or pinned before the test, none left after it; returns ``select.decisions``."""
+    from kernels import select
+
+    select.clear()
+    with select.pinned({}):
+        yield select.decisions
+    select.clear()
 
 
 @pytest.fixture
