@@ -26,7 +26,7 @@ channels_last GroupNorm shapes SD runs. Per shape (fp16, GroupNorm+SiLU unless t
 with channel bias + residual + ``return_sum`` at the UNet's 64x64 shape): GPU time with L2 flushed before each call
 (``device_time_us``) of the cluster kernel, of the Triton kernels (the choice pinned to them) and of a copy of the
 same bytes; the time per call inside a CUDA graph of back-to-back calls; and which of the two the public op's
-measured choice runs (``chosen``). ``--sweep`` times every candidate plan of both kernels (channels_last and NCHW;
+choice runs (``chosen``, from ``kernels.select.decisions()``; ``chosen_source``: measured or saved). ``--sweep`` times every candidate plan of both kernels (channels_last and NCHW;
 clusters up to 16 CTAs and up to 1024 threads where the GPU can launch them) at the UNet shapes and marks the
 planner's pick. Writes ``group_norm_cluster.json`` / ``.md`` into ``--out``.
 """
@@ -291,6 +291,7 @@ def _cluster_case(shape, eps, silu, fused) -> dict:
     import torch
 
     from benchmarks.kernel_benches.device_time import device_time_us
+    from kernels import select
     from kernels.group_norm import cluster as group_norm_cluster
     from kernels.group_norm import group_norm
 
@@ -316,14 +317,13 @@ def _cluster_case(shape, eps, silu, fused) -> dict:
             assert group_norm_cluster.try_group_norm(x, 32, w, b, eps, cb, r, silu, y, pre)
 
         row["cluster_us"], row["cluster_graph_us"] = device_time_us(cluster), _graph_us(cluster)
-    group_norm_cluster.TUNING["enabled"] = False
-    try:
+    with select.pinned({"group_norm": "triton"}):
         row["triton_us"], row["triton_graph_us"] = device_time_us(call), _graph_us(call)
-    finally:
-        group_norm_cluster.TUNING["enabled"] = True
-    group_norm_cluster._choices.clear()
-    call()  # the public op's measured choice for this signature
-    row["chosen"] = None if plan is None else ("cluster" if any(group_norm_cluster._choices.values()) else "triton")
+    select.clear("group_norm")
+    call()  # the public op's choice for this signature (measured, or read from the saved choices)
+    made = [d for d in select.decisions() if d.choice == "group_norm"]
+    row["chosen"] = None if plan is None else (made[-1].winner if made else None)
+    row["chosen_source"] = made[-1].source if made else None
     if row.get("cluster_us"):
         row["cluster_frac_of_copy_ceiling"] = nbytes / (row["cluster_us"] * 1e-6) / COPY_CEILING_BPS
     row["triton_frac_of_copy_ceiling"] = nbytes / (row["triton_us"] * 1e-6) / COPY_CEILING_BPS
@@ -337,6 +337,7 @@ def _sweep(shape, nchw: bool = False) -> list[dict]:
     import torch
 
     from benchmarks.kernel_benches.device_time import device_time_us
+    from kernels import select
     from kernels.group_norm import cluster as gc
     from kernels.group_norm import group_norm
 
@@ -347,19 +348,20 @@ def _sweep(shape, nchw: bool = False) -> list[dict]:
     y = torch.empty_like(x)
     rows = []
     old = dict(gc.TUNING)
-    gc.TUNING.update(max_cluster=16, max_threads=1024, enabled=False)
+    gc.TUNING.update(max_cluster=16, max_threads=1024)
     cands = gc.nchw_candidate_plans(B, C, H * W, 32, 2) if nchw else gc.candidate_plans(B, C, H * W, 32, 2)
     chosen = gc.device_plan(B, C, H * W, 32, x.dtype, nchw=nchw)
     base = {"shape": "x".join(map(str, shape)), "layout": "nchw" if nchw else "nhwc"}
     try:
-        ref = group_norm(x, 32, w, b, 1e-5, activation="silu")  # the Triton kernels
+        with select.pinned({"group_norm": "triton"}):
+            ref = group_norm(x, 32, w, b, 1e-5, activation="silu")  # the Triton kernels
         for plan in cands:
             active = gc.max_active_clusters(plan, C, 32, x.dtype)
             clusters = B * 32 if nchw else B * C // plan.CS
             if active < 1:
                 rows.append({**base, **plan.__dict__, "error": "cannot launch"})
                 continue
-            gc.TUNING.update(plan=plan, enabled=True)
+            gc.TUNING.update(plan=plan)
 
             def cluster():
                 assert gc.try_group_norm(x, 32, w, b, 1e-5, None, None, True, y, None)

@@ -10,8 +10,10 @@ registers (the .cu file has the method):
 The Triton kernels read a large input twice in three launches (statistics, finalize, apply; small shapes take
 their one-launch "onepass" kernel); these read it once in one launch.
 
-``kernels.group_norm.op`` runs them through :func:`run_if_faster`: where one can run, it is timed once per call
-signature against the Triton kernels and the faster is kept (logged). They can run where all of these hold (else
+``kernels.group_norm.op`` runs them through :func:`run_if_faster`, the ``kernels.select`` choice :data:`CHOICE`
+("group_norm": "cluster" or "triton"): where one can run, it is timed once per call signature against the Triton
+kernels and the faster is kept (logged, in ``kernels.select.decisions()``); the kernel policy's pin
+(``KernelPolicy.group_norm``, ``SDFAST_GN_CLUSTER=0``: "triton") skips it. They can run where all of these hold (else
 the reason is logged once through ``kernels.dispatch.log_fallback`` and the Triton kernels run):
 
 * a CUDA device of compute capability 9.0 or newer (clusters, distributed shared memory);
@@ -34,13 +36,12 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 import threading
 from pathlib import Path
 
 import torch
 
-from kernels import choice, precompile
+from kernels import precompile, select
 from kernels.dispatch import log_fallback
 
 log = logging.getLogger("sdfast.kernels")
@@ -49,9 +50,12 @@ SOURCE = Path(__file__).resolve().parent / "cluster.cu"
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}  # SDFAST_GN_DTYPE 0, 1, 2
 _ERRORS = {-2: "bad split (CS, K, R, J)", -3: "a pointer is not 16-byte aligned"}
 
+# The kernel choice between these kernels and the Triton ones: the cluster kernel is the default (it runs where
+# nothing may be timed: inside a CUDA graph capture) and keeps ties.
+CHOICE = select.Choice("group_norm", default="cluster")
+
 # Knobs read at call time (tests and benchmarks change them).
 TUNING = {
-    "enabled": os.environ.get("SDFAST_GN_CLUSTER", "1") != "0",  # SDFAST_GN_CLUSTER=0: always the Triton kernels
     "max_cluster": 16,  # CTAs per cluster; 8 is the portable maximum (16: the kernels opt in to non-portable sizes)
     "max_threads": 1024,  # NHWC kernel, at most its launch bounds (nhwc_max_threads)
     "nchw_max_threads": 1024,  # NCHW kernel (its launch bounds)
@@ -292,13 +296,20 @@ def launcher(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, 
     compile-only pass (``kernels.precompile``) it starts building the library on a thread and returns None, so
     that the pass goes on to the Triton kernels and queues their compilation too. Inputs were checked by
     ``kernels.group_norm.op``; y and pre are fresh tensors laid out like x."""
-    if not TUNING["enabled"]:
-        return None
+    launch, why = _prepare(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre)
+    if why is not None:
+        log_fallback("group_norm cluster", why, instead="the Triton kernels")
+    return launch
+
+
+def _prepare(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre):
+    """(launch, None) as :func:`launcher`, or (None, why it cannot run this call), nothing logged; (None, None) inside
+    a compile-only pass, after starting the library's build there."""
     why = _unsupported(x, weight, bias, channel_bias, residual)
     if why is None and precompile.active():
         if not _built:
             _start_build()
-        return None
+        return None, None
     B, C, H, W = x.shape
     plan = lib = None
     if why is None:
@@ -313,8 +324,7 @@ def launcher(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, 
         if plan is None or isinstance(plan, NchwPlan) != nchw:
             why = f"no cluster plan for (B, C, HW, G) = ({B}, {C}, {H * W}, {num_groups}) {x.dtype} {lay}"
     if why is not None:
-        log_fallback("group_norm cluster", why, instead="the Triton kernels")
-        return None
+        return None, why
     cb_bstride = 0
     if channel_bias is not None:
         cb2 = channel_bias.reshape(-1, C)
@@ -338,7 +348,7 @@ def launcher(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, 
         if rc != 0:
             raise RuntimeError(f"group_norm cluster kernel: {_ERRORS.get(rc, f'CUDA error {rc}')} ({plan})")
 
-    return launch
+    return launch, None
 
 
 def try_group_norm(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre) -> bool:
@@ -350,45 +360,49 @@ def try_group_norm(x, num_groups, weight, bias, eps, channel_bias, residual, sil
     return True
 
 
-_choices: dict[tuple, bool] = {}
-
-
 def run_if_faster(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre, triton_call) -> bool:
-    """Run the cluster kernel and return True when it can run this call and is the faster of it and the Triton
-    kernels (``triton_call`` writes the same outputs); otherwise return False (the caller runs Triton).
+    """Run the cluster kernel and return True when :data:`CHOICE` picks it for this call; otherwise return False
+    (the caller runs ``triton_call``, which writes the same outputs).
 
-    The choice is measured once per call signature (shape, strides, dtype, groups, fusions, device), as GPU time
-    on the caller's stream (:func:`_measure`), both kernels alternating on the same L2-resident input (as in a
-    UNet, where the norm reads what the convolution before it just wrote), and logged. Inside a CUDA graph capture nothing is timed: the cluster kernel runs, and the choice is not kept.
-    Timing noise can tip a close choice either way from one process to the next; the two kernels' outputs agree
-    within the tolerance rule, not to the bit. ``SDFAST_GN_CLUSTER=0`` pins the Triton kernels."""
+    The choice (``kernels.select.decide``) is keyed by the call signature (shape, strides, dtype, groups, fusions);
+    where the cluster kernel can run it is measured once per key as GPU time on the caller's stream (the one timer,
+    ``kernels.select.gpu_time_us``: the host's launches do not count, and a two-pass Triton GroupNorm is three
+    launches from Python), both kernels alternating on the same L2-resident input (as in a UNet, where the norm
+    reads what the convolution before it just wrote); the cluster kernel keeps ties. Where it cannot run, the
+    reason is logged once and Triton is the only candidate. Inside a CUDA graph capture nothing is timed: the
+    cluster kernel runs, and nothing is kept. Inside a ``kernels.precompile`` dry run the library's build starts on
+    a thread and the Triton kernels run (so that their compilation is queued too); nothing is kept. A pin
+    ("triton", e.g. ``SDFAST_GN_CLUSTER=0`` through the kernel policy) consults nothing here. Timing noise can tip a
+    close choice either way from one process to the next; the two kernels' outputs agree within the tolerance rule,
+    not to the bit."""
+    if precompile.active():
+        _prepare(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre)  # starts the build
+        return False
     cb = None if channel_bias is None else tuple(channel_bias.shape)
-    key = (tuple(x.shape), x.stride(), x.dtype, num_groups, weight is None, bias is None, cb, residual is not None,
-           pre is not None, bool(silu), x.device)
-    faster = _choices.get(key)
-    if faster is False:  # measured slower: no checks or plan lookups on later calls
-        return False
-    launch = launcher(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre)
-    if launch is None:
-        return False
-    if faster is None:
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            launch()
-            return True
-        faster = _choices[key] = _measure(key, launch, triton_call)
-    if faster:
-        launch()
-    return faster
+    key = (tuple(x.shape), x.stride(), str(x.dtype), num_groups, weight is None, bias is None, cb,
+           residual is not None, pre is not None, bool(silu))
+    prepared: dict = {}
 
+    def problem(name: str) -> str | None:
+        if name != "cluster":
+            return None
+        prepared["launch"], why = _prepare(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre)
+        return why
 
-def _measure(key: tuple, launch, triton_call) -> bool:
-    """GPU time per call of each (:func:`kernels.choice.gpu_times_us`: the host's launches do not count; a
-    two-pass Triton GroupNorm is three launches from Python, far more host time than GPU time), the cluster kernel
-    kept on a tie."""
-    times = choice.gpu_times_us({"cluster": launch, "triton": triton_call})
-    log.info("group_norm %s %s groups=%d: cluster kernel %.1f us, Triton %.1f us per call -> %s", key[0], key[2], key[3],
-             times["cluster"], times["triton"], "cluster" if choice.fastest(times) == "cluster" else "Triton")
-    return choice.fastest(times) == "cluster"
+    winner = select.decide(
+        CHOICE, key, device=x.device, problem=problem,
+        candidates={"cluster": lambda: prepared["launch"](), "triton": triton_call},
+        describe=lambda: f"x {tuple(x.shape)} {x.dtype} groups={num_groups}")
+    if winner != "cluster":
+        return False
+    launch = prepared.get("launch")
+    if launch is None:  # decided before: the per-call checks (alignment) and the cached plan
+        launch, why = _prepare(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre)
+        if launch is None:
+            log_fallback("group_norm cluster", why or "cannot run this call", instead="the Triton kernels")
+            return False
+    launch()
+    return True
 
 
 @functools.lru_cache(maxsize=1024)
@@ -428,5 +442,5 @@ def max_active_clusters(plan: ClusterPlan | NchwPlan, C: int, G: int, dtype: tor
 
 
 __all__ = ["ClusterPlan", "NchwPlan", "cluster_plan", "candidate_plans", "nchw_plan", "nchw_candidate_plans",
-           "nhwc_max_threads", "layout", "device_plan", "launcher", "try_group_norm", "run_if_faster",
+           "nhwc_max_threads", "layout", "device_plan", "launcher", "try_group_norm", "run_if_faster", "CHOICE",
            "library", "max_active_clusters", "TUNING"]
