@@ -7,7 +7,7 @@
 # 2026-11-29). They are cached under /home/sdfast/.cache (with the Hugging Face cache): mount a volume there,
 # e.g. -v sdfast-cache:/home/sdfast/.cache, and later starts skip the compilation.
 #
-# The runtime base image has no nvcc, so the sm_90 cluster GroupNorm (kernels/csrc/group_norm_cluster.cu) is not
+# The runtime base image has no nvcc, so the sm_90 cluster GroupNorm (kernels/group_norm/cluster.cu) is not
 # built here and its Triton kernels run (logged once); a -devel base image (BASE_IMAGE) builds it on first use.
 #
 # Settings (environment): SDFAST_MODEL (a folder or .safetensors file inside the container, a hub id,

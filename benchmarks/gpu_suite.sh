@@ -45,7 +45,7 @@ for stage in $stages; do
     warmup2) run warmup2 python3 -m benchmarks.profile_warmup --second-size --out "$RAW/warmup2" ;;
     hostwarm) run hostwarm python3 -m benchmarks.profile_warmup --warm --out "$RAW/hostwarm" ;;
     trace) run trace bash -c "python3 -m benchmarks.trace_e2e --out '$RAW/trace-sd15' \${TRACE_ARGS:-} && python3 -m benchmarks.trace_e2e --model random:sdxl --steps 30 --out '$RAW/trace-sdxl' \${TRACE_ARGS:-}" ;;
-    tune) run tune python3 -m benchmarks.tune_group_norm --out "$RAW" --budget-s "${T_tune_budget:-200}" ${TUNE_ARGS:-} ;;
+    tune) run tune python3 -m benchmarks.ops.group_norm tune --out "$RAW" --budget-s "${T_tune_budget:-200}" ${TUNE_ARGS:-} ;;
     tuneln) run tuneln python3 -m benchmarks.tune_layer_norm --out "$RAW" ;;
     *) echo "unknown stage $stage" ;;
   esac

@@ -1,5 +1,8 @@
 """Norm-family kernels at every GroupNorm / LayerNorm / GEGLU shape SD actually runs (fp16; GPU only).
 
+The GroupNorm cases are ``benchmarks.ops.group_norm``'s (``bench_cases`` / ``make_bench_case``; also run alone
+there as ``python -m benchmarks.ops.group_norm bench``); the timing machinery is this module's.
+
 ``run(quick=False) -> list[dict]`` (GPU only; nothing runs at import). Shapes come from
 ``benchmarks.sd_shapes`` (derived with forward hooks from the diffusers configs): SD1.5 UNet 512²
 (batch 2 = CFG), SD1.5 VAE 512² (batch 1; decoder and encoder), SDXL base UNet 1024² (batch 2).
@@ -40,7 +43,7 @@ from __future__ import annotations
 import time
 
 COPY_CEILING_BPS = 4.05e12
-_LEAD = ("op", "shape", "layout", "dtype", "kernel_us", "kernel_frac_of_copy_ceiling", "copy_kernel_us",
+LEAD_COLUMNS = ("op", "shape", "layout", "dtype", "kernel_us", "kernel_frac_of_copy_ceiling", "copy_kernel_us",
          "copy_frac_of_copy_ceiling", "eager_kernel_us", "sdfast_us", "eager_us", "compile_us", "gbps",
          "frac_of_copy_ceiling", "x_eager", "bytes", "model", "config")
 
@@ -51,22 +54,9 @@ _LEAD = ("op", "shape", "layout", "dtype", "kernel_us", "kernel_frac_of_copy_cei
 def cases(quick: bool = False) -> list[dict]:
     """Benchmark cases, most important first (the compile budget is spent in this order)."""
     from benchmarks import sd_shapes
+    from benchmarks.ops import group_norm
 
-    models: dict = {}
-    for model, shape, eps, silu, _ in sd_shapes.GROUP_NORM_SITES:
-        models.setdefault((shape, silu), []).append(model)
-    out = []
-    for shape, silu, eps in sd_shapes.unique_group_norm_cases():
-        for layout in ("nchw", "nhwc"):
-            out.append(dict(op="group_norm_silu" if silu else "group_norm", shape=shape, layout=layout, eps=eps,
-                            model="+".join(dict.fromkeys(models[(shape, silu)]))))
-    # The ResNet-block fusion on the UNet ResNet shapes (batch 2, followed by SiLU) of at least 32x32.
-    for shape, silu, eps in sd_shapes.unique_group_norm_cases():
-        big = shape[2] * shape[3] >= 32 * 32
-        if silu and shape[0] == 2 and big and (not quick or shape == (2, 320, 64, 64)):
-            for layout in ("nchw", "nhwc"):
-                out.append(dict(op="bias_res_group_norm_silu", shape=shape, layout=layout, eps=eps,
-                                model="+".join(dict.fromkeys(models[(shape, silu)]))))
+    out = group_norm.bench_cases(quick)
     ln_models: dict = {}
     for model, shape, _ in sd_shapes.LAYER_NORM_SITES:
         ln_models.setdefault(shape, []).append(model)
@@ -75,8 +65,13 @@ def cases(quick: bool = False) -> list[dict]:
             out.append(dict(op=op, shape=shape, layout="rows", eps=1e-5, model="+".join(ln_models[shape])))
     for model, shape in sd_shapes.GEGLU_SITES:
         out.append(dict(op="geglu", shape=shape, layout="rows", eps=0.0, model=model))
+    return sort_cases(out)
 
-    def priority(c):  # the 8 µs target first, then big shapes (the 70% target), then the rest
+
+def sort_cases(out: list[dict]) -> list[dict]:
+    """The suite's order: the 8 µs target first, then big shapes (the 70% target), then the rest (stable)."""
+
+    def priority(c):
         n = 1
         for d in c["shape"]:
             n *= d
@@ -91,8 +86,8 @@ def _make(case: dict, device="cuda", dtype=None):
     import torch
     import torch.nn.functional as F
 
-    from kernels.norm import geglu, group_norm, layer_norm
-    from kernels.norm.group_norm import group_norm_plan
+    from benchmarks.ops import group_norm
+    from kernels.norm import geglu, layer_norm
 
     dtype = dtype or torch.float16
     g = torch.Generator(device=device).manual_seed(0)
@@ -102,38 +97,8 @@ def _make(case: dict, device="cuda", dtype=None):
     def rnd(*s):
         return torch.randn(*s, device=device, dtype=dtype, generator=g)
 
-    if op in ("group_norm", "group_norm_silu", "bias_res_group_norm_silu"):
-        B, C, H, W = shape
-        cl = case["layout"] == "nhwc"
-        fmt = torch.channels_last if cl else torch.contiguous_format
-        x = rnd(B, C, H, W).contiguous(memory_format=fmt)
-        w, b = rnd(C), rnd(C)
-        act = None if op == "group_norm" else "silu"
-        n = x.numel()
-        plan = group_norm_plan(B, C, H * W, 32, cl, e, op.startswith("bias_res"))
-        config = (f"{plan.path} BC={plan.BLOCK_C} GPT={plan.GPT} BHW={plan.BLOCK_HW}"
-                  + (f" S={plan.S}{' fin' if plan.finalize else ''} chunk={plan.chunk_ct}/{plan.n_ct}"
-                     if plan.path == "twopass" else ""))
-        if op.startswith("bias_res"):
-            cb, r = rnd(B, C), rnd(B, C, H, W).contiguous(memory_format=fmt)
-
-            def ours():
-                return group_norm(x, 32, w, b, eps, channel_bias=cb, residual=r, activation="silu", return_sum=True)
-
-            def eager():
-                pre = x + cb[:, :, None, None] + r
-                return F.silu(F.group_norm(pre, 32, w, b, eps)), pre
-
-            return ours, eager, 4 * n * e, config
-
-        def ours():
-            return group_norm(x, 32, w, b, eps, activation=act)
-
-        def eager():
-            y = F.group_norm(x, 32, w, b, eps)
-            return F.silu(y) if act else y
-
-        return ours, eager, 2 * n * e, config
+    if op in group_norm.BENCH_OPS:
+        return group_norm.make_bench_case(case, device, dtype)
 
     if op in ("layer_norm", "add_layer_norm"):
         D = shape[-1]
@@ -243,15 +208,16 @@ def _device_times(ours, eager, nbytes: int) -> dict:
 
 
 def run(quick: bool = False, *, compile: bool | None = None, compile_budget_s: float = 40.0,
-        precompile_workers: int = 8) -> list[dict]:
+        precompile_workers: int = 8, cases_fn=None) -> list[dict]:
     """Benchmark every case (see the module docstring). ``compile`` defaults to ``not quick``;
-    ``compile_budget_s`` caps the time spent in torch.compile (cases past it get ``compile_us=None``)."""
+    ``compile_budget_s`` caps the time spent in torch.compile (cases past it get ``compile_us=None``).
+    ``cases_fn(quick)``: the cases to run instead of :func:`cases` (in the suite's order)."""
     import torch
 
     if not torch.cuda.is_available():
         raise RuntimeError("benchmarks.kernel_benches.norm needs a CUDA GPU")
     do_compile = (not quick) if compile is None else compile
-    all_cases = cases(quick)
+    all_cases = cases(quick) if cases_fn is None else sort_cases(cases_fn(quick))
     t0 = time.perf_counter()
     try:
         _precompile(all_cases, precompile_workers)
@@ -262,7 +228,7 @@ def run(quick: bool = False, *, compile: bool | None = None, compile_budget_s: f
     rows = []
     compile_spent = 0.0
     for case in all_cases:
-        row = {k: None for k in _LEAD}
+        row = {k: None for k in LEAD_COLUMNS}
         row.update(op=case["op"], shape="x".join(map(str, case["shape"])), layout=case["layout"],
                    dtype="fp16", model=case["model"])
         try:

@@ -1,4 +1,4 @@
-"""Compile every CUDA source in kernels/csrc with nvcc to an object file, for sm_80 and sm_90.
+"""Compile every CUDA source under kernels/ (csrc/ and the op folders) with nvcc to an object file, for sm_80 and sm_90.
 
 Needs nvcc, no GPU: a syntax, template or inline-PTX error (ptxas assembles the PTX for each real
 architecture) fails here, in CI, instead of on the GPU machine.
@@ -43,7 +43,7 @@ def compile_sources(archs=DEFAULT_ARCHS, nvcc: str | None = None, sources=None) 
     nvcc = nvcc or _find_nvcc()
     if nvcc is None:
         raise FileNotFoundError("nvcc not found (PATH, CUDA_HOME, /usr/local/cuda)")
-    sources = sorted(HERE.glob("*.cu")) if sources is None else [Path(s) for s in sources]
+    sources = sorted(HERE.parent.rglob("*.cu")) if sources is None else [Path(s) for s in sources]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for src in sources:

@@ -28,7 +28,8 @@ from torch import nn
 from kernels.conv.conv3x3 import conv3x3
 from kernels.elementwise import bias_residual_add
 from kernels.gemm.geglu_projection import geglu_projection
-from kernels.norm import geglu, group_norm, layer_norm
+from kernels.group_norm import group_norm
+from kernels.norm import geglu, layer_norm
 from sdfast.passes._modules import rebind_forward, runs_as_its_class
 from sdfast.passes.state import BLOCK_TEMB, NORMS_FUSED
 

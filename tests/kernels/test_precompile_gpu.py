@@ -11,7 +11,7 @@ import torch
 import triton
 
 from kernels import precompile
-from kernels.norm import group_norm, group_norm_ref
+from kernels.group_norm import group_norm, group_norm_ref
 
 pytestmark = pytest.mark.gpu
 

@@ -1,23 +1,19 @@
-"""GroupNorm (+ channel bias, residual, SiLU, return_sum) and InstanceNorm against the PyTorch
-reference, in Triton's interpreter on small shapes with SD's channel counts (32 groups of 10/20/30/40
-channels), both memory layouts, every kernel path (one-pass, two-pass, H*W splits, finalize kernel,
-L2 chunking, channel sub-blocks), plus input checks, the fallback path and the custom-op fake.
-The channels_last cases of the group-aligned two-pass paths run with ``nhwc_channel_tiles`` off; the
-default channels_last two-pass path ("nhwc_tiles") has its own file, test_group_norm_nhwc.py."""
+"""The group-aligned GroupNorm kernels (``kernels.group_norm.triton_groups``: + channel bias, residual, SiLU,
+return_sum) against the PyTorch reference, in Triton's interpreter on small shapes with SD's channel counts (32
+groups of 10/20/30/40 channels), both memory layouts, every kernel path (one-pass, two-pass, H*W splits, finalize
+kernel, L2 chunking, channel sub-blocks). The channels_last cases of the group-aligned two-pass paths run with
+``nhwc_channel_tiles`` off; the default channels_last two-pass path ("nhwc_tiles") is test_triton_nhwc.py; input
+checks, the fallback and the custom op are test_op.py, the planner's defaults test_plan.py."""
 
 from __future__ import annotations
-
-import importlib
-import logging
 
 import pytest
 import torch
 
-import kernels.dispatch as dispatch
-from kernels.norm import group_norm, group_norm_ref, instance_norm
+from kernels.checks import is_channels_last
+from kernels.group_norm import group_norm, group_norm_ref
+from kernels.group_norm import plan as gn_plan
 from kernels.testing import assert_close_rule
-
-gn_mod = importlib.import_module("kernels.norm.group_norm")
 
 DTYPES = [(torch.float32, 1e-5), (torch.float16, 2e-3)]
 
@@ -38,7 +34,7 @@ PATHS = {
 @pytest.fixture
 def path(request, monkeypatch):
     for k, v in PATHS[request.param].items():
-        monkeypatch.setitem(gn_mod._TUNING, k, v)
+        monkeypatch.setitem(gn_plan.TUNING, k, v)
     return request.param
 
 
@@ -75,7 +71,7 @@ def _check(x, G, w, b, cb, r, activation, return_sum, atol, eps=1e-5):
                           return_sum=return_sum, upcast=False)
     if not return_sum:
         out, ref32, lowp = (out,), (ref32,), (lowp,)
-    fmt = torch.channels_last if gn_mod._is_channels_last(x) else torch.contiguous_format
+    fmt = torch.channels_last if is_channels_last(x) else torch.contiguous_format
     for name, o, r32, lp in zip(("y", "pre"), out, ref32, lowp):
         assert o.dtype == x.dtype
         assert o.is_contiguous(memory_format=fmt), f"{name} not in x's layout: strides {o.stride()}"
@@ -100,7 +96,7 @@ SD_SHAPES = [(1, 320, 9, 7), (3, 640, 5, 5), (1, 960, 4, 3), (1, 1280, 3, 3)]
 def test_sd_channels_all_fusions(shape, channels_last, dtype, atol, path):
     """bias (B, C) + residual + SiLU + return_sum, the full ResNet-block pattern."""
     x, w, b, cb, r = _inputs(*shape, dtype, channels_last, cb="BC", res=True)
-    plan = gn_mod.group_norm_plan(shape[0], shape[1], shape[2] * shape[3], 32, channels_last, x.element_size(), True)
+    plan = gn_plan.group_norm_plan(shape[0], shape[1], shape[2] * shape[3], 32, channels_last, x.element_size(), True)
     assert plan.path == path
     _check(x, 32, w, b, cb, r, "silu", True, atol)
 
@@ -140,7 +136,7 @@ def test_fusion_variants_other_paths(fusion, channels_last, path):
 def test_split_and_finalize_paths(channels_last, path):
     # 30 channels per group, H*W = 63 in 3 splits
     x, w, b, cb, r = _inputs(1, 120, 9, 7, torch.float32, channels_last, cb="C", res=True)
-    plan = gn_mod.group_norm_plan(1, 120, 63, 4, channels_last, 4, True)
+    plan = gn_plan.group_norm_plan(1, 120, 63, 4, channels_last, 4, True)
     assert plan.S == 3 and plan.HWS // plan.BLOCK_HW > 1
     assert plan.finalize == (path == "finalize")
     assert (plan.chunk_ct < plan.n_ct) == (path == "finalize")
@@ -152,11 +148,11 @@ def test_split_and_finalize_paths(channels_last, path):
                          ids=["nchw", "nhwc-groups", "nhwc-tiles"])
 def test_65x65_two_pass(channels_last, tiles, expected, monkeypatch):
     """H*W = 4225 (odd, no block divides it) on the default two-pass plans with a few splits."""
-    monkeypatch.setitem(gn_mod._TUNING, "target_programs", 8)
-    monkeypatch.setitem(gn_mod._TUNING, "apply_programs", 1)
-    monkeypatch.setitem(gn_mod._TUNING, "nhwc_channel_tiles", tiles)
+    monkeypatch.setitem(gn_plan.TUNING, "target_programs", 8)
+    monkeypatch.setitem(gn_plan.TUNING, "apply_programs", 1)
+    monkeypatch.setitem(gn_plan.TUNING, "nhwc_channel_tiles", tiles)
     x, w, b, cb, r = _inputs(1, 40, 65, 65, torch.float16, channels_last, res=True)
-    plan = gn_mod.group_norm_plan(1, 40, 65 * 65, 4, channels_last, 2, True)
+    plan = gn_plan.group_norm_plan(1, 40, 65 * 65, 4, channels_last, 2, True)
     assert plan.path == expected and plan.S > 1
     _check(x, 4, w, b, None, r, "silu", False, 2e-3)
 
@@ -165,9 +161,9 @@ def test_65x65_two_pass(channels_last, tiles, expected, monkeypatch):
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
 def test_group_wider_than_channel_block(channels_last, path, monkeypatch):
     """A group of 300 channels (> 256): one group per tile, looped in channel sub-blocks (N_CB = 2)."""
-    monkeypatch.setitem(gn_mod._TUNING, "nhwc_channel_tiles", False)  # nhwc_tiles: test_group_norm_nhwc.py
+    monkeypatch.setitem(gn_plan.TUNING, "nhwc_channel_tiles", False)  # nhwc_tiles: test_triton_nhwc.py
     x, w, b, cb, r = _inputs(2, 600, 3, 3, torch.float32, channels_last, cb="BC")
-    plan = gn_mod.group_norm_plan(2, 600, 9, 2, channels_last, 4, False)
+    plan = gn_plan.group_norm_plan(2, 600, 9, 2, channels_last, 4, False)
     assert plan.N_CB == 2 and plan.path == "twopass"  # never one-pass: the tile does not hold a group
     _check(x, 2, w, b, cb, None, None, False, 1e-5)
 
@@ -176,7 +172,7 @@ def test_group_wider_than_channel_block(channels_last, path, monkeypatch):
 @pytest.mark.parametrize("path", ["onepass", "twopass"], indirect=True)
 def test_residual_in_the_other_layout(x_cl, r_cl, path):
     x, w, b, cb, r = _inputs(2, 80, 5, 6, torch.float16, x_cl, res=True, res_channels_last=r_cl)
-    assert gn_mod._is_channels_last(r) == r_cl
+    assert is_channels_last(r) == r_cl
     _check(x, 8, w, b, None, r, "silu", True, 2e-3)
 
 
@@ -203,77 +199,6 @@ def test_large_mean_small_std(channels_last, path):
     assert_close_rule(y, ref64, eager32, atol=1e-4)
 
 
-@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "nhwc"])
-@pytest.mark.parametrize("affine", [False, True])
-def test_instance_norm(channels_last, affine):
-    x, w, b, _, _ = _inputs(2, 6, 7, 5, torch.float32, channels_last, affine=affine)
-    y = instance_norm(x, w, b, 1e-5)
-    ref = torch.nn.functional.instance_norm(x.float(), weight=_f32(w), bias=_f32(b), eps=1e-5)
-    assert y.is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
-    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
-
-
-def test_bad_inputs_raise():
-    x = torch.randn(1, 40, 4, 4)
-    w = torch.ones(40)
-    with pytest.raises(ValueError, match="divisible"):
-        group_norm(x, 3, w, w)
-    with pytest.raises(ValueError, match="channel_bias"):
-        group_norm(x, 4, w, w, channel_bias=torch.zeros(2, 40))
-    with pytest.raises(ValueError, match="channel_bias"):
-        group_norm(x, 4, w, w, channel_bias=torch.zeros(39))
-    with pytest.raises(ValueError, match=r"\(B, C, H, W\)"):
-        group_norm(torch.randn(1, 40, 16), 4, w, w)
-    with pytest.raises(TypeError, match="dtype"):
-        group_norm(torch.ones(1, 40, 4, 4, dtype=torch.int32), 4, None, None)
-    with pytest.raises(ValueError, match="weight"):
-        group_norm(x, 4, torch.ones(20), None)
-    with pytest.raises(ValueError, match="activation"):
-        group_norm(x, 4, w, w, activation="gelu")
-    with pytest.raises(ValueError, match="residual"):
-        group_norm(x, 4, w, w, residual=torch.randn(1, 40, 4, 5))
-    with pytest.raises(TypeError, match="residual"):
-        group_norm(x, 4, w, w, residual=torch.randn(1, 40, 4, 4, dtype=torch.float16))
-    with pytest.raises(ValueError, match="NCHW-contiguous or channels_last"):
-        group_norm(torch.randn(1, 40, 8, 8)[..., ::2], 4, w, w)
-    with pytest.raises(ValueError, match="instance_norm"):
-        instance_norm(torch.randn(3, 4))
-
-
-def test_fallback_without_interpreter_is_the_reference(monkeypatch, caplog):
-    """A CPU tensor without TRITON_INTERPRET runs group_norm_ref through the one logged dispatch point."""
-    monkeypatch.setattr(dispatch, "interpret_mode", lambda: False)
-    monkeypatch.setattr(dispatch, "_logged", set())
-    x, w, b, cb, r = _inputs(2, 80, 5, 6, torch.float16, True, cb="BC", res=True)
-    with caplog.at_level(logging.INFO, logger="sdfast.kernels"):
-        y, pre = group_norm(x, 8, w, b, channel_bias=cb, residual=r, activation="silu", return_sum=True)
-    assert any("group_norm" in rec.getMessage() and "reference" in rec.getMessage() for rec in caplog.records)
-    ref_y, ref_pre = group_norm_ref(x, 8, w, b, channel_bias=cb, residual=r, activation="silu", return_sum=True)
-    assert torch.equal(y, ref_y) and torch.equal(pre, ref_pre)
-    assert y.is_contiguous(memory_format=torch.channels_last)
-    # fp32 and no adds: the reference's sum would alias x; the op must hand back a fresh tensor
-    x32 = torch.randn(1, 8, 3, 3)
-    y2, pre2 = torch.ops.sdfast.group_norm(x32, 2, None, None, 1e-5, None, None, None, True)
-    assert torch.equal(pre2, x32) and pre2.data_ptr() != x32.data_ptr()
-
-
-def test_custom_op_fake_and_opcheck():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    with FakeTensorMode():
-        x = torch.empty(2, 64, 8, 8).to(memory_format=torch.channels_last)
-        y, pre = torch.ops.sdfast.group_norm(x, 8, None, None, 1e-5, torch.empty(2, 64), None, "silu", True)
-        assert y.shape == x.shape and y.stride() == x.stride() and pre.stride() == x.stride()
-        y, pre = torch.ops.sdfast.group_norm(x, 8, None, None, 1e-5, None, None, None, False)
-        assert pre.numel() == 0
-    x = torch.randn(1, 16, 3, 3)
-    torch.library.opcheck(
-        torch.ops.sdfast.group_norm.default,
-        (x, 4, torch.ones(16), torch.zeros(16), 1e-5, torch.randn(16), torch.randn(1, 16, 3, 3), "silu", True),
-        test_utils=("test_schema", "test_faketensor"),
-    )
-
-
 @pytest.mark.parametrize("token_shape", ["B,C,L,1", "B,C,1,L"])
 @pytest.mark.parametrize("path", ["onepass", "twopass"], indirect=True)
 def test_token_layout_with_a_size_one_spatial_dim(token_shape, path):
@@ -287,13 +212,3 @@ def test_token_layout_with_a_size_one_spatial_dim(token_shape, path):
     out = group_norm(x, G, w, b, 1e-6, activation="silu")
     ref = group_norm_ref(x.contiguous(), G, w, b, 1e-6, activation="silu")
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-
-
-@pytest.mark.parametrize("tiles,expected", [(False, "twopass"), (True, "nhwc_tiles")])
-def test_plan_defaults_measured_on_the_h200(tiles, expected, monkeypatch):
-    # benchmarks/tune_group_norm.py (run 4): no L2 chunking, 2-warp statistics programs from 16 MB
-    monkeypatch.setitem(gn_mod._TUNING, "nhwc_channel_tiles", tiles)
-    big = gn_mod.group_norm_plan(2, 640, 128 * 128, 32, True, 2, False)  # SDXL 128² ResNet norm, 42 MB
-    assert big.path == expected and big.chunk_ct == big.n_ct and big.num_warps == 2
-    small = gn_mod.group_norm_plan(2, 320, 64 * 64, 32, True, 2, False)  # SD1.5 64², 5 MB
-    assert small.path == expected and small.num_warps == 4

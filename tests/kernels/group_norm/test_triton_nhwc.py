@@ -4,7 +4,7 @@ vectors, a group-free apply kernel) against the PyTorch reference, in Triton's i
 shapes: SD's channel counts with 32 groups, channel counts that are not multiples of the tile, groups
 that straddle tiles or are wider than the finalize block, batch 1 and 3, every fusion, several H*W
 splits with a partial last one, a large-mean input; plus the planner knobs (``nhwc_channel_tiles``
-off gives back the group-aligned plans exactly) and which kernels a call launches.
+off gives back the group-aligned plans exactly: test_plan.py) and which kernels a call launches.
 
 Every floating tensor that ``torch.empty``/``torch.empty_strided`` hands out during a checked call is
 NaN first (outputs and the fp32 partials): an element no kernel writes stays NaN and fails the
@@ -12,17 +12,16 @@ finiteness check of ``assert_close_rule``."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
 
 import pytest
 import torch
 
-import tests.kernels.test_group_norm as base
-from kernels.norm import group_norm, group_norm_ref
+import tests.kernels.group_norm.test_triton_groups as base
+from kernels.checks import is_channels_last
+from kernels.group_norm import group_norm, group_norm_ref, triton_groups, triton_nhwc
+from kernels.group_norm import plan as gn_plan
 from kernels.testing import assert_close_rule, poison
-
-gn_mod = importlib.import_module("kernels.norm.group_norm")
 
 # Tuning overrides; "nhwc_onepass" off keeps the small test shapes off the one-pass kernel.
 CONFIGS = {
@@ -35,9 +34,9 @@ CONFIGS = {
 
 @pytest.fixture
 def config(request, monkeypatch):
-    monkeypatch.setitem(gn_mod._TUNING, "nhwc_channel_tiles", True)
+    monkeypatch.setitem(gn_plan.TUNING, "nhwc_channel_tiles", True)
     for k, v in CONFIGS[request.param].items():
-        monkeypatch.setitem(gn_mod._TUNING, k, v)
+        monkeypatch.setitem(gn_plan.TUNING, k, v)
     return request.param
 
 
@@ -55,17 +54,17 @@ def poisoned_allocations(monkeypatch):
 
 
 def _inputs(B, C, H, W, dtype, **kwargs):
-    """``test_group_norm``'s inputs, channels_last (the residual too unless ``res_channels_last=False``)."""
+    """``test_triton_groups``'s inputs, channels_last (the residual too unless ``res_channels_last=False``)."""
     return base._inputs(B, C, H, W, dtype, True, **kwargs)
 
 
 def _plan(x, G, has_res):
     B, C, H, W = x.shape
-    return gn_mod.group_norm_plan(B, C, H * W, G, gn_mod._is_channels_last(x), x.element_size(), has_res)
+    return gn_plan.group_norm_plan(B, C, H * W, G, is_channels_last(x), x.element_size(), has_res)
 
 
 def _check(x, G, w, b, cb, r, activation, return_sum, atol, eps=1e-5):
-    """``test_group_norm``'s check (y and pre against the fp32 reference under the tolerance rule, in x's
+    """``test_triton_groups``'s check (y and pre against the fp32 reference under the tolerance rule, in x's
     layout), on a call that plans the "nhwc_tiles" path; returns the op's outputs."""
     assert _plan(x, G, r is not None).path == "nhwc_tiles"
     return base._check(x, G, w, b, cb, r, activation, return_sum, atol, eps)
@@ -103,10 +102,10 @@ def test_channel_counts_off_the_tile(B, C, G, block_c, config, monkeypatch):
     """C not a multiple of BLOCK_C (masked last tile), Cg not dividing BLOCK_C (groups straddle tiles),
     Cg = 300 (> 256: the finalize walks the group in two channel blocks), Cg = 1, and C = 320 in
     128-channel tiles (the last tile half empty)."""
-    monkeypatch.setitem(gn_mod._TUNING, "nhwc_block_c", block_c)
+    monkeypatch.setitem(gn_plan.TUNING, "nhwc_block_c", block_c)
     x, w, b, cb, r = _inputs(B, C, 9, 7, torch.float32, cb="C", res=True)
     plan = _plan(x, G, True)
-    assert plan.BLOCK_C == min(block_c, gn_mod._p2(C)) and plan.n_ct == -(-C // plan.BLOCK_C)
+    assert plan.BLOCK_C == min(block_c, gn_plan.p2(C)) and plan.n_ct == -(-C // plan.BLOCK_C)
     _check(x, G, w, b, cb, r, "silu", True, 1e-5)
 
 
@@ -143,9 +142,9 @@ def test_no_affine(fusion, config):
 def test_splits(splits, sizes, finalize_elems, config, monkeypatch):
     """H*W = 63 in 1..16 splits (the last one shorter), combined in one finalize block or over several
     loop iterations (BLOCK_S = 2 or 4 splits of the 16-channel block at a time)."""
-    monkeypatch.setitem(gn_mod._TUNING, "tile_elems", 256)
-    monkeypatch.setitem(gn_mod._TUNING, "force_splits", splits)
-    monkeypatch.setitem(gn_mod._TUNING, "nhwc_finalize_elems", finalize_elems)
+    monkeypatch.setitem(gn_plan.TUNING, "tile_elems", 256)
+    monkeypatch.setitem(gn_plan.TUNING, "force_splits", splits)
+    monkeypatch.setitem(gn_plan.TUNING, "nhwc_finalize_elems", finalize_elems)
     x, w, b, cb, r = _inputs(2, 80, 9, 7, torch.float32, cb="BC")
     plan = _plan(x, 8, False)
     assert _split_sizes(plan, 63) == sizes
@@ -171,7 +170,7 @@ def test_outlying_first_partial(monkeypatch):
     "sum about the first partial, minus the square of the mean shift" combination erred by 2e-3 here (fp32);
     within 2x eager fp32 of an fp64 reference."""
     for k, v in {"nhwc_onepass": False, "tile_elems": 256, "force_splits": 64}.items():
-        monkeypatch.setitem(gn_mod._TUNING, k, v)
+        monkeypatch.setitem(gn_plan.TUNING, k, v)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 64, 16, 16, generator=g)
     x[:, 0, 0, :4] += 1.0
@@ -207,57 +206,8 @@ def test_token_layout_with_a_size_one_spatial_dim(token_shape, config):
 
 
 # ---------------------------------------------------------------------------------------------
-# planner knobs and launches
+# launches
 # ---------------------------------------------------------------------------------------------
-P = gn_mod.GroupNormPlan
-# The plans of the group-aligned kernels before "nhwc_tiles" existed (commit 901267c, same _TUNING).
-OLD_PLANS = {
-    (2, 320, 4096, 32, True, 2, False): P("twopass", True, 64, 4, 1, 8, 64, S=32, HWS=128, finalize=False, HWP=64,
-                                          chunk_ct=8, num_warps=4, apply_warps=4),
-    (2, 640, 16384, 32, True, 2, False): P("twopass", True, 64, 2, 1, 16, 64, S=16, HWS=1024, finalize=False,
-                                           HWP=128, chunk_ct=16, num_warps=2, apply_warps=4),
-    (2, 1280, 1024, 32, True, 2, True): P("twopass", True, 64, 1, 1, 32, 64, S=8, HWS=128, finalize=False, HWP=64,
-                                          chunk_ct=32, num_warps=4, apply_warps=4),
-    (1, 128, 262144, 32, True, 2, False): P("twopass", True, 64, 16, 1, 2, 64, S=256, HWS=1024, finalize=True,
-                                            HWP=128, chunk_ct=2, num_warps=2, apply_warps=4),
-    (2, 2560, 256, 32, True, 2, False): P("twopass", True, 128, 1, 1, 32, 32, S=8, HWS=32, finalize=False, HWP=32,
-                                          chunk_ct=32, num_warps=4, apply_warps=4),
-    (2, 1280, 256, 32, True, 2, False): P("onepass", True, 64, 1, 1, 32, 256, num_warps=16),
-    (2, 320, 4096, 32, False, 2, False): P("twopass", False, 64, 4, 1, 8, 64, S=32, HWS=128, finalize=False, HWP=64,
-                                           chunk_ct=8, num_warps=4, apply_warps=4),
-}
-
-
-@pytest.mark.parametrize("args", list(OLD_PLANS), ids=lambda a: f"{a[0]}x{a[1]}x{a[2]}-{'nhwc' if a[4] else 'nchw'}")
-def test_knob_off_gives_the_old_plans(args, monkeypatch):
-    monkeypatch.setitem(gn_mod._TUNING, "nhwc_channel_tiles", False)
-    assert gn_mod.group_norm_plan(*args) == OLD_PLANS[args]
-    monkeypatch.setitem(gn_mod._TUNING, "nhwc_channel_tiles", True)
-    new = gn_mod.group_norm_plan(*args)
-    if OLD_PLANS[args].path == "twopass" and args[4]:
-        assert new.path == "nhwc_tiles"
-    else:  # NCHW and the one-pass shapes are not the knob's business
-        assert new == OLD_PLANS[args]
-
-
-def test_default_nhwc_tiles_plan():
-    """SD1.5's 64² ResNet norm in NHWC: 5 full 64-channel tiles, about target_programs (528) statistics
-    programs, one BLOCK_HW block per apply program."""
-    T = gn_mod._TUNING
-    assert T["nhwc_channel_tiles"] is True and T["nhwc_block_c"] == 64 and T["nhwc_onepass"] is True
-    plan = gn_mod.group_norm_plan(2, 320, 64 * 64, 32, True, 2, False)
-    assert plan == P("nhwc_tiles", True, 64, 0, 1, 5, 64, S=32, HWS=128, finalize=True, HWP=64, chunk_ct=5,
-                     num_warps=4, apply_warps=4)
-
-
-@pytest.mark.parametrize("onepass", [True, False])
-def test_nhwc_onepass_knob(onepass, monkeypatch):
-    monkeypatch.setitem(gn_mod._TUNING, "nhwc_onepass", onepass)
-    nhwc = gn_mod.group_norm_plan(2, 1280, 16 * 16, 32, True, 2, False)
-    assert nhwc.path == ("onepass" if onepass else "nhwc_tiles")
-    assert gn_mod.group_norm_plan(2, 1280, 16 * 16, 32, False, 2, False).path == "onepass"  # NCHW: unchanged
-
-
 class _Spy:
     """Stands in for a @triton.jit kernel in the module: records (name, grid) per launch."""
 
@@ -269,8 +219,9 @@ class _Spy:
         return self.kernel[grid]
 
 
-_KERNELS = ["_gn_onepass_kernel", "_gn_stats_kernel", "_gn_finalize_kernel", "_gn_apply_kernel",
-            "_gn_nhwc_stats_kernel", "_gn_nhwc_finalize_kernel", "_gn_nhwc_apply_kernel"]
+_KERNELS = [(triton_groups, n) for n in ("_gn_onepass_kernel", "_gn_stats_kernel", "_gn_finalize_kernel",
+                                         "_gn_apply_kernel")]
+_KERNELS += [(triton_nhwc, n) for n in ("_gn_nhwc_stats_kernel", "_gn_nhwc_finalize_kernel", "_gn_nhwc_apply_kernel")]
 
 
 @pytest.mark.parametrize("tiles", [True, False])
@@ -278,12 +229,12 @@ def test_launches(tiles, monkeypatch):
     """With the knob on, an NHWC two-pass call runs exactly the three nhwc_tiles kernels with the plan's
     grids; off, the group-aligned statistics and apply kernels (with the result right either way)."""
     log = []
-    for name in _KERNELS:
-        monkeypatch.setattr(gn_mod, name, _Spy(name, getattr(gn_mod, name), log))
-    monkeypatch.setitem(gn_mod._TUNING, "nhwc_channel_tiles", tiles)
-    monkeypatch.setitem(gn_mod._TUNING, "onepass_max_elems", 0)
-    monkeypatch.setitem(gn_mod._TUNING, "tile_elems", 256)
-    monkeypatch.setitem(gn_mod._TUNING, "force_splits", 2)
+    for mod, name in _KERNELS:
+        monkeypatch.setattr(mod, name, _Spy(name, getattr(mod, name), log))
+    monkeypatch.setitem(gn_plan.TUNING, "nhwc_channel_tiles", tiles)
+    monkeypatch.setitem(gn_plan.TUNING, "onepass_max_elems", 0)
+    monkeypatch.setitem(gn_plan.TUNING, "tile_elems", 256)
+    monkeypatch.setitem(gn_plan.TUNING, "force_splits", 2)
     B, C, G, HW = 3, 96, 32, 9 * 7
     x, w, b, cb, r = _inputs(B, C, 9, 7, torch.float32, cb="BC", res=True)
     plan = _plan(x, G, True)
@@ -322,20 +273,20 @@ def test_another_image_size_launches_the_same_specializations(monkeypatch):
     (ITERS, from 3 up: runtime loops; 1 or 2 run unrolled) launch the nhwc_tiles kernels with the same
     constexpr arguments: those counts are runtime arguments (and left out of Triton's integer specialization),
     so an engine's second image size compiles no new GroupNorm kernel. Both results are right."""
-    assert [gn_mod._unroll(i) for i in (1, 2, 3, 7)] == [1, 2, 0, 0]
+    assert [triton_nhwc._unroll(i) for i in (1, 2, 3, 7)] == [1, 2, 0, 0]
     names = ["_gn_nhwc_stats_kernel", "_gn_nhwc_finalize_kernel", "_gn_nhwc_apply_kernel"]
-    consts = {n: _constexpr_names(getattr(gn_mod, n)) for n in names}
+    consts = {n: _constexpr_names(getattr(triton_nhwc, n)) for n in names}
     assert {"BLOCK_C", "BLOCK_HW"} <= consts[names[0]] and "ITERS" not in consts[names[0]]
     # left out of Triton's integer specialization (S = 32 and S = 40 would otherwise compile two variants); H*W and
     # HWS are not: without their divisibility ptxas serialized the loads (the module's comment)
-    unspecialized = [set(getattr(gn_mod, n).kwargs["do_not_specialize"]) for n in names]
+    unspecialized = [set(getattr(triton_nhwc, n).kwargs["do_not_specialize"]) for n in names]
     assert unspecialized == [{"S", "ITERS"}, {"S", "N_S"}, {"ITERS"}]
     log = []
     for name in names:
-        monkeypatch.setattr(gn_mod, name, _ArgSpy(name, getattr(gn_mod, name), log))
+        monkeypatch.setattr(triton_nhwc, name, _ArgSpy(name, getattr(triton_nhwc, name), log))
     for k, v in {"nhwc_onepass": False, "tile_elems": 256, "target_programs": 6, "nhwc_finalize_elems": 8,
                  "apply_programs": 4}.items():
-        monkeypatch.setitem(gn_mod._TUNING, k, v)
+        monkeypatch.setitem(gn_plan.TUNING, k, v)
     launches = []
     for H, W in ((8, 8), (8, 10)):
         log.clear()

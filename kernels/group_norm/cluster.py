@@ -1,6 +1,6 @@
 """GroupNorm in one read and one write, through Hopper thread-block clusters, for channels_last and NCHW tensors.
 
-The kernels (``kernels/csrc/group_norm_cluster.cu``) give each unit of the input to a cluster of ``K`` CTAs that
+The kernels (``cluster.cu`` beside this file) give each unit of the input to a cluster of ``K`` CTAs that
 hold the unit in registers, reduce its statistics through distributed shared memory and normalize from the
 registers (the .cu file has the method):
 
@@ -10,8 +10,10 @@ registers (the .cu file has the method):
 The Triton kernels read a large input twice in three launches (statistics, finalize, apply; small shapes take
 their one-launch "onepass" kernel); these read it once in one launch.
 
-``kernels.norm.group_norm`` runs them through :func:`run_if_faster`: where one can run, it is timed once per call
-signature against the Triton kernels and the faster is kept (logged). They can run where all of these hold (else
+``kernels.group_norm.op`` runs them through :func:`run_if_faster`, the ``kernels.select`` choice :data:`CHOICE`
+("group_norm": "cluster" or "triton"): where one can run, it is timed once per call signature against the Triton
+kernels and the faster is kept (logged, in ``kernels.select.decisions()``); the kernel policy's pin
+(``KernelPolicy.group_norm``, ``SDFAST_GN_CLUSTER=0``: "triton") skips it. They can run where all of these hold (else
 the reason is logged once through ``kernels.dispatch.log_fallback`` and the Triton kernels run):
 
 * a CUDA device of compute capability 9.0 or newer (clusters, distributed shared memory);
@@ -19,9 +21,8 @@ the reason is logged once through ``kernels.dispatch.log_fallback`` and the Trit
   aligned; channels_last: C a multiple of the 16-byte vector (8 channels in fp16/bf16, 4 in fp32); NCHW: H*W a
   multiple of it; weight, bias and channel bias in x's dtype, weight and bias contiguous;
 * a plan exists: every unit fits in a cluster of at most ``max_cluster`` CTAs holding at most 8 vectors per
-  thread, with all clusters resident at once (channels_last on the H200, run 17: SD1.5's UNet shapes but
-  (2, 640, 64, 64) and (2, 960, 64, 64); SDXL's up to 32x32 but (2, 2560, 32, 32), and at 64x64 only its
-  320-channel ones; the VAEs' 64x64 ones, none from 128x128 up);
+  thread, with all clusters resident at once (channels_last: most of SD's UNet shapes up to 64x64, the VAEs'
+  64x64 ones, none from 128x128 up);
 * nvcc builds the library (once per source version, cached in ``~/.cache/sdfast/csrc``).
 
 Method: Wu & He 2018 (GroupNorm); the CUDA Programming Guide's thread-block clusters and distributed shared
@@ -35,24 +36,26 @@ import dataclasses
 import functools
 import logging
 import math
-import os
 import threading
 from pathlib import Path
 
 import torch
 
-from kernels import choice, precompile
+from kernels import precompile, select
 from kernels.dispatch import log_fallback
 
 log = logging.getLogger("sdfast.kernels")
 
-SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "group_norm_cluster.cu"
+SOURCE = Path(__file__).resolve().parent / "cluster.cu"
 _DTYPES = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}  # SDFAST_GN_DTYPE 0, 1, 2
 _ERRORS = {-2: "bad split (CS, K, R, J)", -3: "a pointer is not 16-byte aligned"}
 
+# The kernel choice between these kernels and the Triton ones: the cluster kernel is the default (it runs where
+# nothing may be timed: inside a CUDA graph capture) and keeps ties.
+CHOICE = select.Choice("group_norm", default="cluster")
+
 # Knobs read at call time (tests and benchmarks change them).
 TUNING = {
-    "enabled": os.environ.get("SDFAST_GN_CLUSTER", "1") != "0",  # SDFAST_GN_CLUSTER=0: always the Triton kernels
     "max_cluster": 16,  # CTAs per cluster; 8 is the portable maximum (16: the kernels opt in to non-portable sizes)
     "max_threads": 1024,  # NHWC kernel, at most its launch bounds (nhwc_max_threads)
     "nchw_max_threads": 1024,  # NCHW kernel (its launch bounds)
@@ -121,10 +124,9 @@ def cluster_plan(B: int, C: int, HW: int, G: int, elem_size: int, num_sms: int =
     the occupancy API: a second wave of clusters doubles the time), or None when none does (C not a multiple of the
     vector, a unit too large for one cluster, or no candidate resident in one wave).
 
-    Order (measured on the H200, run 17 calls B and C, every plan at SD's 8x8 to 64x64 shapes; a bandwidth model
-    ranked them 2-18 % off the best): plans that give nearly every SM a CTA first, then the narrowest slices (most
-    units), about 4 vectors per thread, fewer CTAs per cluster, fewer threads. The pick was within 6 % of the best
-    plan at 6 of 8 shapes, 1.12-1.13x at (2, 1280, 8, 8) and (2, 960, 32, 32)."""
+    Order (from timing every plan at SD's 8x8 to 64x64 shapes on sm_90; a bandwidth model ranked them worse): plans
+    that give nearly every SM a CTA first, then the narrowest slices (most units), about 4 vectors per thread, fewer
+    CTAs per cluster, fewer threads."""
     def rank(p: ClusterPlan):
         return (p.ctas < 0.9 * num_sms, p.CS, abs(p.J - 4), p.K, p.nt)
 
@@ -160,11 +162,10 @@ def nchw_candidate_plans(B: int, C: int, HW: int, G: int, elem_size: int):
 
 
 def nchw_plan(B: int, C: int, HW: int, G: int, elem_size: int, num_sms: int = 132, fits=None) -> NchwPlan | None:
-    """The first NCHW plan ``fits(plan)`` accepts, in this order (measured on the H200, run 17 call A, at SD's 16x16
-    to 64x64 shapes): the fewest CTAs per cluster that still give nearly every SM a CTA (64 groups on one CTA each
-    took 1.4x longer than on two: 128 CTAs on 132 SMs), then about 20 warps per CTA (the fastest within 0.3 µs at
-    every shape; fewer when a CTA has fewer vectors than that), fewer threads on a tie. Where no cluster size fills
-    the SMs, the largest first. None when no plan fits."""
+    """The first NCHW plan ``fits(plan)`` accepts, in this order (from timing the plans at SD's 16x16 to 64x64 shapes
+    on sm_90): the fewest CTAs per cluster that still give nearly every SM a CTA, then about 20 warps per CTA (fewer
+    when a CTA has fewer vectors than that), fewer threads on a tie. Where no cluster size fills the SMs, the largest
+    first. None when no plan fits."""
     nvec = C // G * HW // _vec(elem_size) if C % G == 0 else 0
 
     def rank(p: NchwPlan):
@@ -185,7 +186,7 @@ _built: dict[str, object] = {}  # "lib": the loaded library, or "error": why the
 
 
 def library() -> ctypes.CDLL:
-    """Build (first call: about 10-15 s of nvcc, cached across processes by source hash) and load the kernel
+    """Build (first call: several seconds of nvcc, cached across processes by source hash) and load the kernel
     library. Raises RuntimeError when nvcc is missing or fails (once built or failed, never rebuilt in this
     process)."""
     with _build_lock:
@@ -294,14 +295,21 @@ def launcher(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, 
     ``x + channel_bias + residual``), or None when it cannot run this call (the reason logged once). Inside a
     compile-only pass (``kernels.precompile``) it starts building the library on a thread and returns None, so
     that the pass goes on to the Triton kernels and queues their compilation too. Inputs were checked by
-    ``kernels.norm.group_norm``; y and pre are fresh tensors laid out like x."""
-    if not TUNING["enabled"]:
-        return None
+    ``kernels.group_norm.op``; y and pre are fresh tensors laid out like x."""
+    launch, why = _prepare(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre)
+    if why is not None:
+        log_fallback("group_norm cluster", why, instead="the Triton kernels")
+    return launch
+
+
+def _prepare(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre):
+    """(launch, None) as :func:`launcher`, or (None, why it cannot run this call), nothing logged; (None, None) inside
+    a compile-only pass, after starting the library's build there."""
     why = _unsupported(x, weight, bias, channel_bias, residual)
     if why is None and precompile.active():
         if not _built:
             _start_build()
-        return None
+        return None, None
     B, C, H, W = x.shape
     plan = lib = None
     if why is None:
@@ -316,8 +324,7 @@ def launcher(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, 
         if plan is None or isinstance(plan, NchwPlan) != nchw:
             why = f"no cluster plan for (B, C, HW, G) = ({B}, {C}, {H * W}, {num_groups}) {x.dtype} {lay}"
     if why is not None:
-        log_fallback("group_norm cluster", why, instead="the Triton kernels")
-        return None
+        return None, why
     cb_bstride = 0
     if channel_bias is not None:
         cb2 = channel_bias.reshape(-1, C)
@@ -341,7 +348,7 @@ def launcher(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, 
         if rc != 0:
             raise RuntimeError(f"group_norm cluster kernel: {_ERRORS.get(rc, f'CUDA error {rc}')} ({plan})")
 
-    return launch
+    return launch, None
 
 
 def try_group_norm(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre) -> bool:
@@ -353,47 +360,49 @@ def try_group_norm(x, num_groups, weight, bias, eps, channel_bias, residual, sil
     return True
 
 
-_choices: dict[tuple, bool] = {}
-
-
 def run_if_faster(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre, triton_call) -> bool:
-    """Run the cluster kernel and return True when it can run this call and is the faster of it and the Triton
-    kernels (``triton_call`` writes the same outputs); otherwise return False (the caller runs Triton).
+    """Run the cluster kernel and return True when :data:`CHOICE` picks it for this call; otherwise return False
+    (the caller runs ``triton_call``, which writes the same outputs).
 
-    The choice is measured once per call signature (shape, strides, dtype, groups, fusions, device), as GPU time
-    on the caller's stream (:func:`_measure`), both kernels alternating on the same L2-resident input (as in a
-    UNet, where the norm reads what the convolution before it just wrote), and logged. Measured on the H200 (run 14): the cluster kernel
-    wins at most of SD's channels_last shapes, the Triton kernels at the 8x8 ones and with a residual at 64x64.
-    Inside a CUDA graph capture nothing is timed: the cluster kernel runs, and the choice is not kept.
-    Timing noise can tip a close choice either way from one process to the next; the two kernels' outputs agree
-    within the tolerance rule, not to the bit. ``SDFAST_GN_CLUSTER=0`` pins the Triton kernels."""
+    The choice (``kernels.select.decide``) is keyed by the call signature (shape, strides, dtype, groups, fusions);
+    where the cluster kernel can run it is measured once per key as GPU time on the caller's stream (the one timer,
+    ``kernels.select.gpu_time_us``: the host's launches do not count, and a two-pass Triton GroupNorm is three
+    launches from Python), both kernels alternating on the same L2-resident input (as in a UNet, where the norm
+    reads what the convolution before it just wrote); the cluster kernel keeps ties. Where it cannot run, the
+    reason is logged once and Triton is the only candidate. Inside a CUDA graph capture nothing is timed: the
+    cluster kernel runs, and nothing is kept. Inside a ``kernels.precompile`` dry run the library's build starts on
+    a thread and the Triton kernels run (so that their compilation is queued too); nothing is kept. A pin
+    ("triton", e.g. ``SDFAST_GN_CLUSTER=0`` through the kernel policy) consults nothing here. Timing noise can tip a
+    close choice either way from one process to the next; the two kernels' outputs agree within the tolerance rule,
+    not to the bit."""
+    if precompile.active():
+        _prepare(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre)  # starts the build
+        return False
     cb = None if channel_bias is None else tuple(channel_bias.shape)
-    key = (tuple(x.shape), x.stride(), x.dtype, num_groups, weight is None, bias is None, cb, residual is not None,
-           pre is not None, bool(silu), x.device)
-    faster = _choices.get(key)
-    if faster is False:  # measured slower: no checks or plan lookups on later calls
-        return False
-    launch = launcher(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre)
-    if launch is None:
-        return False
-    if faster is None:
-        if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            launch()
-            return True
-        faster = _choices[key] = _measure(key, launch, triton_call)
-    if faster:
-        launch()
-    return faster
+    key = (tuple(x.shape), x.stride(), str(x.dtype), num_groups, weight is None, bias is None, cb,
+           residual is not None, pre is not None, bool(silu))
+    prepared: dict = {}
 
+    def problem(name: str) -> str | None:
+        if name != "cluster":
+            return None
+        prepared["launch"], why = _prepare(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre)
+        return why
 
-def _measure(key: tuple, launch, triton_call) -> bool:
-    """GPU time per call of each (:func:`kernels.choice.gpu_times_us`: the host's launches do not count; a
-    Triton GroupNorm is three launches from Python, about 0.15 ms of host time against ~10 µs of GPU time), the
-    cluster kernel kept on a tie."""
-    times = choice.gpu_times_us({"cluster": launch, "triton": triton_call})
-    log.info("group_norm %s %s groups=%d: cluster kernel %.1f us, Triton %.1f us per call -> %s", key[0], key[2], key[3],
-             times["cluster"], times["triton"], "cluster" if choice.fastest(times) == "cluster" else "Triton")
-    return choice.fastest(times) == "cluster"
+    winner = select.decide(
+        CHOICE, key, device=x.device, problem=problem,
+        candidates={"cluster": lambda: prepared["launch"](), "triton": triton_call},
+        describe=lambda: f"x {tuple(x.shape)} {x.dtype} groups={num_groups}")
+    if winner != "cluster":
+        return False
+    launch = prepared.get("launch")
+    if launch is None:  # decided before: the per-call checks (alignment) and the cached plan
+        launch, why = _prepare(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, pre)
+        if launch is None:
+            log_fallback("group_norm cluster", why or "cannot run this call", instead="the Triton kernels")
+            return False
+    launch()
+    return True
 
 
 @functools.lru_cache(maxsize=1024)
@@ -433,5 +442,5 @@ def max_active_clusters(plan: ClusterPlan | NchwPlan, C: int, G: int, dtype: tor
 
 
 __all__ = ["ClusterPlan", "NchwPlan", "cluster_plan", "candidate_plans", "nchw_plan", "nchw_candidate_plans",
-           "nhwc_max_threads", "layout", "device_plan", "launcher", "try_group_norm", "run_if_faster",
+           "nhwc_max_threads", "layout", "device_plan", "launcher", "try_group_norm", "run_if_faster", "CHOICE",
            "library", "max_active_clusters", "TUNING"]

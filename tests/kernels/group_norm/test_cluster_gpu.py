@@ -1,4 +1,4 @@
-"""GPU tests of the cluster GroupNorm (``kernels.norm.group_norm_cluster``, sm_90+): every channels_last and NCHW
+"""GPU tests of the cluster GroupNorm (``kernels.group_norm.cluster``, sm_90+): every channels_last and NCHW
 GroupNorm shape of the SD UNets it plans for, the ResNet-block fusion, bf16/fp32, odd H*W and channel counts,
 every launch shape at a small size, the statistics of an input with a large mean, CUDA-graph replay, and the
 fallbacks. Outputs are poisoned (NaN) before the call, so an element the kernel forgets stays NaN."""
@@ -10,9 +10,10 @@ import logging
 import pytest
 import torch
 
-from kernels import dispatch
 from benchmarks import sd_shapes
-from kernels.norm import group_norm, group_norm_cluster as gc, group_norm_ref
+from kernels import dispatch, select
+from kernels.group_norm import cluster as gc
+from kernels.group_norm import group_norm, group_norm_ref
 from kernels.testing import assert_close_rule
 
 pytestmark = pytest.mark.gpu
@@ -173,11 +174,15 @@ def test_nchw_large_mean_statistics():
 
 
 @pytest.mark.parametrize("fmt", [CL, torch.contiguous_format], ids=["nhwc", "nchw"])
-def test_public_op_routes_here_and_replays_in_a_graph(monkeypatch, fmt):
-    """With the cluster kernel measured faster, the public op runs it (either layout), also replayed from a CUDA
-    graph."""
-    monkeypatch.setattr(gc, "_choices", {})
-    monkeypatch.setattr(gc, "_measure", lambda *a: True)
+def test_public_op_routes_here_and_replays_in_a_graph(fresh_choices, fmt):
+    """With the cluster kernel chosen (pinned: as if measured faster), the public op runs it (either layout), also
+    replayed from a CUDA graph."""
+    with select.pinned({"group_norm": "cluster"}):
+        _routes_here_and_replays(fmt)
+    assert {(d.winner, d.source) for d in fresh_choices() if d.choice == "group_norm"} == {("cluster", "pinned")}
+
+
+def _routes_here_and_replays(fmt):
     x, w, b, cb, r = _inputs((2, 320, 32, 32), torch.float16, cb="BC", res=True, fmt=fmt)
     expect_y, expect_pre = _run_cluster(x, 32, w, b, 1e-5, cb, r, True, True)
     y, pre = group_norm(x, 32, w, b, 1e-5, channel_bias=cb, residual=r, activation="silu", return_sum=True)
@@ -216,14 +221,16 @@ def test_fallbacks_are_logged_and_correct(caplog, monkeypatch):
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-3, rtol=2e-3)
 
 
-def test_the_choice_is_measured_and_logged(caplog, monkeypatch):
-    """The public op times both kernels once per signature, logs the times, and gives the reference either way."""
-    monkeypatch.setattr(gc, "_choices", {})
+def test_the_choice_is_measured_and_logged(caplog, fresh_choices):
+    """The public op times both kernels once per signature (``kernels.select``), logs the times, and gives the
+    reference either way."""
     x, w, b, cb, r = _inputs((2, 640, 32, 32), torch.float16, cb="BC", res=True)
     with caplog.at_level(logging.INFO, logger="sdfast.kernels"):
         y, pre = group_norm(x, 32, w, b, 1e-5, channel_bias=cb, residual=r, activation="silu", return_sum=True)
         group_norm(x, 32, w, b, 1e-5, channel_bias=cb, residual=r, activation="silu", return_sum=True)
-    assert caplog.text.count("cluster kernel") == 1 and len(gc._choices) == 1
+    assert caplog.text.count("sdfast kernel choice group_norm") == 1
+    made = [d for d in fresh_choices() if d.choice == "group_norm"]
+    assert len(made) == 1 and made[0].source == "measured" and set(made[0].times_us) == {"cluster", "triton"}
     f32 = (lambda t: t.float())
     ref = group_norm_ref(x.float(), 32, f32(w), f32(b), 1e-5, channel_bias=f32(cb), residual=f32(r),
                          activation="silu", return_sum=True)
@@ -233,11 +240,12 @@ def test_the_choice_is_measured_and_logged(caplog, monkeypatch):
     assert_close_rule(pre, ref[1], low[1], atol=ATOL[x.dtype], name="pre")
 
 
-def test_first_call_inside_a_capture_runs_the_cluster_kernel_untimed(monkeypatch):
+def test_first_call_inside_a_capture_runs_the_cluster_kernel_untimed(monkeypatch, fresh_choices):
     """A signature first seen inside a CUDA graph capture cannot be timed there: the cluster kernel is captured,
     the choice is not kept, and the replay gives the kernel's own output."""
-    monkeypatch.setattr(gc, "_choices", {})
-    monkeypatch.setattr(gc, "_measure", lambda *a: pytest.fail("nothing may be timed inside a capture"))
+    from kernels.select import rules
+
+    monkeypatch.setattr(rules, "gpu_time_us", lambda *a: pytest.fail("nothing may be timed inside a capture"))
     x, w, b, _, _ = _inputs((2, 640, 16, 16), torch.float16)
     expect, _ = _run_cluster(x, 32, w, b, 1e-5, None, None, True, False)
     graph = torch.cuda.CUDAGraph()
@@ -246,7 +254,7 @@ def test_first_call_inside_a_capture_runs_the_cluster_kernel_untimed(monkeypatch
     y.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(y, expect) and gc._choices == {}
+    assert torch.equal(y, expect) and [d for d in fresh_choices() if d.choice == "group_norm"] == []
 
 
 def test_strided_weight_runs_triton_and_is_right():

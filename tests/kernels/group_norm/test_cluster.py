@@ -1,5 +1,5 @@
-"""CPU tests of the cluster GroupNorm's planner and dispatch (``kernels.norm.group_norm_cluster``); the kernel
-itself needs an sm_90 GPU (``test_group_norm_cluster_gpu.py``) and its source compiles in
+"""CPU tests of the cluster GroupNorm's planner and dispatch (``kernels.group_norm.cluster``); the kernel
+itself needs an sm_90 GPU (``test_cluster_gpu.py``) and its source compiles in
 ``test_csrc_compile.py``."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import logging
 import pytest
 import torch
 
-from kernels import dispatch
 from benchmarks import sd_shapes
-from kernels.norm import group_norm_cluster as gc
+from kernels import dispatch, select
+from kernels.group_norm import cluster as gc
 
 
 def _valid(plan, B, C, HW, G, elem_size):
@@ -80,11 +80,14 @@ def test_a_failed_build_falls_back_once_with_the_reason(caplog, monkeypatch):
     assert caplog.text.count("library build failed: nvcc failed: boom") == 1
 
 
-def test_disabled_knob_skips_the_path(monkeypatch):
-    monkeypatch.setitem(gc.TUNING, "enabled", False)
+def test_a_triton_pin_skips_the_path(monkeypatch, fresh_choices):
+    """The kernel policy's pin (``SDFAST_GN_CLUSTER=0``: "triton") runs Triton without consulting the cluster path."""
     monkeypatch.setattr(gc, "_unsupported", lambda *a: pytest.fail("must not be consulted"))
     x = torch.randn(1, 64, 4, 4).contiguous(memory_format=torch.channels_last)
-    assert not gc.try_group_norm(x, 8, None, None, 1e-5, None, None, False, torch.empty_like(x), None)
+    with select.pinned({"group_norm": "triton"}):
+        assert not gc.run_if_faster(x, 8, None, None, 1e-5, None, None, False, torch.empty_like(x), None,
+                                    lambda: pytest.fail("the caller runs Triton"))
+    assert [(d.winner, d.source) for d in fresh_choices()] == [("triton", "pinned")]
 
 
 def test_layouts_the_kernel_cannot_take_are_named():
@@ -176,28 +179,59 @@ def test_compile_only_pass_starts_the_build_and_goes_on_to_triton(monkeypatch):
     assert len(gc._builder) == 1  # one build thread, however many calls
 
 
-def test_the_faster_kernel_is_measured_once_per_signature(monkeypatch):
-    runs, measured = [], []
-    monkeypatch.setattr(gc, "_choices", {})
-    consulted = []
-    monkeypatch.setattr(gc, "launcher", lambda *a: consulted.append(1) or (lambda: runs.append("cluster")))
-    verdict = {"faster": False}
+def test_the_faster_kernel_is_measured_once_per_signature(monkeypatch, fresh_choices):
+    """One ``kernels.select`` decision per signature: measured once (here with a stand-in timer, as on a GPU), then
+    reused with no checks, plan lookups or timing; the cluster kernel runs only where it won."""
+    from kernels.select import rules
 
-    def measure(key, launch, triton_call):
-        measured.append(key)
-        return verdict["faster"]
+    runs, timed, consulted = [], [], []
+    monkeypatch.setattr(rules, "measuring_blocked", lambda device, measure_cpu=False: None)
+    verdict = {"cluster": 2.0, "triton": 1.0}
 
-    monkeypatch.setattr(gc, "_measure", measure)
+    def gpu_time_us(fns):
+        timed.append(sorted(fns))
+        return dict(verdict)
+
+    monkeypatch.setattr(rules, "gpu_time_us", gpu_time_us)
+    monkeypatch.setattr(gc, "_prepare", lambda *a: consulted.append(1) or ((lambda: runs.append("cluster")), None))
     x = torch.randn(1, 64, 4, 4).contiguous(memory_format=torch.channels_last)
     y = torch.empty_like(x)
 
     def call(x):
         return gc.run_if_faster(x, 8, None, None, 1e-5, None, None, True, y, None, lambda: runs.append("triton"))
 
-    assert not call(x) and not call(x)  # Triton measured faster: the caller runs Triton, nothing timed again
-    assert len(measured) == 1 and runs == []
-    assert len(consulted) == 1  # after a Triton verdict the launcher is not consulted again
-    verdict["faster"] = True
+    assert not call(x)  # Triton measured faster: the caller runs Triton
+    assert timed == [["cluster", "triton"]] and len(consulted) == 1
+    runs.clear()
+    assert not call(x)  # decided: nothing timed or consulted again
+    assert timed == [["cluster", "triton"]] and len(consulted) == 1 and runs == []
+    verdict.update(cluster=1.0, triton=1.0)  # a tie keeps the cluster kernel (the default)
     x2 = torch.randn(2, 64, 4, 4).contiguous(memory_format=torch.channels_last)  # another signature
-    assert call(x2) and call(x2)
-    assert len(measured) == 2 and runs == ["cluster", "cluster"]
+    assert call(x2)
+    runs.clear()
+    assert call(x2) and runs == ["cluster"] and len(timed) == 2
+    assert [(d.winner, d.source) for d in fresh_choices()] == [("triton", "measured"), ("cluster", "measured")]
+
+
+def test_no_plan_makes_triton_the_only_candidate_logged_once(caplog, monkeypatch, fresh_choices):
+    """Where the cluster kernel cannot run, the reason is logged once and Triton is the decision ("only")."""
+    monkeypatch.setattr(dispatch, "_logged", set())
+    monkeypatch.setattr(gc, "_prepare", lambda *a: (None, "no cluster plan for this test"))
+    x = torch.randn(1, 64, 4, 4).contiguous(memory_format=torch.channels_last)
+    with caplog.at_level(logging.INFO, logger="sdfast.kernels"):
+        for _ in range(2):
+            assert not gc.run_if_faster(x, 8, None, None, 1e-5, None, None, False, torch.empty_like(x), None,
+                                        lambda: None)
+    assert caplog.text.count("no cluster plan for this test") == 1
+    assert [(d.winner, d.source) for d in fresh_choices()] == [("triton", "only")]
+
+
+def test_a_compile_only_pass_runs_triton_and_keeps_nothing(monkeypatch, fresh_choices):
+    from kernels import precompile
+
+    prepared = []
+    monkeypatch.setattr(precompile, "active", lambda: True)
+    monkeypatch.setattr(gc, "_prepare", lambda *a: prepared.append(1) or (None, None))
+    x = torch.randn(1, 64, 4, 4).contiguous(memory_format=torch.channels_last)
+    assert not gc.run_if_faster(x, 8, None, None, 1e-5, None, None, False, torch.empty_like(x), None, lambda: None)
+    assert prepared == [1] and fresh_choices() == []
