@@ -10,6 +10,7 @@ import sdfast
 from kernels.gemm import linear_projection as lp
 from kernels.gemm.linear_tma import LinearTile
 from sdfast.passes import attention, layout, linear, norms
+from sdfast.passes.attention.qkv import fused_layer
 
 SMALL = LinearTile(32, 32, 32, 1, 4, group_m=2)
 
@@ -44,7 +45,7 @@ def test_routes_outputs_and_cross_queries_only(unet16):
         # left to the other passes: the fused self-attention QKV, the cached cross K/V, the feed-forward
         assert not any(_rebound(m) for m in (b.attn1.to_q, b.attn1.to_k, b.attn1.to_v, b.attn2.to_k, b.attn2.to_v))
         assert not _rebound(b.ff.net[0].proj) and not _rebound(b.ff.net[-1])
-        assert attention._fused_layer(b.attn1, "to_qkv") is not None
+        assert fused_layer(b.attn1, "to_qkv") is not None
     assert all(getattr(t, linear.TOKENS_MARKER) for t in transformers)
 
 

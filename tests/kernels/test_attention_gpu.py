@@ -310,18 +310,19 @@ def test_vae_decoder_parity():
 def test_tf32_backend_on_the_fp32_vae_shape_and_in_a_cuda_graph(lq):
     """The SDXL VAE's mid-block attention (1 head of 512, 128x128 latents at 1024²) in TF32: within fp16's
     tolerance of fp32 math, and the same numbers replayed from a CUDA graph (the TF32 flag is read at capture)."""
-    from sdfast.passes import attention as ap
+    from sdfast.passes.attention import backends
+    from sdfast.passes.attention.dispatch import mismatch
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, 1, lq, 512, device="cuda", generator=g) for _ in range(3))
     scale = 512**-0.5
     before = torch.backends.cuda.matmul.allow_tf32
-    out = ap._tf32_backend(q, k, v, None, scale, False)
-    ref = ap._reference(q, k, v, None, scale)
-    assert ap._mismatch(out, ref, torch.float16) is None
+    out = backends._tf32_backend(q, k, v, None, scale, False)
+    ref = backends.reference(q, k, v, None, scale)
+    assert mismatch(out, ref, torch.float16) is None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = ap._tf32_backend(q, k, v, None, scale, False)
+        captured = backends._tf32_backend(q, k, v, None, scale, False)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, out)

@@ -184,7 +184,7 @@ def test_a_second_threads_dry_run_does_nothing_while_one_is_on():
 
 
 def test_dry_rows_keep_divisibility_and_stay_small():
-    from sdfast.passes.attention import _dry_rows
+    from sdfast.passes.attention.dispatch import _dry_rows
 
     for lq in (1, 77, 256, 257, 1024, 4096, 5120, 16384, 4608, 1000, 18432):
         m = _dry_rows(lq)
