@@ -63,7 +63,7 @@ def _sdpa_layout(t: torch.Tensor) -> torch.Tensor:
     """Give SDPA a (B, H, L, D) tensor in one of the two layouts its CUDA backends are known to handle:
     BHSD-contiguous or the BSHD-packed view diffusers itself passes. The interleaved Q/K/V views of a
     fused projection (sequence stride 3·H·D) made torch 2.11's default SDPA fault with an illegal memory
-    access on the H200 (seen 2026-11-29), so those are packed first (one copy of L·H·D elements)."""
+    access on sm_90, so those are packed first (one copy of L·H·D elements)."""
     b, h, l, d = t.shape
     packed_bshd = t.stride(3) == 1 and t.stride(1) == d and t.stride(2) == h * d
     if t.is_contiguous() or packed_bshd or t.device.type != "cuda":
@@ -114,7 +114,7 @@ def _tf32_backend(q, k, v, attn_mask, scale, upcast):
     """Attention of fp32 tensors with both matmuls in TF32 (tensor cores: fp32 range, 10-bit mantissa, fp32
     accumulation) and an fp32 softmax, over chunks of queries whose (B, H, rows, Lk) scores stay under
     256 MiB. For the fp32 VAE of SDXL (``force_upcast``) at 1024², where SDPA's fp32 kernels run on CUDA
-    cores: 13.6 ms per call on the H200 (run 7). The TF32 flag is process-wide: it is set only while this
+    cores (measured faster than them on sm_90). The TF32 flag is process-wide: it is set only while this
     function queues its matmuls, and restored (``_tf32_matmuls``). On the CPU there is no TF32: the same
     chunked fp32 math."""
     if q.dtype != torch.float32:
@@ -210,6 +210,7 @@ def xformers_works(device: torch.device) -> bool:
 
 
 def builtin_backends() -> Dict[str, BackendFn]:
+    """A fresh name -> backend table of every backend above (``BACKEND_NAMES``)."""
     b: Dict[str, BackendFn] = {n: _sdpa_forced(n) for n in _SDPA_FORCED}
     b["sdpa"] = _sdpa_default
     b["xformers"] = _xformers_backend
@@ -219,7 +220,9 @@ def builtin_backends() -> Dict[str, BackendFn]:
 
 
 def reference(q, k, v, attn_mask, scale) -> torch.Tensor:
-    """fp32 math attention, chunked over queries to keep the score matrix under ~256 MiB."""
+    """fp32 math attention (SDPA's math backend on fp32 copies), chunked over queries to keep the score matrix
+    under ~256 MiB: what every backend's output is checked against. Same arguments as a backend (no ``upcast``);
+    returns fp32 (B, H, Lq, D)."""
     Lq = q.shape[2]
     m, rows = mask_4d(attn_mask), chunk_rows(q, k)
     if m is not None and m.dtype != torch.bool:

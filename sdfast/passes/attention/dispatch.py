@@ -276,9 +276,9 @@ class AttentionDispatcher:
     def _too_slow(self, key: AttentionKey, name: str, fn: BackendFn, args: tuple, best_us: float) -> bool:
         """When the best time so far is long (``probe_us``), run a candidate on 1/64 of the queries first and
         exclude it if that extrapolates to more than ``slow_factor`` times the best: a full run, let alone the
-        timing loop, would cost seconds (the SDXL VAE's fp32 attention at 128x128 latents: 2.3 s per call of
-        our fp32 Triton path against 13.5 ms for SDPA, about 14 s of warm-up per image size, run 6; with
-        ``tf32`` at 2.3 ms measured first, a 5 ms threshold let it through: 15 s per size, run 7)."""
+        timing loop, would cost seconds per image size (the SDXL VAE's fp32 attention at 128x128 latents, where
+        our fp32 Triton path is orders of magnitude slower than SDPA and ``tf32``). ``probe_us`` is low enough
+        that a fast ``tf32`` measured first still probes the slow candidates after it."""
         q, k, v, attn_mask, scale, upcast = args
         lq = q.shape[2]
         m = max(64, lq // 64)
@@ -299,9 +299,8 @@ class AttentionDispatcher:
         within one power of two, equal or not as in ``key``, everything else equal: SD's layers at another image
         size) was measured, only the backends that were within ``mate_factor`` of its best time (and not
         excluded there since); else all of ``names``. Each one kept is
-        still checked against the fp32 reference and timed at ``key``'s own shape.
-        SD1.5's first 640x512 image after 512x512 measured 6 backends at 9 shapes, 1.2 s of its warm-up on
-        the H200, mostly our kernel's autotuning (run 11)."""
+        still checked against the fp32 reference and timed at ``key``'s own shape. Without it, a second image
+        size measures every backend at every shape again, most of it our kernel's autotuning."""
         mate = next((m for m in list(self._timings) if _bucket(m) == _bucket(key)), None)
         if mate is None:
             return names

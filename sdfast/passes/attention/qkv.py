@@ -69,10 +69,10 @@ def split_projection(fused: nn.Linear, x: torch.Tensor, parts: int) -> tuple[tor
     ``bmm(x broadcast to (parts, M, K), weight viewed (parts, K, N))`` writes (parts, M, N), so each projection
     comes back contiguous, (..., N), in the layout its own ``nn.Linear`` gives. One wide GEMM (``fused(x)``)
     would give (..., parts * N), whose per-projection views are interleaved (row stride parts * N): torch 2.11's
-    SDPA faulted on those on the H200 and had to get packed copies (see ``_sdpa_layout``).
+    SDPA faulted on those on sm_90 and had to get packed copies (see ``backends._sdpa_layout``).
 
     Numerics: the separate GEMMs' products and fp32 accumulation; bit-identical to them at the UNets' bias-free
-    shapes on the H200 (``benchmarks/bench_qkv.py``). With a bias, ``baddbmm`` adds it before the one rounding,
+    shapes on sm_90 (``benchmarks/bench_qkv.py`` checks it). With a bias, ``baddbmm`` adds it before the one rounding,
     where ``F.linear`` on a non-contiguous input rounds the product and the sum separately (a last-bit
     difference in fp16). A fused layer that does not run as a plain ``nn.Linear`` (hooks, a replaced forward)
     is called as a module and its output split into views, so what it adds still runs.
