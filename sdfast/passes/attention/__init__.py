@@ -33,7 +33,7 @@ from typing import Callable, Dict, Mapping, Optional
 import torch.nn as nn
 
 from sdfast.passes.attention.backends import BACKEND_NAMES, key_padding_from_mask, xformers_works
-from sdfast.passes.attention.dispatch import ENV_BACKEND, AttentionDispatcher, AttentionKey, default_dispatcher
+from sdfast.passes.attention.dispatch import AttentionDispatcher, AttentionKey, default_dispatcher
 from sdfast.passes.attention.processor import SdfastAttnProcessor
 from sdfast.passes.attention.qkv import STATE_ATTR, fuse, split_projection, unfuse
 
@@ -157,5 +157,4 @@ __all__ = [
     "split_projection",
     "xformers_works",
     "BACKEND_NAMES",
-    "ENV_BACKEND",
 ]

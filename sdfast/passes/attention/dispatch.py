@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from typing import Callable, Dict, Mapping, NamedTuple, Optional, Sequence
 
@@ -21,7 +20,6 @@ from sdfast.passes.attention.backends import BackendFn, builtin_backends, quiet_
 
 log = logging.getLogger("sdfast.attention")
 
-ENV_BACKEND = "SDFAST_ATTENTION_BACKEND"
 SAFE_DEFAULT = "sdpa"
 
 
@@ -160,9 +158,12 @@ class AttentionDispatcher:
     already run the softmax in fp32, as diffusers' ``AttnProcessor2_0`` relies on.
 
     Args:
-        backend: force one backend for every call (tests, benchmarks). Default: the environment
-            variable ``SDFAST_ATTENTION_BACKEND``; ``None`` / ``"auto"`` = measure. A forced backend
-            that fails raises (no silent fallback).
+        backend: force one backend for every call (the kernel policy, tests, benchmarks); ``None`` /
+            ``"auto"`` = measure. A forced backend that fails raises (no silent fallback). The environment is
+            not read here: ``sdfast.optimize`` passes what its kernel policy says.
+        triton: whether our Triton kernel is a candidate (on CUDA; on CPU under ``TRITON_INTERPRET=1``). ``False`` leaves it out: a kernel fault
+            (unlike an exception) breaks the CUDA context, so it could not be measured-and-excluded like the
+            others.
         candidates: backend names to consider when measuring (default: all available).
         extra_backends: additional named backends ``fn(q, k, v, attn_mask, scale, upcast)``.
         measure_cpu: measure on CPU too instead of taking SDPA.
@@ -179,6 +180,7 @@ class AttentionDispatcher:
         self,
         backend: Optional[str] = None,
         *,
+        triton: bool = True,
         candidates: Optional[Sequence[str]] = None,
         extra_backends: Optional[Mapping[str, BackendFn]] = None,
         measure_cpu: bool = False,
@@ -188,8 +190,6 @@ class AttentionDispatcher:
         self._backends: Dict[str, BackendFn] = builtin_backends()
         if extra_backends:
             self._backends.update(extra_backends)
-        if backend is None:
-            backend = os.environ.get(ENV_BACKEND) or None
         if backend == "auto":
             backend = None
         if backend is not None and backend not in self._backends:
@@ -211,6 +211,7 @@ class AttentionDispatcher:
         self.measure_cpu = measure_cpu
         self.budget_ms = budget_ms
         self.allow_tf32 = allow_tf32
+        self.triton = bool(triton)
         self._choice: Dict[AttentionKey, str] = {}
         self._timings: Dict[AttentionKey, Dict[str, float]] = {}
         self._excluded: Dict[AttentionKey, Dict[str, str]] = {}
@@ -332,15 +333,13 @@ class AttentionDispatcher:
                 names.append("xformers")
             if self.allow_tf32 and q.dtype == torch.float32:
                 names.append("tf32")
-            if os.environ.get("SDFAST_ATTENTION_TRITON", "1") != "0":
-                # SDFAST_ATTENTION_TRITON=0 leaves our kernel out: a kernel fault (unlike an exception)
-                # breaks the CUDA context, so it could not be measured-and-excluded like the others.
+            if self.triton:
                 names.append("triton")
         else:
             names = ["math", "flash", "sdpa"]
             from kernels.dispatch import interpret_mode
 
-            if interpret_mode():
+            if self.triton and interpret_mode():
                 names.append("triton")
         return names + [n for n in self._extra if n not in names]
 

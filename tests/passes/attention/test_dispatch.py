@@ -135,17 +135,19 @@ def test_dispatcher_cpu_default_and_keys():
     assert {key.has_mask for key in ch} == {False, True} and {key.upcast for key in ch} == {False, True}
 
 
-def test_dispatcher_forced_backend_env(monkeypatch):
-    monkeypatch.setenv(ap.ENV_BACKEND, "math")
-    d = ap.AttentionDispatcher()
+def test_dispatcher_forced_backend_and_no_environment(monkeypatch):
+    # the kernel policy (sdfast.optimize) reads SDFAST_ATTENTION_*; the dispatcher takes arguments only
+    monkeypatch.setenv("SDFAST_ATTENTION_BACKEND", "nonsense")
+    monkeypatch.setenv("SDFAST_ATTENTION_TRITON", "0")
+    assert ap.AttentionDispatcher().forced is None and ap.AttentionDispatcher().triton
+    d = ap.AttentionDispatcher("math")
     assert d.forced == "math"
     q, k, v = random_qkv()
     torch.testing.assert_close(d(q, k, v), torch.nn.functional.scaled_dot_product_attention(q, k, v))
     assert d.choices() == {}  # forced: nothing measured
     assert ap.AttentionDispatcher("auto").forced is None
-    monkeypatch.setenv(ap.ENV_BACKEND, "nonsense")
     with pytest.raises(ValueError, match="unknown attention backend"):
-        ap.AttentionDispatcher()
+        ap.AttentionDispatcher("nonsense")
     with pytest.raises(ValueError, match="unknown attention backends"):
         ap.AttentionDispatcher("math", candidates=("math", "nope"))
 
@@ -261,4 +263,16 @@ def test_tf32_is_a_candidate_only_when_allowed_for_fp32_and_checked_at_fp16_tole
     assert "tf32" in ap.AttentionDispatcher(allow_tf32=True)._candidate_names(q32, q32)
     assert "tf32" not in ap.AttentionDispatcher(allow_tf32=True)._candidate_names(q16, q16)
     assert "tf32" not in ap.AttentionDispatcher()._candidate_names(q32, q32)
+
+
+def test_triton_false_leaves_our_kernel_out_of_the_candidates(monkeypatch):
+    from types import SimpleNamespace
+
+    q = SimpleNamespace(shape=(1, 1, 4, 8), dtype=torch.float16, device=torch.device("cuda"))
+    assert "triton" in ap.AttentionDispatcher()._candidate_names(q, q)
+    assert "triton" not in ap.AttentionDispatcher(triton=False)._candidate_names(q, q)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # on CPU the interpreter runs our kernel: also left out
+    c = SimpleNamespace(shape=(1, 1, 4, 8), dtype=torch.float32, device=torch.device("cpu"))
+    assert "triton" in ap.AttentionDispatcher()._candidate_names(c, c)
+    assert "triton" not in ap.AttentionDispatcher(triton=False)._candidate_names(c, c)
     assert dp._COMPUTE_DTYPE["tf32"] is torch.float16
