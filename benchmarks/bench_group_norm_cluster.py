@@ -28,7 +28,7 @@ SWEEP_SHAPES = [(2, 320, 64, 64), (2, 640, 32, 32), (2, 1280, 32, 32), (2, 640, 
 
 
 def _shapes(quick: bool) -> list[tuple[tuple[int, int, int, int], float, bool]]:
-    from kernels.norm import sd_shapes
+    from benchmarks import sd_shapes
 
     cases = sorted({(s, eps, silu) for _, s, eps, silu, _ in sd_shapes.GROUP_NORM_SITES})
     return cases[:6] if quick else cases

@@ -384,7 +384,7 @@ class UnetTimer:
     The hooks live on the module the pipeline calls (``pipe.unet``): they fire around a forward that an
     instance attribute replaced (sdfast's CUDA-graph runner) and around a ``torch.compile``
     ``OptimizedModule`` (outside the compiled region). ``capture=True`` keeps a copy of the first call's
-    inputs (``captured = (args, kwargs)``) for ``profile_step``.
+    inputs (``captured = (args, kwargs)``) for ``unet_profile.profile_unet_step``.
     """
 
     def __init__(self, unet, *, cuda: bool, capture: bool = False):
@@ -398,9 +398,9 @@ class UnetTimer:
 
     def _pre(self, module, args, kwargs):
         if self.capture and self.captured is None:
-            from benchmarks.profile_step import _clone
+            from benchmarks.unet_profile import clone_inputs
 
-            self.captured = (_clone(tuple(args)), _clone(dict(kwargs)))
+            self.captured = (clone_inputs(tuple(args)), clone_inputs(dict(kwargs)))
         if self.cuda:
             import torch
 
@@ -606,7 +606,7 @@ def run_system(system: System, spec: ModelSpec, ctx: Context, refs: dict) -> dic
 
         if ctx.profile and timer.captured is not None:
             stage = "profile"
-            from benchmarks.profile_step import profile_unet_step
+            from benchmarks.unet_profile import profile_unet_step
 
             row["profile"] = profile_unet_step(engine.pipe.unet, *timer.captured)
         row["info"] = built.info()
@@ -689,7 +689,7 @@ def render(rows: list[dict], env: dict, *, profile: bool = False) -> str:
         out += ["", "### Where one image's time goes (ms, per image; see `e2e_breakdown`)", "",
                 markdown_table(table, ["system", *keys])]
     if profile:
-        from benchmarks.profile_step import format_breakdown
+        from benchmarks.unet_profile import format_breakdown
 
         for r in rows:
             if r.get("profile"):

@@ -1,8 +1,7 @@
 """Published figures for other inference systems (not measured here), with their GPU, size, steps and source.
 
-These are the rows of the "Published figures for the benchmark's reference table" in the project's
-DESIGN notes, kept verbatim in ``model_size_steps``, ``figure`` and ``source`` (a row that gave two
-models, "SD1.5 512² / SDXL 1024²", is split into one row per model with that model's figure).
+Each row keeps the published wording in ``model_size_steps``, ``figure`` and ``source`` (the page it comes from;
+a source that gave two models, "SD1.5 512² / SDXL 1024²", is split into one row per model with that model's figure).
 The numeric columns only serve the chart and the table's comparisons:
 
 - ``e2e_s``: end-to-end seconds where the source gives them;

@@ -38,7 +38,7 @@ MAX_ALG_ID = 63
 
 
 def _shapes(which: str) -> list[tuple[str, str, int, int, int]]:
-    from kernels.gemm.sd_shapes import SD_LINEAR_SHAPES
+    from benchmarks.sd_shapes import SD_LINEAR_SHAPES
 
     rows = []
     for model, name, m, k, n, epilogue, _count in SD_LINEAR_SHAPES:

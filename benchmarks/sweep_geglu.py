@@ -6,7 +6,7 @@ For each (M rows, 2D input columns) of the UNets' feed-forwards (batch 2, CFG, f
 (ROWS x BLOCK_D tile, warps), the kernel ``kernels.norm.geglu._geglu_kernel`` is timed in a CUDA graph
 (``triton.testing.do_bench_cudagraph``, median; calls back to back, as in the UNet's graph, where the input was
 just written by the projection GEMM) and checked against ``geglu_ref``. ``frac`` is the achieved bytes per second
-(2D read + D written per row) over the H200's measured copy ceiling, 4.05 TB/s. The current choice
+(2D read + D written per row) over the measured copy ceiling (``CEILING_TBS``). The current choice
 (``geglu_config``) is marked. Writes ``DIR/geglu.json`` and prints, per shape, the best five and the current one.
 """
 

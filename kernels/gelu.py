@@ -10,14 +10,10 @@ half ulp is 2.4e-4; the ``1 + erf`` form it replaces has no correct digit there)
 
 Why not ``tl.math.erf``: libdevice's ``erff`` blends two polynomials by a branch-free select, so its coefficients
 live in registers. Inside a GEMM epilogue whose accumulators hold most registers, the compiler reloads them per
-element: the GEGLU TMA GEMM's epilogue ran about 50 instructions per output, a dozen of them moves (SASS of the
-256x64 tile, sm_90), and that epilogue, not the MMAs, set the kernel's time (Nsight Compute, H200, run 18 call A:
-tensor pipe 32 % busy). Here every coefficient is an FFMA immediate: one approximate reciprocal, nine FFMAs, one
-exp2 and a select; the kernel's SASS went from 2920 to 2160 instructions (256x64 tile). Measured (H200, run 18,
-``benchmarks/sweep_geglu_tma.py``, against run 17 call E): SD1.5's level-0 GEGLU GEMM 41.0 -> 37.2 µs, SDXL's
-level 1 118.9 -> 112.2 µs and level 2 98.7 -> 93.8 µs; per UNet step (A/B in one call) SD1.5 5.28 -> 5.25 ms and
-SDXL 28.11 -> 28.02 ms; SDXL's step profile (call F): the GEGLU kernels 6872 -> 6551 µs, the rest of the gap being
-the attention dispatcher's per-run choice at a near-tie.
+element: the GEGLU TMA GEMM's epilogue ran about 50 instructions per output, a dozen of them moves (SASS, sm_90), and
+that epilogue, not the MMAs, set the kernel's time (Nsight Compute: the tensor pipe mostly idle). Here every
+coefficient is an FFMA immediate: one approximate reciprocal, nine FFMAs, one exp2 and a select. The GEGLU GEMMs
+measured faster with it on sm_90 (README; ``benchmarks/results/h200-2026-12-01-run18/``).
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Compile the Triton kernels a forward pass needs in parallel, before the pass runs for real.
 
 With a cold Triton cache, the first forward pass at a new shape compiles every kernel specialization it
-reaches, one after another, on the launching thread. On the H200 host that was about 20 s of SD1.5's 33 s
-first image (run 7 profile: ptxas 9.7 s, LLVM 8.4 s, the launchers' C builds 3.7 s). ptxas and the C compiler
-are subprocesses, and much of the rest runs without the GIL (on the 2-core dev machine, 8 compilations took 0.26 s
-on 2 threads against 0.40 s on one), so compilations overlap when several run at once. Measured on the H200
-(16 cores): SD1.5's first image on a cold cache 32.9 -> 12-16 s, SDXL's 28.5 -> 8.9 s (run 7).
+reaches, one after another, on the launching thread: most of a cold first image is ptxas, LLVM and the launchers'
+C builds. ptxas and the C compiler are subprocesses, and much of the rest runs without the GIL, so compilations
+overlap when several run at once (the README gives the warm-up before and after;
+``benchmarks/results/h200-2026-11-30-run7/``).
 
 ``dry_run(fn, args, kwargs)`` calls ``fn`` once in *compile-only* mode: a Triton launch whose kernel is not
 compiled yet is skipped and its compilation (``JITFunction.preload`` of the launch's specialization, then its

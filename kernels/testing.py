@@ -1,4 +1,5 @@
-"""Shared comparison helpers for kernel tests (see DESIGN.md: flash-attention's tolerance rule)."""
+"""Shared comparison helpers for kernel tests: flash-attention's tolerance rule (its tests compare the kernel and
+PyTorch in low precision against an fp32 reference: ``max|ours - ref32| <= 2 * max|torch_lowp - ref32| + atol``)."""
 
 from __future__ import annotations
 

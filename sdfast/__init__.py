@@ -27,7 +27,7 @@ __all__ = [
 # the Triton kernels: name -> module.
 _LAZY = {
     "Engine": ".engine", "PromptTruncatedWarning": ".engine",
-    "OptimizeConfig": ".config", "KERNEL_DTYPES": ".config",
+    "OptimizeConfig": ".config", "KernelPolicy": ".config", "KERNEL_DTYPES": ".config",
     "SCHEDULERS": ".schedulers",
     "W8A8Config": ".passes.quantize", "NothingQuantizedWarning": ".passes.quantize", "W4A16Config": ".passes.quantize", "Int8OutlierConfig": ".passes.quantize",
     "Sparse24Config": ".passes.sparsity",
@@ -62,6 +62,16 @@ def optimize(pipe, config: "OptimizeConfig | None" = None):
     from .optimizer import optimize as _optimize
 
     return _optimize(pipe, config)
+
+
+def decisions() -> list[dict]:
+    """The kernel choices made (or read from the saved-choices file) in this process, in order: one dict per
+    choice and key with ``choice``, ``key``, ``winner``, ``times_us`` (µs per candidate measured), ``source``
+    ("measured", "saved", "pinned", "only"), ``reasons`` (why a candidate could not run) and ``device`` (the GPU's
+    name). See ``kernels.select``."""
+    from kernels import select
+
+    return [d.as_dict() for d in select.decisions()]
 
 
 def unoptimize(pipe):

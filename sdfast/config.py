@@ -1,10 +1,93 @@
-"""``OptimizeConfig``: the one frozen config of ``sdfast.optimize``; each flag states its trade-off."""
+"""``OptimizeConfig``: the one frozen config of ``sdfast.optimize``; each flag states its trade-off.
+
+Its ``kernels`` field is the :class:`KernelPolicy`: one field per kernel choice of :mod:`kernels.select`. The
+policy is built from the environment by :func:`KernelPolicy.from_env`, the only reader of the ``SDFAST_*`` kernel
+switches, called when ``optimize`` runs (never at import).
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 import torch
+
+# choice name -> (the policy field, the values it takes besides "auto", the environment variable, the value an
+# "off" ("0") of that variable means). One row per kernel choice of kernels.select.
+POLICY_FIELDS = {
+    "attention": ("attention", None, "SDFAST_ATTENTION_BACKEND", None),
+    "conv3x3": ("conv3x3", ("cudnn", "gemm"), "SDFAST_CONV_GEMM", "cudnn"),
+    "group_norm": ("group_norm", ("cluster", "triton"), "SDFAST_GN_CLUSTER", "triton"),
+    "linear": ("linear", ("cublas",), "SDFAST_LINEAR_TMA", "cublas"),
+    "geglu": ("geglu", ("cublas",), "SDFAST_GEGLU_TMA", "cublas"),
+}
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """Which kernel each measured choice may take; "auto" (the default) measures per shape on the GPU at warm-up.
+
+    attention: "auto", or one attention backend for every call ("sdpa", "flash", "efficient", "cudnn", "math",
+        "triton", "xformers"); a forced backend that fails raises.
+    attention_triton: sdfast's Triton flash attention is among the measured backends.
+    conv3x3: the ResNet blocks' 3x3 convolutions: "auto", "cudnn", or "gemm" (im2col + cuBLAS where it can run).
+    group_norm: the fused GroupNorm kernels: "auto", "cluster" (the sm_90 thread-block-cluster kernel where it can
+        run) or "triton".
+    linear: the small-K linears (``OptimizeConfig.tma_linear``): "auto" or "cublas" (never the TMA GEMM).
+    geglu: GEGLU's projection: "auto" or "cublas" (cuBLAS then the GEGLU kernel; never the TMA GEMM).
+    cusparselt_search: 2:4 sparse linears run cuSPARSELt's algorithm search for each shape (slower to start).
+
+    Environment (read by :meth:`from_env` only): ``SDFAST_ATTENTION_BACKEND`` (a backend or "auto"),
+    ``SDFAST_ATTENTION_TRITON=0``, ``SDFAST_CONV_GEMM=0`` (cuDNN), ``SDFAST_GN_CLUSTER=0`` (Triton),
+    ``SDFAST_LINEAR_TMA=0`` and ``SDFAST_GEGLU_TMA=0`` (cuBLAS), ``SDFAST_CUSPARSELT_SEARCH=1``.
+    Raises ValueError for a value a field does not take.
+    """
+
+    attention: str = "auto"
+    attention_triton: bool = True
+    conv3x3: str = "auto"
+    group_norm: str = "auto"
+    linear: str = "auto"
+    geglu: str = "auto"
+    cusparselt_search: bool = False
+
+    def __post_init__(self):
+        for choice, (name, values, _, _) in POLICY_FIELDS.items():
+            value = getattr(self, name)
+            if not isinstance(value, str) or (values is not None and value not in ("auto", *values)):
+                allowed = "a backend name or 'auto'" if values is None else f"one of {('auto', *values)}"
+                raise ValueError(f"KernelPolicy.{name} must be {allowed}, got {value!r}")
+        for name in ("attention_triton", "cusparselt_search"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"KernelPolicy.{name} must be True or False, got {getattr(self, name)!r}")
+
+    @classmethod
+    def from_env(cls, environ=None) -> "KernelPolicy":
+        """The policy the ``SDFAST_*`` kernel switches ask for (see the class docstring); unset ones are "auto".
+        The one place sdfast reads them."""
+        env = os.environ if environ is None else environ
+        values: dict = {}
+        for name, _, var, off in POLICY_FIELDS.values():
+            raw = env.get(var)
+            if raw is None or raw == "":
+                continue
+            if off is None:  # a value switch (the attention backend)
+                values[name] = raw
+            elif raw == "0":
+                values[name] = off
+            elif raw != "1":
+                raise ValueError(f"{var} must be 0 or 1, got {raw!r}")
+        if env.get("SDFAST_ATTENTION_TRITON", "1") == "0":
+            values["attention_triton"] = False
+        if env.get("SDFAST_CUSPARSELT_SEARCH", "0") == "1":
+            values["cusparselt_search"] = True
+        return cls(**values)
+
+    def pins(self) -> dict[str, str | None]:
+        """``{choice name: candidate or None}`` for :func:`kernels.select.set_pins` (the attention backend is
+        passed to the attention dispatcher instead: its candidates are per dispatcher)."""
+        return {choice: None if getattr(self, name) == "auto" else getattr(self, name)
+                for choice, (name, *_rest) in POLICY_FIELDS.items() if choice != "attention"}
 
 # The dtypes the fused kernels take (an optimized pipeline must be in one of them).
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -79,6 +162,8 @@ class OptimizeConfig:
         ``torch.backends.cudnn.allow_tf32``); the upcast is for fp16's range, which TF32 keeps. Speed: SDXL's
         1024² VAE attention runs on tensor cores, 2.27 ms instead of 13.6 ms in SDPA's fp32 kernels (H200, run 7).
         Numerics: the SDXL image's PSNR against stock fp16 stayed at 60.3 dB.
+    kernels: the :class:`KernelPolicy` (which kernel each measured choice may take); None: the one the ``SDFAST_*``
+        switches ask for, read when ``optimize`` runs (``KernelPolicy.from_env``).
     """
 
     attention: bool = True
@@ -96,10 +181,15 @@ class OptimizeConfig:
     max_graphs: int = 8
     vae_fp32_when_asked: bool = True
     vae_tf32: bool = True
+    kernels: KernelPolicy | None = None
 
     def __post_init__(self):
+        if self.kernels is not None and not isinstance(self.kernels, KernelPolicy):
+            raise TypeError(f"OptimizeConfig.kernels must be an sdfast.KernelPolicy, got {type(self.kernels).__name__}")
         for name, value in asdict(self).items():
-            if name != "max_graphs" and not isinstance(value, bool):
+            if name in ("max_graphs", "kernels"):
+                continue
+            if not isinstance(value, bool):
                 raise TypeError(f"OptimizeConfig.{name} must be True or False, got {value!r}")
         if not isinstance(self.max_graphs, int) or isinstance(self.max_graphs, bool) or self.max_graphs < 1:
             raise ValueError(f"OptimizeConfig.max_graphs must be an integer >= 1, got {self.max_graphs!r}")

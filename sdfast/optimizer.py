@@ -8,13 +8,16 @@ diffusers pipeline.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import types
 from dataclasses import dataclass, field
 
 import torch
 
-from .config import KERNEL_DTYPES, OptimizeConfig
+from kernels import select
+
+from .config import KERNEL_DTYPES, KernelPolicy, OptimizeConfig
 from .runtime import execution_device, host_timesteps
 
 log = logging.getLogger("sdfast")
@@ -68,6 +71,20 @@ def _install_graphs(pipe, state: OptimizeState) -> None:
     host_timesteps.keep_on_host(pipe.scheduler)  # no GPU->host sync per step in the scheduler (PNDM)
 
 
+_policy_in_force: KernelPolicy | None = None
+
+
+def _use_policy(policy: KernelPolicy) -> None:
+    """Pin the kernel choices ``policy`` asks for (``kernels.select.set_pins``: process-wide; a second pipeline
+    optimized with another policy changes them for the first too, which is logged)."""
+    global _policy_in_force
+    if _policy_in_force is not None and policy != _policy_in_force:
+        log.warning("sdfast: the kernel policy changed to %s; it applies to every optimized pipeline of the process",
+                    policy)
+    select.set_pins(policy.pins())
+    _policy_in_force = policy
+
+
 def optimize(pipe, config: OptimizeConfig | None = None):
     """Optimize a diffusers SD/SDXL pipeline in place and return it.
 
@@ -85,13 +102,16 @@ def optimize(pipe, config: OptimizeConfig | None = None):
                         f"{pipe.unet.dtype}; load it in one of those, or with optimize=False for the stock pipeline")
     if config is not None and not isinstance(config, OptimizeConfig):
         raise TypeError(f"optimize: config must be an sdfast.OptimizeConfig or None, got {type(config).__name__}")
+    if config is not None and config.kernels is None:
+        config = dataclasses.replace(config, kernels=KernelPolicy.from_env())
     current: OptimizeState | None = getattr(pipe, "_sdfast", None)
     if current is not None:
         if config is not None and config != current.config:
             raise ValueError("optimize: this pipeline is already optimized with another config; call "
                              "sdfast.unoptimize(pipe) first, then optimize(pipe, config)")
         return pipe
-    config = config or OptimizeConfig()
+    config = config or OptimizeConfig(kernels=KernelPolicy.from_env())
+    _use_policy(config.kernels)
     state = OptimizeState(config=config)
     vae = pipe.vae
     if config.vae_fp32_when_asked and hasattr(pipe, "upcast_vae") and vae.dtype == torch.float16 and vae.config.force_upcast:

@@ -19,11 +19,16 @@ if not HAS_CUDA:
     import kernels.gemm.geglu_tma  # noqa: F401,E402
     import kernels.gemm.int8_outlier  # noqa: F401,E402
     import kernels.gemm.linear_tma  # noqa: F401,E402
-    import kernels.gemm.matmul  # noqa: F401,E402
     import kernels.gemm.sparse24  # noqa: F401,E402
     import kernels.gemm.w4a16  # noqa: F401,E402
     import kernels.gemm.w8a8  # noqa: F401,E402
     import kernels.norm  # noqa: F401,E402
+
+
+def pytest_configure(config):
+    from kernels import select
+
+    select.persist(False)  # tests measure; they neither read nor write the user's saved kernel choices
 
 
 def pytest_collection_modifyitems(config, items):
@@ -38,6 +43,17 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def fresh_choices():
+    """No kernel choice made or pinned before the test, none left after it; returns ``select.decisions``."""
+    from kernels import select
+
+    select.clear()
+    with select.pinned({}):
+        yield select.decisions
+    select.clear()
 
 
 @pytest.fixture

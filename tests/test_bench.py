@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from benchmarks import bench_kernels, bench_txt2img, profile_step, reference
+from benchmarks import bench_kernels, bench_txt2img, profile_step, reference, unet_profile
 from benchmarks.report import PUBLISHED_LABEL, fmt, markdown_table
 
 TINY = ["--models", "tiny", "--steps", "2", "--size", "64", "--repeats", "1"]
@@ -208,21 +208,21 @@ def test_reference_rows():
     ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>", "other"),
 ])
 def test_categorize_kernel_names(name, category):
-    assert profile_step.categorize(name, sdfast_names=frozenset()) == category
+    assert unet_profile.categorize(name, sdfast_names=frozenset()) == category
 
 
 def test_sdfast_triton_kernels_by_name(tmp_path):
     (tmp_path / "k.py").write_text("import triton\n@triton.autotune(configs=[])\n@triton.jit\ndef _gn_silu_fwd(\n  x_ptr,\n):\n  pass\n")
-    names = profile_step.sdfast_kernel_names.__wrapped__(str(tmp_path))
+    names = unet_profile.sdfast_kernel_names.__wrapped__(str(tmp_path))
     assert names == frozenset({"_gn_silu_fwd"})
-    assert profile_step.categorize("_gn_silu_fwd", sdfast_names=names) == "sdfast:_gn_silu_fwd"
+    assert unet_profile.categorize("_gn_silu_fwd", sdfast_names=names) == "sdfast:_gn_silu_fwd"
     events = [("_gn_silu_fwd", 30.0, "kernel"), ("void cudnn::ops::nhwcToNchwKernel<>", 10.0, "kernel"),
               ("void cudnn::ops::nhwcToNchwKernel<>", 6.0, "kernel"), ("nvjet_hsh_x", 20.0, "kernel")]
-    b = profile_step.breakdown(events, steps=2, sdfast_names=names)
+    b = unet_profile.breakdown(events, steps=2, sdfast_names=names)
     assert b["layout_copies_per_step"] == 1 and b["categories"]["layout copies"]["us"] == 8
     assert b["categories"]["sdfast:_gn_silu_fwd"] == {"us": 15.0, "kernels": 0.5}
     assert b["total_us"] == 33 and b["kernels_per_step"] == 2
-    assert set(profile_step.CATEGORIES) <= set(b["categories"])
+    assert set(unet_profile.CATEGORIES) <= set(b["categories"])
 
 
 def test_sdfast_cuda_kernels_by_name(tmp_path):
@@ -230,11 +230,11 @@ def test_sdfast_cuda_kernels_by_name(tmp_path):
                                    "gn_cluster_nhwc_kernel(const Params p) {}\n"
                                    "__global__ void __launch_bounds__(max_threads(J), J < 5 ? 1 : 2) "
                                    "other_kernel(const Params p) {}\n")
-    names = profile_step.sdfast_kernel_names.__wrapped__(str(tmp_path))
+    names = unet_profile.sdfast_kernel_names.__wrapped__(str(tmp_path))
     assert names == frozenset({"gn_cluster_nhwc_kernel", "other_kernel"})  # launch bounds with calls in them too
     traced = "void (anonymous namespace)::gn_cluster_nhwc_kernel<__half, 8>((anonymous namespace)::Params)"
-    assert profile_step.categorize(traced, sdfast_names=names) == "sdfast:gn_cluster_nhwc_kernel"
-    assert profile_step.categorize("void at::native::reduce_kernel<512, 1>", sdfast_names=names) == "other"
+    assert unet_profile.categorize(traced, sdfast_names=names) == "sdfast:gn_cluster_nhwc_kernel"
+    assert unet_profile.categorize("void at::native::reduce_kernel<512, 1>", sdfast_names=names) == "other"
 
 
 def test_format_helpers():
@@ -396,3 +396,22 @@ def test_write_sweep_writes_rows_env_and_table(tmp_path):
     assert data["rows"] == [{"us": 1.5}] and "torch" in data["env"]
     md = (tmp_path / "sweep" / "conv.md").read_text()
     assert md.startswith("GPU ") and "torch " in md and md.endswith("| 1.5 |\n")
+
+
+@pytest.mark.parametrize("epilogue", [None, "geglu"])
+def test_gemm_benchmark_candidates_run_on_cpu(epilogue):
+    """The benchmark's backends (minus cuBLAS-only and CUDA C++ ones) give the product they claim."""
+    from benchmarks.kernel_benches import gemm as bench
+
+    shape = dict(model="t", layer="t", M=20, K=64, N=16, epilogue=epilogue, count=1)
+    cands = bench._candidates(shape, "main", {}, device="cpu")
+    refs = cands.pop("_refs")
+    assert {"cublas_fp16", "w8a8_int8", "w8a8_fp8", "w4a16_triton", "int8_outlier"} <= set(cands)
+    for name, (fn, kind) in cands.items():
+        if kind not in refs:
+            continue
+        out = fn()
+        ref = refs[kind]
+        rel = ((out.float() - ref).norm() / ref.norm()).item()
+        assert rel < (0.12 if "w4a16" in name or "fp8" in name else 0.03), f"{name}: rel err {rel:.3f}"
+    assert bench.run.__doc__ and bench._shapes(True) and len(bench._shapes(False)) == 20

@@ -74,7 +74,7 @@ def test_in_place_weight_change_is_seen_by_graphs(sd15):
             w.copy_(saved)
     again = fast.txt2img(PROMPT, **kw)[0]
     assert psnr(before, changed) < 40
-    # restored weights give the first image again, up to run-to-run rounding (not bit-exact on the H200)
+    # restored weights give the first image again, up to run-to-run rounding (not bit-exact on the GPU)
     assert psnr(before, again) > 45
 
 

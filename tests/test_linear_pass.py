@@ -8,6 +8,8 @@ from torch import nn
 
 import sdfast
 from kernels.gemm import linear_projection as lp
+from kernels import select
+from kernels.select import rules
 from kernels.gemm.linear_tma import LinearTile
 from sdfast.passes import attention, layout, linear, norms
 from sdfast.passes.attention.qkv import fused_layer
@@ -55,8 +57,9 @@ def test_unet_output_with_the_tma_gemm_forced(unet16, inputs, monkeypatch):
     with torch.no_grad():
         want = unet16(**inputs, return_dict=False)[0].float()
     linear.apply(unet16)
-    monkeypatch.setattr(lp, "_choices", {})
-    monkeypatch.setitem(lp.TUNING, "force", SMALL)
+    select.clear("linear")
+    monkeypatch.setitem(lp.TUNING, "configs", (SMALL,))
+    monkeypatch.setitem(rules._pins, "linear", str(SMALL))
     calls = []
     real = lp.linear_tma
     monkeypatch.setattr(lp, "linear_tma", lambda x, w, b, r, c: calls.append(r is not None) or real(x, w, b, r, c))
@@ -96,8 +99,9 @@ def test_training_and_autocast_keep_the_stock_forwards(unet16, inputs, monkeypat
     """What the kernel cannot give (a gradient, the bias's included; autocast's dtype) runs the stock ops: the routed
     linears and the layout pass's proj_in / proj_out alike (both decide with ``linear.routable``)."""
     linear.apply(unet16)
-    monkeypatch.setattr(lp, "_choices", {})
-    monkeypatch.setitem(lp.TUNING, "force", SMALL)
+    select.clear("linear")
+    monkeypatch.setitem(lp.TUNING, "configs", (SMALL,))
+    monkeypatch.setitem(rules._pins, "linear", str(SMALL))
     monkeypatch.setattr(lp, "linear_tma", lambda *a, **k: pytest.fail("the TMA kernel must not run here"))
     out_proj = unet16.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_out[0]
     x = torch.randn(2, 5, out_proj.in_features).half()

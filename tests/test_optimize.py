@@ -80,8 +80,11 @@ def test_norm_pass_runs_geglu_in_the_tma_gemm_and_keeps_output(unet_inputs, monk
     from kernels.gemm import geglu_projection as gp
     from kernels.gemm.geglu_tma import TileConfig
 
-    monkeypatch.setattr(gp, "_choices", {})
-    monkeypatch.setitem(gp.TUNING, "force", TileConfig(32, 32, 32, 1, 4, group_m=2))
+    from kernels.select import rules
+
+    config = TileConfig(32, 32, 32, 1, 4, group_m=2)
+    monkeypatch.setitem(gp.TUNING, "configs", (config,))
+    monkeypatch.setitem(rules._pins, "geglu", str(config))
     calls = []
     real = gp.geglu_linear
     monkeypatch.setattr(gp, "geglu_linear", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
@@ -98,8 +101,9 @@ def test_norm_pass_runs_resnet_convs_through_im2col_gemm_and_keeps_output(unet_i
     ResNet block's two convolutions take it and the UNet's output is stock's."""
     from kernels.conv import conv3x3 as cv
 
-    monkeypatch.setattr(cv, "_choices", {})
-    monkeypatch.setitem(cv.TUNING, "force", "gemm")
+    from kernels.select import rules
+
+    monkeypatch.setitem(rules._pins, "conv3x3", "gemm")
     calls = []
     real = cv.gemm_conv3x3
     monkeypatch.setattr(cv, "gemm_conv3x3", lambda *a: calls.append(a[0].shape) or real(*a))
@@ -312,7 +316,7 @@ def test_transformer_block_adds_ff_bias_and_residual_in_the_output_gemm(monkeypa
 
 def test_norm_pass_fuses_the_vae_decoders_resnets():
     """The VAE decoder's up-block resnets say time_embedding_norm="group" and have no time-embedding
-    projection: norm2 alone, as "default" without temb, so they take the fused forward too (run 9: unfused,
+    projection: norm2 alone, as "default" without temb, so they take the fused forward too (unfused,
     they cost the SDXL decode 40 SiLU and 44 add passes)."""
     from diffusers.models.resnet import ResnetBlock2D
 

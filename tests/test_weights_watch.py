@@ -145,8 +145,7 @@ def test_transformers_output_capturing_hooks_do_not_make_the_text_encoder_eager(
 def test_transformers_output_capturing_hooks_installed_after_the_snapshot_change_nothing():
     """The graph runner snapshots a text encoder before its first (capture) call, and transformers installs its
     output-capturing hooks during that call. Those hooks must not count as a change: they did, and every text
-    encoder's graph was captured a second time at the next pipeline call (on the H200, about 25 + 50 ms once for
-    SDXL's two encoders, run 10). A hook of the user's still does."""
+    encoder's graph was captured a second time at the next pipeline call (once per encoder, tens of ms on SDXL). A hook of the user's still does."""
     import sdfast
 
     engine = sdfast.load("random:tiny-xl", optimize=False)

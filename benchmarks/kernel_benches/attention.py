@@ -1,4 +1,4 @@
-"""Attention backends at every attention shape of SD1.5 512², SDXL 1024² and their VAE (H200, fp16).
+"""Attention backends at every attention shape of SD1.5 512², SDXL 1024² and their VAE (fp16; GPU only).
 
 ``run(quick=False) -> list[dict]`` (GPU only; nothing runs at import). Shapes are what
 ``sdfast.passes.attention.SdfastAttnProcessor`` hands the dispatcher: q/k/v are (B, H, L, D) strided

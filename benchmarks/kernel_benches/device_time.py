@@ -1,6 +1,6 @@
 """GPU time of one call, from the profiler's CUPTI trace: what the kernels themselves take, without the host
-launch latency that event timing of a single short launch adds (about 5 µs per graph replay on the H200,
-which a 10 MB copy at the 4.05 TB/s ceiling would need only 2.6 µs for).
+launch latency that event timing of a single short launch adds (a few µs per graph replay: more than a 10 MB copy
+takes at the memory bandwidth).
 
 ``device_time_us(fn)``: L2 is flushed (``bitwise_not_`` over a 256 MB buffer, the marker kernel) before each
 of ``iters`` calls of ``fn``; the GPU activities (kernels, memcpys, memsets) between two markers are one

@@ -1,12 +1,9 @@
-"""GEMM kernels at every SD1.5 / SDXL UNet linear shape (fp16 activations, H200).
+"""GEMM kernels at every SD1.5 / SDXL UNet linear shape (fp16 activations; GPU only).
 
 ``run(quick=False) -> list[dict]`` (GPU only; nothing runs at import). One row per (shape, backend):
 
 - ``cublas_fp16``: ``F.linear(x, W, b)`` (for GEGLU shapes the 2N-row GEMM alone, no activation).
 - ``cublas_fp16+geglu_eager`` (GEGLU shapes): ``F.linear`` then ``chunk`` + ``gelu`` + ``mul`` as diffusers runs it.
-- ``triton_fp16``: ``kernels.gemm.matmul.linear`` (GEGLU fused in the epilogue for GEGLU shapes).
-- ``csrc_fp16``: the CUDA C++ cp.async / mma.sync GEMM (``kernels/csrc``; built in a background thread
-  at the start; a row says so if the build fails).
 - ``w8a8_int8``: per-token quantize kernel + int8 GEMM with dequant epilogue (SmoothQuant, smoothing fused);
   ``w8a8_int8_gemm_only``: the int8 GEMM on pre-quantized activations; ``torch_int_mm``: ``torch._int_mm``
   on the same operands (int32 out, no dequant) for reference.
@@ -17,7 +14,9 @@
   tensor on pre-quantized activations (with fast accumulation: no fp32 promotion in cuBLASLt's K loop).
   ``w8a8_fp8_static``: what ``W8A8StaticLinear`` runs per call: the static quantize kernel, then that GEMM
   with fast accumulation (``kernels.gemm.fp8_static``).
-- ``w4a16_triton`` / ``w4a16_csrc``: packed int4, group_size 128, dequantized in the main loop.
+- ``w4a16_triton`` / ``w4a16_csrc``: packed int4, group_size 128, dequantized in the main loop (``w4a16_csrc``: the
+  CUDA C++ cp.async / mma.sync kernel of ``kernels/csrc``, built in a background thread at the start; a row says so
+  if the build fails).
 - ``int8_outlier``: LLM.int8() with a fixed outlier mask of 8 columns (as after calibration).
 
 Times: ``us`` = ``triton.testing.do_bench_cudagraph`` median (kernels replayed in a CUDA graph, as sdfast
@@ -44,7 +43,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-PEAK_TFLOPS = 739.0  # measured bf16/fp16 dense matmul ceiling on the H200 (DESIGN.md)
+PEAK_TFLOPS = 739.0  # dense fp16 matmul ceiling measured with torch.matmul on the benchmark's GPU (sm_90)
 _LEAD = ("bench", "model", "layer", "M", "K", "N", "backend", "us", "tflops", "x_cublas", "us_eager", "rel_err", "note")
 
 
@@ -101,7 +100,6 @@ def _candidates(shape: dict, phase: str, csrc_state: dict, device: str = "cuda")
     ``phase="main"``: everything but the CUDA C++ kernels; ``phase="csrc"``: those (run last, after the
     background build, so the build overlaps the main phase)."""
     from kernels.gemm.int8_outlier import int8_outlier_linear
-    from kernels.gemm.matmul import linear
     from kernels.gemm.w4a16 import quantize_w4, w4a16_linear
     from kernels.gemm.w8a8 import quantize_per_token, quantize_weight_per_channel, w8a8_gemm, w8a8_linear
 
@@ -130,14 +128,12 @@ def _candidates(shape: dict, phase: str, csrc_state: dict, device: str = "cuda")
         if th is not None:
             th.join()
         if "backend" not in csrc_state:
-            return {**refs, "csrc_fp16": (None, f"error: csrc build failed: {csrc_state.get('error')}")}
-        from kernels.csrc.build import gemm_f16, gemm_w4a16
+            return {**refs, "w4a16_csrc": (None, f"error: csrc build failed: {csrc_state.get('error')}")}
+        from kernels.csrc.build import gemm_w4a16
 
-        return {**refs, "csrc_fp16": (lambda: gemm_f16(x, w, b), "gemm"),
-                "w4a16_csrc": (lambda: gemm_w4a16(x, qw4, s4, z4, b, group_size=128), "gemm")}
+        return {**refs, "w4a16_csrc": (lambda: gemm_w4a16(x, qw4, s4, z4, b, group_size=128), "gemm")}
     c: dict = {
         "cublas_fp16": (lambda: F.linear(x, w, b), "gemm"),
-        "triton_fp16": (lambda: linear(x, w, b, epilogue=epi), "fused"),
     }
     if epi == "geglu":
         def eager_geglu():
@@ -198,7 +194,7 @@ def _tensorwise_fp8(x: torch.Tensor, w32: torch.Tensor, b: torch.Tensor) -> dict
 
 
 def _shapes(quick: bool) -> list[dict]:
-    from kernels.gemm.sd_shapes import SD_LINEAR_SHAPES
+    from benchmarks.sd_shapes import SD_LINEAR_SHAPES
 
     out = [dict(model=m, layer=n, M=M, K=K, N=N, epilogue=e, count=c) for m, n, M, K, N, e, c in SD_LINEAR_SHAPES]
     if quick:
@@ -221,7 +217,7 @@ def run(quick: bool = False) -> list[dict]:
         return [_row({}, bench="gemm", note="skipped: needs a CUDA GPU")]
     meta = _meta()
     t_start = time.perf_counter()
-    want_csrc = bool(_selected({"csrc_fp16": 1, "w4a16_csrc": 1}).keys() - {"cublas_fp16"})
+    want_csrc = bool(_selected({"w4a16_csrc": 1}).keys() - {"cublas_fp16"})
     csrc_state = _start_csrc_build() if want_csrc else {}
     rows: list[dict] = []
     totals: dict[tuple[str, str], float] = {}

@@ -1,7 +1,7 @@
-"""Norm-family kernels at every GroupNorm / LayerNorm / GEGLU shape SD actually runs (H200, fp16).
+"""Norm-family kernels at every GroupNorm / LayerNorm / GEGLU shape SD actually runs (fp16; GPU only).
 
 ``run(quick=False) -> list[dict]`` (GPU only; nothing runs at import). Shapes come from
-``kernels.norm.sd_shapes`` (derived with forward hooks from the diffusers configs): SD1.5 UNet 512²
+``benchmarks.sd_shapes`` (derived with forward hooks from the diffusers configs): SD1.5 UNet 512²
 (batch 2 = CFG), SD1.5 VAE 512² (batch 1; decoder and encoder), SDXL base UNet 1024² (batch 2).
 
 Rows, one per (op, shape, layout):
@@ -50,7 +50,7 @@ _LEAD = ("op", "shape", "layout", "dtype", "kernel_us", "kernel_frac_of_copy_cei
 # --------------------------------------------------------------------------------------------
 def cases(quick: bool = False) -> list[dict]:
     """Benchmark cases, most important first (the compile budget is spent in this order)."""
-    from kernels.norm import sd_shapes
+    from benchmarks import sd_shapes
 
     models: dict = {}
     for model, shape, eps, silu, _ in sd_shapes.GROUP_NORM_SITES:

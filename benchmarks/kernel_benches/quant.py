@@ -1,5 +1,5 @@
 """UNet-level quantization: each method of ``sdfast.passes.quantize`` on the real SD1.5 / SDXL UNet
-architectures with seeded random weights (fp16, H200, batch 2 = batch 1 with CFG).
+architectures with seeded random weights (fp16, batch 2 = batch 1 with CFG; GPU only).
 
 ``run(quick=False) -> list[dict]`` (GPU only; nothing at import). One row per (model, method):
 

@@ -5,7 +5,7 @@ weight is the convolution.
 
 so that ``conv2d(x, weight, bias, padding=1)`` in NHWC memory is ``A @ weight.permute(0, 2, 3, 1).reshape(Cout,
 9*C).T + bias``, an (N*H*W, Cout) row-major result = the channels_last output. At SD1.5's 8x8 level (M = 128 pixels
-with CFG, K = 11520 or 23040, Cout 1280) cuDNN's convolutions run at 170-260 TFLOP/s (H200, run 16) while the
+with CFG, K = 11520 or 23040, Cout 1280) cuDNN's convolutions run far below the tensor-core peak while the
 product is bound by reading the 29-59 MB weight; cuBLAS splits K over the SMs for such a skinny GEMM. A is small
 there (2.9-5.9 MB). Each program copies a (BLOCK_P pixels x BLOCK_C channels) tile of one tap; in channels_last
 memory the channels are contiguous, so loads and stores are full vectors. Method: im2col (Chellapilla et al. 2006).

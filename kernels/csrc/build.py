@@ -1,6 +1,6 @@
-"""Build (on demand, never at import) and call the CUDA C++ cp.async GEMMs in ``gemm_cp_async.cu``.
+"""Build (on demand, never at import) and call the CUDA C++ cp.async W4A16 GEMM in ``gemm_cp_async.cu``.
 
-Two ways to load the kernels, tried in this order by :func:`backend`:
+Two ways to load the kernel, tried in this order by :func:`backend`:
 
 1. ``torch.utils.cpp_extension.load`` of ``gemm_cp_async.cu`` + ``gemm_binding.cpp`` (the .cpp is the
    only file that includes torch headers). Needs ninja and a host compiler; the build goes to torch's
@@ -12,9 +12,8 @@ Two ways to load the kernels, tried in this order by :func:`backend`:
 Both are compiled for the current GPU's architecture by default (``arch_list`` overrides: e.g.
 ``["8.0", "9.0"]``), since building two architectures doubles the build time.
 
-Public ops (``torch.library`` custom ops, opaque to torch.compile / CUDA graphs):
+Public op (a ``torch.library`` custom op, opaque to torch.compile / CUDA graphs):
 
-* :func:`gemm_f16` (``sdfast::csrc_gemm_f16``): ``a @ b^T + bias``, fp16.
 * :func:`gemm_w4a16` (``sdfast::csrc_gemm_w4a16``): W4A16 with the packed format of
   ``kernels.gemm.w4a16`` (K and group_size multiples of 32).
 """
@@ -144,8 +143,6 @@ def load_ctypes_library(arch_list: tuple[str, ...] | None = None) -> ctypes.CDLL
     """Compile the .cu alone with ``nvcc -shared`` (cached by source hash) and load it with ctypes."""
     lib = ctypes.CDLL(str(compile_shared_library(CU_SOURCE, "sdfast_gemm", arch_list)))
     vp, i = ctypes.c_void_p, ctypes.c_int
-    lib.sdfast_gemm_f16.argtypes = [vp, vp, vp, vp, i, i, i, i, i, i, vp]
-    lib.sdfast_gemm_f16.restype = i
     lib.sdfast_gemm_w4a16.argtypes = [vp, vp, vp, vp, vp, vp, i, i, i, i, i, i, vp]
     lib.sdfast_gemm_w4a16.restype = i
     return lib
@@ -153,7 +150,7 @@ def load_ctypes_library(arch_list: tuple[str, ...] | None = None) -> ctypes.CDLL
 
 _RC = {
     -1: "a dimension is <= 0 or a leading dimension is too small",
-    -2: "K and the row strides must be multiples of 8 (16-byte cp.async rows)",
+    -2: "the row stride of a must be a multiple of 8 (16-byte cp.async rows)",
     -3: "base pointers must be 16-byte aligned",
     -4: "W4A16 needs K % 32 == 0 and group_size a positive multiple of 32",
 }
@@ -169,17 +166,6 @@ class _CtypesBackend:
     def _check(rc: int, what: str) -> None:
         if rc != 0:
             raise RuntimeError(f"{what}: {_RC.get(rc, f'CUDA error {rc}')}")
-
-    def gemm_f16(self, a, b, bias):
-        M, K = a.shape
-        N = b.shape[0]
-        c = torch.empty((M, N), device=a.device, dtype=a.dtype)
-        stream = torch.cuda.current_stream(a.device).cuda_stream
-        with torch.cuda.device(a.device):
-            rc = self.lib.sdfast_gemm_f16(a.data_ptr(), b.data_ptr(), bias.data_ptr() if bias is not None else None,
-                                          c.data_ptr(), M, N, K, a.stride(0), b.stride(0), N, stream)
-        self._check(rc, "gemm_f16")
-        return c
 
     def gemm_w4a16(self, a, qweight, scales, zeros, bias, group_size):
         M, K = a.shape
@@ -224,16 +210,6 @@ def backend(prefer: str = "auto"):
 # --------------------------------------------------------------------------------------------
 # ops
 # --------------------------------------------------------------------------------------------
-@torch.library.custom_op("sdfast::csrc_gemm_f16", mutates_args=())
-def _gemm_f16_op(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return backend().gemm_f16(a, b, bias)
-
-
-@_gemm_f16_op.register_fake
-def _(a, b, bias):
-    return a.new_empty((a.shape[0], b.shape[0]))
-
-
 @torch.library.custom_op("sdfast::csrc_gemm_w4a16", mutates_args=())
 def _gemm_w4a16_op(
     a: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bias: torch.Tensor | None,
@@ -255,26 +231,6 @@ def _check_common(what: str, a: torch.Tensor, bias: torch.Tensor | None, N: int)
         raise TypeError(f"{what}: a must be fp16 (M, K), got {a.dtype} {tuple(a.shape)}")
     if bias is not None and (bias.dtype != torch.float16 or tuple(bias.shape) != (N,)):
         raise ValueError(f"{what}: bias must be fp16 ({N},), got {bias.dtype} {tuple(bias.shape)}")
-
-
-def gemm_f16(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b^T + bias`` with the cp.async / mma.sync CUDA C++ kernel (op ``sdfast::csrc_gemm_f16``).
-
-    a: (M, K) fp16 CUDA, unit stride along K, K and ``a.stride(0)`` multiples of 8, 16-byte aligned;
-    b: (N, K) fp16 likewise (nn.Linear weight layout); bias: optional fp16 (N,). Returns (M, N) fp16.
-    Builds the kernels on first call (see :func:`backend`).
-
-    Raises: NotImplementedError (CPU), TypeError / ValueError (dtype, shape, alignment), RuntimeError (build).
-    """
-    _check_common("csrc.gemm_f16", a, bias, b.shape[0])
-    if b.dtype != torch.float16 or b.dim() != 2 or b.shape[1] != a.shape[1]:
-        raise ValueError(f"csrc.gemm_f16: b must be fp16 (N, {a.shape[1]}), got {b.dtype} {tuple(b.shape)}")
-    if a.shape[1] % 8 or a.stride(1) != 1 or b.stride(1) != 1 or a.stride(0) % 8 or b.stride(0) % 8:
-        raise ValueError("csrc.gemm_f16: K and row strides must be multiples of 8 with unit stride along K "
-                         f"(K={a.shape[1]}, strides {a.stride()} / {b.stride()})")
-    if a.data_ptr() % 16 or b.data_ptr() % 16:
-        raise ValueError("csrc.gemm_f16: a and b must be 16-byte aligned")
-    return _gemm_f16_op(a, b, None if bias is None else bias.contiguous())
 
 
 def gemm_w4a16(
@@ -312,4 +268,4 @@ def gemm_w4a16(
                           None if bias is None else bias.contiguous(), int(group_size))
 
 
-__all__ = ["backend", "load_extension", "load_ctypes_library", "compile_shared_library", "find_nvcc", "gencode_flags", "gemm_f16", "gemm_w4a16"]
+__all__ = ["backend", "load_extension", "load_ctypes_library", "compile_shared_library", "find_nvcc", "gencode_flags", "gemm_w4a16"]

@@ -6,38 +6,16 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/extension.h>
 
-extern "C" int sdfast_gemm_f16(const void* A, const void* B, const void* bias, void* C, int M, int N, int K, int lda,
-                               int ldb, int ldc, cudaStream_t stream);
 extern "C" int sdfast_gemm_w4a16(const void* A, const void* qweight, const void* scales, const void* zeros,
                                  const void* bias, void* C, int M, int N, int K, int group_size, int lda, int ldc,
                                  cudaStream_t stream);
 
 static void check_rc(int rc, const char* what) {
   TORCH_CHECK(rc != -1, what, ": a dimension is <= 0 or a leading dimension is too small");
-  TORCH_CHECK(rc != -2, what, ": K and the row strides must be multiples of 8 (16-byte cp.async rows)");
+  TORCH_CHECK(rc != -2, what, ": the row stride of a must be a multiple of 8 (16-byte cp.async rows)");
   TORCH_CHECK(rc != -3, what, ": base pointers must be 16-byte aligned");
   TORCH_CHECK(rc != -4, what, ": W4A16 needs K % 32 == 0 and group_size a positive multiple of 32");
   TORCH_CHECK(rc == 0, what, ": CUDA error ", rc, " (", cudaGetErrorString(static_cast<cudaError_t>(rc)), ")");
-}
-
-// a: (M, K) fp16, row stride a.stride(0), unit column stride; b: (N, K) fp16; bias: (N,) fp16 or None.
-torch::Tensor gemm_f16(torch::Tensor a, torch::Tensor b, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(a.is_cuda() && b.is_cuda(), "gemm_f16: CUDA tensors expected");
-  TORCH_CHECK(a.scalar_type() == at::kHalf && b.scalar_type() == at::kHalf, "gemm_f16: fp16 tensors expected");
-  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(1), "gemm_f16: a (M, K) and b (N, K) expected");
-  TORCH_CHECK(a.stride(1) == 1 && b.stride(1) == 1, "gemm_f16: unit stride along K expected");
-  const c10::cuda::CUDAGuard guard(a.device());
-  const int M = a.size(0), K = a.size(1), N = b.size(0);
-  auto c = torch::empty({M, N}, a.options());
-  const void* bp = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kHalf && bias->numel() == N && bias->is_contiguous(), "gemm_f16: bias (N,) fp16");
-    bp = bias->data_ptr();
-  }
-  check_rc(sdfast_gemm_f16(a.data_ptr(), b.data_ptr(), bp, c.data_ptr(), M, N, K, a.stride(0), b.stride(0), N,
-                           c10::cuda::getCurrentCUDAStream().stream()),
-           "gemm_f16");
-  return c;
 }
 
 // a: (M, K) fp16; qweight: int32 (N, K/8); scales: fp16 (N, G); zeros: uint8 (N, G); bias: (N,) fp16 or None.
@@ -64,6 +42,5 @@ torch::Tensor gemm_w4a16(torch::Tensor a, torch::Tensor qweight, torch::Tensor s
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemm_f16", &gemm_f16, "fp16 GEMM a @ b^T (+ bias), cp.async 3-stage ring, mma.sync m16n8k16");
   m.def("gemm_w4a16", &gemm_w4a16, "W4A16 GEMM, packed int4 weight dequantized in shared memory");
 }

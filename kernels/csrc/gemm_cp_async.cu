@@ -1,6 +1,6 @@
-// sdfast: fp16 GEMM and W4A16 GEMM staged through shared memory with explicit cp.async PTX.
+// sdfast: W4A16 GEMM staged through shared memory with explicit cp.async PTX.
 //
-//   C[M, N] = A[M, K] @ B[N, K]^T (+ bias[N])        (B as nn.Linear stores its weight)
+//   C[M, N] = A[M, K] @ dequant(QW)[N, K]^T (+ bias[N])        (the weight as nn.Linear stores it)
 //
 // * Tiles BM x BN x BK = 128 x 128 x 32, 256 threads (8 warps as 2 along M x 4 along N, each warp
 //   computes 64 x 32 with 4 x 4 mma.sync.aligned.m16n8k16 fp16 -> fp32 tensor-core MMAs per k16).
@@ -11,7 +11,7 @@
 //   so cp.async zero-fills them (M, N tails; K must be a multiple of 8).
 // * Shared rows are padded to BK + 8 halves (80 bytes): the 8 row addresses of every ldmatrix
 //   phase fall in distinct banks, and rows stay 16-byte aligned for cp.async / ldmatrix.
-// * W4A16: B arrives as packed int4 (int32 (N, K/8), nibble k%8 of word k/8 holds element k, lowest
+// * The weight arrives as packed int4 (int32 (N, K/8), nibble k%8 of word k/8 holds element k, lowest
 //   nibble first), with per-group fp16 scales and uint8 zeros (N, ceil(K/group_size)). The packed
 //   tile (BN x 16 bytes) rides the same cp.async ring; once it has landed in shared memory the block
 //   dequantizes it, w = (q - zero) * scale, into one fp16 tile that the MMAs read.
@@ -37,7 +37,6 @@ constexpr int WARP_N = 32;   // columns per warp
 constexpr int MT = WARP_M / 16;  // m16 tiles per warp
 constexpr int NT = WARP_N / 8;   // n8 tiles per warp
 
-constexpr int kSmemF16 = STAGES * (BM + BN) * LDS * 2;                           // 61440 bytes
 constexpr int kSmemW4 = STAGES * BM * LDS * 2 + STAGES * BN * (BK / 2) + BN * LDS * 2;  // 47104 bytes
 
 // ------------------------------------------------------------------------------------------
@@ -158,62 +157,6 @@ __device__ __forceinline__ void store_tile(const float (&acc)[MT][NT][4], half* 
 }
 
 // ------------------------------------------------------------------------------------------
-// fp16 GEMM
-// ------------------------------------------------------------------------------------------
-__global__ void __launch_bounds__(THREADS) gemm_f16_kernel(const half* __restrict__ A, const half* __restrict__ B,
-                                                            const half* __restrict__ bias, half* __restrict__ C, int M,
-                                                            int N, int K, int lda, int ldb, int ldc) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  extern __shared__ __align__(16) unsigned char smem[];
-  half* As = reinterpret_cast<half*>(smem);         // [STAGES][BM][LDS]
-  half* Bs = As + STAGES * BM * LDS;                 // [STAGES][BN][LDS]
-  const int tid = threadIdx.x;
-  const int lane = tid % 32;
-  const int warp = tid / 32;
-  const int warp_m = warp % 2;
-  const int warp_n = warp / 2;
-  const int m0 = blockIdx.y * BM;
-  const int n0 = blockIdx.x * BN;
-  const int KT = (K + BK - 1) / BK;
-
-  float acc[MT][NT][4];
-#pragma unroll
-  for (int i = 0; i < MT; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
-
-  // prologue: STAGES-1 tiles in flight
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < KT) {
-      load_tile_f16(As + s * BM * LDS, A, M, K, lda, m0, s * BK, tid);
-      load_tile_f16(Bs + s * BN * LDS, B, N, K, ldb, n0, s * BK, tid);
-    }
-    cp_async_commit();
-  }
-  for (int kt = 0; kt < KT; ++kt) {
-    cp_async_wait<STAGES - 2>();  // tile kt has landed (this thread's copies) ...
-    __syncthreads();              // ... and every thread's; stage (kt-1) % STAGES is free again
-    const int nk = kt + STAGES - 1;
-    if (nk < KT) {
-      const int s = nk % STAGES;
-      load_tile_f16(As + s * BM * LDS, A, M, K, lda, m0, nk * BK, tid);
-      load_tile_f16(Bs + s * BN * LDS, B, N, K, ldb, n0, nk * BK, tid);
-    }
-    cp_async_commit();  // always commit (possibly empty) so the group count stays in step
-    const int s = kt % STAGES;
-    mma_tile(acc, As + s * BM * LDS, Bs + s * BN * LDS, warp_m, warp_n, lane);
-  }
-  cp_async_wait<0>();
-  store_tile(acc, C, bias, M, N, ldc, m0, n0, warp_m, warp_n, lane);
-#else
-  __trap();  // built for an architecture without cp.async / ldmatrix / m16n8k16
-#endif
-}
-
-// ------------------------------------------------------------------------------------------
 // W4A16 GEMM
 // ------------------------------------------------------------------------------------------
 // packed rows [n0, n0+BN) x words [k0/8, k0/8 + BK/8) -> dst[BN][BK/8] uint32 (one 16-byte chunk per row)
@@ -317,25 +260,10 @@ __global__ void __launch_bounds__(THREADS) gemm_w4a16_kernel(const half* __restr
 // extern "C" launchers. Return 0 on success, a cudaError_t value on a launch error, or a negative
 // code for arguments the kernels do not support:
 //   -1: a dimension <= 0 or a leading dimension smaller than K / N
-//   -2: K (or a leading dimension) not a multiple of 8 (16-byte cp.async rows)
+//   -2: the leading dimension of A not a multiple of 8 (16-byte cp.async rows)
 //   -3: a base pointer not 16-byte aligned
-//   -4: W4A16: K not a multiple of 32, or group_size not a positive multiple of 32
+//   -4: K not a multiple of 32, or group_size not a positive multiple of 32
 // ------------------------------------------------------------------------------------------
-extern "C" int sdfast_gemm_f16(const void* A, const void* B, const void* bias, void* C, int M, int N, int K, int lda,
-                               int ldb, int ldc, cudaStream_t stream) {
-  using namespace sdfast_csrc;
-  if (M <= 0 || N <= 0 || K <= 0 || lda < K || ldb < K || ldc < N) return -1;
-  if (K % 8 || lda % 8 || ldb % 8) return -2;
-  if ((reinterpret_cast<uintptr_t>(A) | reinterpret_cast<uintptr_t>(B)) & 15) return -3;
-  cudaError_t err = cudaFuncSetAttribute(gemm_f16_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemF16);
-  if (err != cudaSuccess) return static_cast<int>(err);
-  dim3 grid((N + BN - 1) / BN, (M + BM - 1) / BM);
-  gemm_f16_kernel<<<grid, THREADS, kSmemF16, stream>>>(static_cast<const half*>(A), static_cast<const half*>(B),
-                                                      static_cast<const half*>(bias), static_cast<half*>(C), M, N, K,
-                                                      lda, ldb, ldc);
-  return static_cast<int>(cudaGetLastError());
-}
-
 extern "C" int sdfast_gemm_w4a16(const void* A, const void* qweight, const void* scales, const void* zeros,
                                  const void* bias, void* C, int M, int N, int K, int group_size, int lda, int ldc,
                                  cudaStream_t stream) {

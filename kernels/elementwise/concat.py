@@ -4,8 +4,8 @@
 
 This is ``torch.cat([hidden_states, res_hidden_states], dim=1)``, the skip connection of every UNet up block
 (diffusers' ``UpBlock2D`` and ``CrossAttnUpBlock2D``). In channels_last memory the concatenated axis is the
-innermost one, and PyTorch's kernel for it (``CatArrayBatchedCopy``) moved SD1.5's 12 concatenations per step in
-97 µs and SDXL's 9 in 317 µs on the H200, about 45 % of the memory bandwidth (H200 run 12 profile). Here each
+innermost one, and PyTorch's kernel for it (``CatArrayBatchedCopy``) runs at about half the memory bandwidth
+(benchmarks/results/h200-2026-11-30-run12). Here each
 program copies a (BLOCK_P pixels x BLOCK_C output channels) tile, taking each channel from ``a`` or ``b``; in
 channels_last memory the channels are contiguous, so loads and stores are full vectors. NCHW inputs take the
 same kernel through their strides (correct, not tuned).

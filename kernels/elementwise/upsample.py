@@ -4,9 +4,8 @@
 
 This is what diffusers' ``Upsample2D`` does before its conv (``F.interpolate(scale_factor=2, mode="nearest")``)
 in every UNet up block and VAE decoder up block. PyTorch's channels_last kernel for it
-(``upsample_nearest2d_nhwc_out_frame``) ran at 1/6 to 1/9 of the memory bandwidth on the H200: 725 µs for the
-SD1.5 VAE decoder's three calls, 3.0 ms for SDXL's (fp32), where moving their bytes takes about 80 µs and
-0.5 ms (benchmarks/results/h200-2026-11-30-run9). Here each program copies a (BLOCK_P output pixels x
+(``upsample_nearest2d_nhwc_out_frame``) runs at a small fraction of the memory bandwidth
+(benchmarks/results/h200-2026-11-30-run9). Here each program copies a (BLOCK_P output pixels x
 BLOCK_C channels) tile; in channels_last memory the channels are contiguous, so loads and stores are full
 vectors, and the four reads of each input pixel hit the cache. NCHW inputs take the same kernel through
 their strides (correct, not tuned).

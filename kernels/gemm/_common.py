@@ -11,14 +11,14 @@ import triton.language as tl
 
 @functools.lru_cache(maxsize=None)
 def smem_limit(device_index: int) -> int:
-    """Opt-in shared memory per block (bytes): 227 KiB on H100/H200, 163 KiB on A100, 99 KiB on sm_86/89."""
+    """Opt-in shared memory per block (bytes): 227 KiB on sm_90, 163 KiB on A100, 99 KiB on sm_86/89."""
     props = torch.cuda.get_device_properties(device_index)
     return int(getattr(props, "shared_memory_per_block_optin", 0) or 48 * 1024)
 
 
 @functools.lru_cache(maxsize=None)
 def num_sms(device_index: int) -> int:
-    """Streaming multiprocessors of a CUDA device (132 on the H200): the size of a persistent grid."""
+    """Streaming multiprocessors of a CUDA device (132 on a Hopper SXM part): the size of a persistent grid."""
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 

@@ -10,20 +10,18 @@ scale = calibrated absmax / 448, one weight scale per tensor. E4M3 keeps about 4
 range per scale, so one scale per tensor loses little; the win is the GEMM: with one scalar per operand
 cuBLASLt runs its fastest FP8 kernels, and nothing has to be reduced at run time.
 
-Measured on the H200 (``bench_kernels --only gemm``, 2026-11-30, summed over one SDXL UNet forward's
-linears): cuBLAS fp16 15.3 ms; ``_scaled_mm`` with per-token x per-channel scales 13.1 ms; per-tensor
-scales 11.4 ms; per-tensor with fast accumulation 9.26 ms (1.65x fp16). Fast accumulation
-(``use_fast_accum``) lets cuBLASLt keep the FP8 products in the tensor cores' accumulator without
-periodic promotion to fp32; at SD's K <= 5120 the relative error against fp32 was unchanged
-(0.0373 with and without, the quantization error itself).
+Over one SDXL UNet forward's linears (``bench_kernels --only gemm``, sm_90) per-tensor scales measured faster than
+per-token x per-channel ones, and fast accumulation faster again (figures: ``benchmarks/results/h200-2026-11-30-run8/``).
+Fast accumulation (``use_fast_accum``) lets cuBLASLt keep the FP8 products in the tensor cores' accumulator without
+periodic promotion to fp32; at SD's K <= 5120 the relative error against fp32 is unchanged (the quantization
+error itself).
 
 Rounding: on the GPU the kernel clamps to ±448 and casts (``cvt.rn.satfinite``: nearest, ties to even),
 bit-identical to torch's ``(x * smooth * inv).clamp(-448, 448).to(torch.float8_e4m3fn)``. Triton's
 interpreter casts fp32 -> e4m3 wrongly across binades, so there the kernel first rounds to the E4M3 grid
 itself (bit arithmetic: exact) and the cast only has exact values to convert; the result is then equal in
 value (the interpreter drops the sign of zero and casts NaN to 384; the GPU keeps NaN). Doing that rounding on
-the GPU too, measured in the SDXL UNet (H200, 2026-11-30): 7.8 µs per call instead of 3.3 µs, and not
-bit-exact.
+the GPU too measured about twice as slow per call in the SDXL UNet, and is not bit-exact.
 
 Requirements (``torch._scaled_mm``): K and N multiples of 16; a CUDA GPU of sm_89+ (Ada, Hopper). On a
 CPU tensor the GEMM runs the plain-PyTorch reference (dequantize, matmul), logged once by

@@ -2,8 +2,7 @@
 
 diffusers' ``GEGLU`` computes ``proj(x)`` (``(M, K) -> (M, 2N)``, rows ``[0, N)`` of the weight give the
 value ``a``, rows ``[N, 2N)`` the gate ``g``) and then ``a * gelu(g)``. cuBLAS writes the 2N-wide product
-and a second kernel reads it back (SDXL: 60 such projections per step, about 22 µs each for the second
-kernel on the H200, run 13). Here one program computes the matching ``a`` and ``g`` tiles, rows ``n`` and
+and a second kernel reads it back (SDXL: 60 such projections per step). Here one program computes the matching ``a`` and ``g`` tiles, rows ``n`` and
 ``n + N`` of the weight, from the same ``x`` tile in two fp32 accumulators, and stores only the N-wide
 result.
 
@@ -49,13 +48,10 @@ class TileConfig:
 
 
 # The candidates geglu_projection measures per shape (each compiles once, on a cold cache, during warm-up).
-# Winners of benchmarks/sweep_geglu_tma.py on the H200. Run 15 (calls B and C; 22 configs: 4 and 2 stages, 128x64 /
-# 64x128 / 64x64 tiles with 4 warps, BLOCK_K 32, Triton's flattened loop, group sizes 4/8/16): the persistent 128x128
-# tiles, SDXL's winners since (level 2 93.7 µs against cuBLAS + the GEGLU kernel's 102.5, level 1 111.9 against 125.4;
-# run 18 call G, after the GELU change). Run 18 call G: with the cheaper GELU epilogue, one program per 128x64 tile of
-# 4 warps (several per SM, so one's epilogue overlaps another's main loop) wins SD1.5's levels 0, 1 and 2: 35.2, 28.3
-# and 27.4 µs against 37.4, 32.2 (persistent 128x128) and 28.0 (cuBLAS); at SD1.5's mid block cuBLAS stays faster.
-# The persistent 256x64 tile, SD1.5 level 0's winner in run 17, no longer wins anywhere and was dropped.
+# Winners of benchmarks/sweep_geglu_tma.py on sm_90 (benchmarks/results/h200-2026-11-30-run15/ and
+# h200-2026-12-01-run18/): the persistent 128x128 tiles at SDXL's levels 1 and 2; one program per 128x64 tile of
+# 4 warps (several per SM, so one's epilogue overlaps another's main loop) at SD1.5's levels 0, 1 and 2. At SD1.5's
+# mid block cuBLAS + the GEGLU kernel stays faster.
 # Accumulator registers per thread: 2 * block_m * block_n / (32 * warps), 128 here.
 CONFIGS = (
     TileConfig(128, 128, 64, 3, 8, group_m=4),
@@ -68,11 +64,14 @@ CONFIGS = (
 # --------------------------------------------------------------------------------------------
 # reference
 # --------------------------------------------------------------------------------------------
-def geglu_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Plain PyTorch, fp32 math: ``a * gelu(g)`` with ``a, g = (x @ weight^T + bias).chunk(2, -1)``.
+def geglu_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                     upcast: bool = True) -> torch.Tensor:
+    """Plain PyTorch: ``a * gelu(g)`` with ``a, g = (x @ weight^T + bias).chunk(2, -1)``.
 
-    x: (..., K); weight: (2N, K); bias: (2N,) or None. Returns (..., N) in ``x.dtype``."""
-    y = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    x: (..., K); weight: (2N, K); bias: (2N,) or None. With ``upcast`` the math runs in fp32, else in ``x.dtype``
+    (the "torch low precision" baseline of the tests' tolerance rule). Returns (..., N) in ``x.dtype``."""
+    ct = torch.float32 if upcast else x.dtype
+    y = torch.nn.functional.linear(x.to(ct), weight.to(ct), None if bias is None else bias.to(ct))
     a, g = y.chunk(2, dim=-1)
     return (a * torch.nn.functional.gelu(g)).to(x.dtype)
 
@@ -112,8 +111,8 @@ def _geglu_tile(tile, x_desc, wa_desc, wg_desc, w2_desc, out_desc, bias_ptr, M, 
     out_desc.store([off_m, off_n], y.to(out_desc.dtype))
 
 
-# M and the grid size are not specialized (Triton would compile again when their divisibility by 16 changes: run 15,
-# call D, SD1.5's second image size recompiled two configs because the mid block's grid went from 40 to 80 programs)
+# M and the grid size are not specialized: Triton would compile again when their divisibility by 16 changes, e.g. at a
+# second image size whose mid-block grid goes from 40 to 80 programs
 @triton.jit(do_not_specialize=["M", "num_programs"])
 def _geglu_tma_kernel(
     x_desc,  # (M, K), block (BLOCK_M, BLOCK_K)

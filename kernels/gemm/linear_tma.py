@@ -1,8 +1,8 @@
 """Linear layer on Hopper: a TMA-fed Triton GEMM, ``y = x @ W^T + bias (+ residual)``, for SD's small-K projections.
 
-SD1.5's 320-wide projections at 64x64 latents ((8192, 320) x (320, 320), 21 per step) take cuBLAS about 11 µs
-each in the engine's graphs, 170 TFLOP/s: Nsight Compute showed its kernel's tensor pipe 22 % busy (H200, run 18,
-call A): with K = 320 every tile is five K steps, so a tile's load latency and epilogue, not its MMAs, set the time.
+SD1.5's 320-wide projections at 64x64 latents ((8192, 320) x (320, 320), 21 per step) leave cuBLAS's tensor pipe
+mostly idle (Nsight Compute, sm_90; ``benchmarks/results/h200-2026-12-01-run18/``): with K = 320 every tile is five K
+steps, so a tile's load latency and epilogue, not its MMAs, set the time.
 This kernel is the GEGLU TMA GEMM's (:mod:`kernels.gemm.geglu_tma`) main loop with a plain epilogue, launched
 either persistent (one program per SM walking tiles in grouped order) or one program per tile, whichever the
 caller measured faster; smaller tiles than cuBLAS picks give more programs per SM, so one's loads overlap
@@ -41,7 +41,7 @@ class LinearTile:
     persistent: bool = True
 
 
-# The sweep's winners where the kernel beat cuBLAS (benchmarks/sweep_linear_tma.py, H200 run 18 call C: SD1.5's
+# The sweep's winners where the kernel beat cuBLAS (benchmarks/sweep_linear_tma.py on sm_90: SD1.5's
 # 320- and 640-wide projections): per-tile grids of 4 warps, measured per shape by linear_projection; and the
 # persistent 128x64 tile (never the fastest there), kept for the tests of the persistent walk.
 CONFIGS = (

@@ -1,10 +1,9 @@
 """Fused normalization kernels: GroupNorm (+ channel bias, residual, SiLU; NCHW and channels_last),
-InstanceNorm, LayerNorm (+ residual), GEGLU, and the BatchNorm-into-conv fold.
+InstanceNorm, LayerNorm (+ residual) and GEGLU.
 
 Each op has a plain-PyTorch ``*_ref`` beside it and is registered as ``torch.ops.sdfast.<name>``.
 """
 
-from kernels.norm.batch_norm import fold_batch_norm_into_conv
 from kernels.norm.geglu import geglu, geglu_ref
 from kernels.norm.group_norm import group_norm, group_norm_ref, instance_norm
 from kernels.norm.layer_norm import layer_norm, layer_norm_ref
@@ -17,5 +16,4 @@ __all__ = [
     "layer_norm_ref",
     "geglu",
     "geglu_ref",
-    "fold_batch_norm_into_conv",
 ]

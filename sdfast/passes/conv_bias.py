@@ -1,9 +1,8 @@
 """Convolution bias pass: the convolutions outside the fused blocks add their bias in one vectorized kernel.
 
 PyTorch's cuDNN path runs a convolution without its bias and then adds the bias in a separate broadcast kernel;
-on channels_last memory that kernel is PyTorch's generic (not vectorized) elementwise loop, at about 60 % of the
-H200's memory bandwidth (the SDXL VAE decoder's three upsampler convolutions: 1.35 ms per image in fp32, H200
-run 9 profile). The ResNet blocks and SD 1.x's 1x1 transformer projections already fold their biases
+on channels_last memory that kernel is PyTorch's generic (not vectorized) elementwise loop, well below the memory
+bandwidth (measured on sm_90: ``benchmarks/results/h200-2026-11-30-run12/``). The ResNet blocks and SD 1.x's 1x1 transformer projections already fold their biases
 (``sdfast.passes.norms``, ``sdfast.passes.layout``); this pass covers the rest: the UNet's ``conv_in``/``conv_out``,
 those of the VAE's decoder and encoder, the VAE's ``post_quant_conv``, and the convolutions of
 ``Downsample2D``/``Upsample2D``.

@@ -1,7 +1,7 @@
 """Skip-connection pass: the UNet up blocks concatenate their skip connections on sdfast's kernel.
 
 diffusers' ``UpBlock2D`` and ``CrossAttnUpBlock2D`` run ``torch.cat([hidden_states, res_hidden_states], dim=1)``
-before each ResNet block. On channels_last memory PyTorch's kernel for it ran at about 45 % of the H200's memory
+before each ResNet block. On channels_last memory PyTorch's kernel for it runs at about half the memory
 bandwidth (``kernels.elementwise.concat``). The rebound forward (per instance, reversible with ``undo``) is
 diffusers' forward with that one call on ``cat_channels``, bit-identical. Whatever else the forward can do runs
 diffusers' own: FreeU (``enable_freeu``, which rescales the two tensors first), gradient checkpointing while

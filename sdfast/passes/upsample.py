@@ -1,7 +1,7 @@
 """Upsampling pass: diffusers ``Upsample2D`` (nearest 2x, then its conv) upsamples on sdfast's kernel.
 
 ``Upsample2D`` calls ``F.interpolate(scale_factor=2, mode="nearest")``; on channels_last memory PyTorch's kernel
-for it ran at 1/6 to 1/9 of the H200's memory bandwidth (``kernels.elementwise.upsample``). The rebound forward
+for it runs far below the memory bandwidth (``kernels.elementwise.upsample``). The rebound forward
 (per instance, reversible with ``undo``) runs ``upsample_nearest2x``, bit-identical, and then the block's conv
 as before. What the kernel does not cover runs diffusers' own forward: a norm before the upsampling, a
 transposed conv, ``interpolate=False``, an ``output_size`` that is not exactly twice the input, an input that

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import precompile, select
 from kernels.conv import conv3x3 as cv
 from kernels.conv.im2col import im2col3x3, im2col3x3_ref
 from kernels.testing import assert_close_rule
@@ -55,46 +56,53 @@ def test_gemm_problem_names_what_it_refuses(monkeypatch):
     assert "bias" in cv.gemm_problem(x, wt, torch.zeros(32))
     assert "3x3" in cv.gemm_problem(x, wt[:, :, :1], None)
     assert "output pixels" in cv.gemm_problem(_x(2, 64, 64, 64), wt, None)
-    monkeypatch.setitem(cv.TUNING, "enabled", False)
-    assert cv.gemm_problem(x, wt, None) == "SDFAST_CONV_GEMM=0"
+
+
+def _conv_decisions(decisions):
+    return [(d.winner, d.source) for d in decisions("conv3x3")]
 
 
 @pytest.mark.parametrize("force", ["gemm", "cudnn"])
-def test_forced_paths(monkeypatch, force):
-    monkeypatch.setattr(cv, "_choices", {})
-    monkeypatch.setitem(cv.TUNING, "force", force)
+def test_forced_paths(monkeypatch, fresh_choices, force):
     used = []
     for name in ("gemm_conv3x3", "cudnn_conv3x3"):
         real = getattr(cv, name)
         monkeypatch.setattr(cv, name, lambda *a, real=real, name=name: used.append(name) or real(*a))
     x, wt = _x(2, 64, 8, 8), _weight(32, 64)
     b = torch.randn(32).half()
-    torch.testing.assert_close(cv.conv3x3(x, wt, b).float(), F.conv2d(x.float(), wt.float(), b.float(), 1, 1),
-                               atol=2e-2, rtol=1e-2)
-    assert used == [f"{force}_conv3x3"] and list(cv._choices.values()) == [force]
+    with select.pinned({"conv3x3": force}):
+        torch.testing.assert_close(cv.conv3x3(x, wt, b).float(),
+                                   F.conv2d(x.float(), wt.float(), b.float(), 1, 1), atol=2e-2, rtol=1e-2)
+    assert used == [f"{force}_conv3x3"] and _conv_decisions(fresh_choices) == [(force, "pinned")]
 
 
-def test_refused_signature_runs_cudnn_and_is_kept(monkeypatch):
-    monkeypatch.setattr(cv, "_choices", {})
-    monkeypatch.setitem(cv.TUNING, "force", "gemm")
+def test_refused_signature_runs_cudnn_and_is_kept(fresh_choices):
     x, wt = _x(2, 64, 8, 8, torch.float32), _weight(32, 64, torch.float32)
-    torch.testing.assert_close(cv.conv3x3(x, wt), F.conv2d(x, wt, None, 1, 1))
-    assert list(cv._choices.values()) == ["cudnn"]
+    with select.pinned({"conv3x3": "gemm"}):
+        torch.testing.assert_close(cv.conv3x3(x, wt), F.conv2d(x, wt, None, 1, 1))
+    assert _conv_decisions(fresh_choices) == [("cudnn", "only")]
 
 
-def test_cpu_keeps_nothing(monkeypatch):  # the dry run's branch runs in the GPU file (on the CPU both keep nothing)
-    monkeypatch.setattr(cv, "_choices", {})
+def test_cpu_keeps_nothing(fresh_choices):
     x, wt = _x(2, 64, 8, 8), _weight(32, 64)
     cv.conv3x3(x, wt)
-    assert cv._choices == {}
+    assert fresh_choices() == []
 
 
-def test_autograd_runs_cudnn(monkeypatch):
-    monkeypatch.setattr(cv, "_choices", {})
-    monkeypatch.setitem(cv.TUNING, "force", "gemm")
+def test_dry_run_compiles_im2col_and_keeps_nothing(monkeypatch, fresh_choices):
+    monkeypatch.setattr(precompile, "active", lambda: True)
+    ran = []
+    monkeypatch.setattr(cv, "im2col3x3", lambda x: ran.append(x.shape))
+    x, wt = _x(2, 64, 8, 8), _weight(32, 64)
+    torch.testing.assert_close(cv.conv3x3(x, wt), F.conv2d(x, wt, None, 1, 1))
+    assert ran == [x.shape] and fresh_choices() == []
+
+
+def test_autograd_runs_cudnn(fresh_choices):
     x, wt = _x(2, 16, 4, 4, torch.float32), _weight(8, 16, torch.float32).requires_grad_()
-    cv.conv3x3(x.half(), wt.half()).float().sum()  # fp16 copies: not leaves, but they need grad
-    assert cv._choices == {}
+    with select.pinned({"conv3x3": "gemm"}):
+        cv.conv3x3(x.half(), wt.half()).float().sum()  # fp16 copies: not leaves, but they need grad
+    assert fresh_choices() == []
 
 
 def test_im2col_64_bit_index_path(monkeypatch):
@@ -105,14 +113,24 @@ def test_im2col_64_bit_index_path(monkeypatch):
     assert torch.equal(im2col3x3(x), im2col3x3_ref(x))
 
 
+def _measured_conv(monkeypatch, times):
+    """conv3x3 as on a GPU (its decision measured), with ``times`` as the timer's answer."""
+    import kernels.select.rules as rules
+
+    real = rules.decide
+    monkeypatch.setattr(rules, "gpu_time_us", lambda c: {n: times[n] for n in c})
+    monkeypatch.setattr(cv.select, "decide", lambda *a, **k: real(*a, **k, measure_cpu=True))
+
+
 @pytest.mark.parametrize("gemm_us,expect", [(96.0, "gemm"), (98.0, "cudnn"), (120.0, "cudnn")])
-def test_measure_keeps_the_gemm_only_by_the_margin(monkeypatch, gemm_us, expect):
-    monkeypatch.setattr(cv.choice, "gpu_times_us", lambda c: {"cudnn": 100.0, "gemm": gemm_us})
+def test_measure_keeps_the_gemm_only_by_the_margin(monkeypatch, fresh_choices, gemm_us, expect):
+    _measured_conv(monkeypatch, {"cudnn": 100.0, "gemm": gemm_us})
     x, wt = _x(2, 64, 8, 8), _weight(32, 64)
-    assert cv._measure(x, wt, None) == expect
+    cv.conv3x3(x, wt)
+    assert _conv_decisions(fresh_choices) == [(expect, "measured")]
 
 
-def test_measure_keeps_cudnn_when_the_gemm_path_fails(monkeypatch, caplog):
+def test_measure_keeps_cudnn_when_the_gemm_path_fails(monkeypatch, fresh_choices, caplog):
     import logging
 
     caplog.set_level(logging.INFO, logger="sdfast.kernels")
@@ -120,27 +138,26 @@ def test_measure_keeps_cudnn_when_the_gemm_path_fails(monkeypatch, caplog):
     def boom(*a):
         raise torch.cuda.OutOfMemoryError("no room for the patch matrix")
 
+    _measured_conv(monkeypatch, {})  # the timer must not be reached: one candidate is left
     monkeypatch.setattr(cv, "gemm_conv3x3", boom)
-    monkeypatch.setattr(cv.choice, "gpu_times_us", lambda c: pytest.fail("nothing to time"))
     x, wt = _x(2, 64, 8, 8), _weight(32, 64)
-    assert cv._measure(x, wt, None) == "cudnn"
-    assert "im2col + cuBLAS failed" in caplog.text
+    torch.testing.assert_close(cv.conv3x3(x, wt), F.conv2d(x, wt, None, 1, 1))
+    assert [d.winner for d in fresh_choices("conv3x3")] == ["cudnn"]
+    assert "no room for the patch matrix" in caplog.text
 
 
-def test_bad_force_value_and_bias_shape(monkeypatch):
-    monkeypatch.setattr(cv, "_choices", {})
+def test_bad_pin_value_and_bias_shape(fresh_choices):
     x, wt = _x(2, 64, 8, 8), _weight(32, 64)
-    monkeypatch.setitem(cv.TUNING, "force", "fast")
-    with pytest.raises(ValueError, match="force"):
+    with select.pinned({"conv3x3": "fast"}), pytest.raises(ValueError, match="pinned"):
         cv.conv3x3(x, wt)
-    monkeypatch.setitem(cv.TUNING, "force", "gemm")
-    cv.conv3x3(x, wt, torch.zeros(32).half())  # a (Cout,) bias: the GEMM path
-    with pytest.raises(RuntimeError):  # a (1,) bias is another signature, refused by the GEMM path: cuDNN raises
-        cv.conv3x3(x, wt, torch.zeros(1).half())
+    with select.pinned({"conv3x3": "gemm"}):
+        cv.conv3x3(x, wt, torch.zeros(32).half())  # a (Cout,) bias: the GEMM path
+        with pytest.raises(RuntimeError):  # a (1,) bias is another signature, refused by the GEMM path: cuDNN raises
+            cv.conv3x3(x, wt, torch.zeros(1).half())
 
 
 def test_signature_tells_apart_what_the_paths_depend_on():
-    from kernels.choice import signature
+    from kernels.select import signature
 
     x, wt = _x(2, 64, 8, 8), _weight(32, 64)
     base = signature(x, wt, None)

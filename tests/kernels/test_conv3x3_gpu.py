@@ -1,5 +1,5 @@
 """GPU tests (marker ``gpu``): the im2col + cuBLAS path of ``kernels.conv.conv3x3`` at SD1.5's 8x8 and 16x16
-convolution shapes against the fp32 reference (DESIGN.md's rule against cuDNN fp16), bf16 and a bias, the im2col
+convolution shapes against the fp32 reference (flash-attention's rule, kernels.testing, against cuDNN fp16), bf16 and a bias, the im2col
 kernel bit-identical, the measured choice (logged, kept, not taken inside a capture), and CUDA graph replay of the
 chosen path on new inputs and an in-place weight change."""
 
@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from kernels.conv import conv3x3 as cv
 from kernels.conv.im2col import im2col3x3, im2col3x3_ref
 from kernels.testing import assert_close_rule
+from kernels.select import rules
 
 pytestmark = pytest.mark.gpu
 
@@ -50,19 +51,18 @@ def test_im2col_is_bit_identical():
     assert torch.equal(im2col3x3(x), im2col3x3_ref(x))
 
 
-def test_measured_choice_is_logged_kept_and_correct(monkeypatch, caplog):
+def test_measured_choice_is_logged_kept_and_correct(monkeypatch, fresh_choices, caplog):
     caplog.set_level(logging.INFO, logger="sdfast.kernels")
-    monkeypatch.setattr(cv, "_choices", {})
     x, wt, _ = _inputs(1280, 1280, 8, 8)
     _check(cv.conv3x3(x, wt), x, wt, None, 1e-2, "first call")
-    assert "im2col + cuBLAS" in caplog.text and len(cv._choices) == 1
-    monkeypatch.setattr(cv, "_measure", lambda *a: pytest.fail("measured twice"))
+    assert "kernel choice conv3x3" in caplog.text and len(fresh_choices("conv3x3")) == 1
+    assert set(fresh_choices("conv3x3")[0].times_us) == {"cudnn", "gemm"}
+    monkeypatch.setattr(rules, "gpu_time_us", lambda *a: pytest.fail("measured twice"))
     _check(cv.conv3x3(x, wt), x, wt, None, 1e-2, "second call")
 
 
-def test_capture_after_a_gemm_choice_replays_on_new_inputs_and_weights(monkeypatch):
-    monkeypatch.setattr(cv, "_choices", {})
-    monkeypatch.setitem(cv.TUNING, "force", "gemm")
+def test_capture_after_a_gemm_choice_replays_on_new_inputs_and_weights(monkeypatch, fresh_choices):
+    monkeypatch.setitem(rules._pins, "conv3x3", "gemm")
     x, wt, b = _inputs(2560, 1280, 8, 8)
     cv.conv3x3(x, wt, b)
     s = torch.cuda.Stream()
@@ -77,9 +77,8 @@ def test_capture_after_a_gemm_choice_replays_on_new_inputs_and_weights(monkeypat
     _check(y, x, wt, b, 1e-2, "replay")
 
 
-def test_capture_without_a_choice_runs_cudnn_and_keeps_nothing(monkeypatch):
-    monkeypatch.setattr(cv, "_choices", {})
-    monkeypatch.setattr(cv, "_measure", lambda *a: pytest.fail("nothing may be timed inside a capture"))
+def test_capture_without_a_choice_runs_cudnn_and_keeps_nothing(monkeypatch, fresh_choices):
+    monkeypatch.setattr(rules, "gpu_time_us", lambda *a: pytest.fail("nothing may be timed inside a capture"))
     x, wt, _ = _inputs(1280, 1280, 8, 8)
     cv.cudnn_conv3x3(x, wt, None)
     s = torch.cuda.Stream()
@@ -89,18 +88,17 @@ def test_capture_without_a_choice_runs_cudnn_and_keeps_nothing(monkeypatch):
             y = cv.conv3x3(x, wt)
     g.replay()
     torch.cuda.synchronize()
-    assert cv._choices == {}
+    assert fresh_choices() == []
     _check(y, x, wt, None, 1e-2, "captured cuDNN path")
 
 
-def test_dry_run_compiles_and_keeps_nothing(monkeypatch):
+def test_dry_run_compiles_and_keeps_nothing(monkeypatch, fresh_choices):
     """In a compile-only pass the im2col launch is skipped (the GEMM path would look almost free): nothing is timed
     or kept, and cuDNN's output is returned."""
     from kernels import precompile
 
-    monkeypatch.setattr(cv, "_choices", {})
     monkeypatch.setattr(precompile, "active", lambda: True)
-    monkeypatch.setattr(cv, "_measure", lambda *a: pytest.fail("nothing may be timed in a dry run"))
+    monkeypatch.setattr(rules, "gpu_time_us", lambda *a: pytest.fail("nothing may be timed in a dry run"))
     x, wt, _ = _inputs(1280, 1280, 8, 8)
     _check(cv.conv3x3(x, wt), x, wt, None, 1e-2, "dry run")
-    assert cv._choices == {}
+    assert fresh_choices() == []

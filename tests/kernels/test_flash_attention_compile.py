@@ -1,6 +1,6 @@
 """The flash-attention kernel compiles for the GPU without a GPU (ahead-of-time ``triton.compile``
 with a ``GPUTarget``): on sm_90 its dots are ``wgmma`` fed by a ``cp.async`` pipeline, its shared
-memory fits the H200 (227 KiB per block), and the configs SD runs do not spill registers (``ptxas -v``
+memory fits sm_90's 227 KiB per block, and the configs SD runs do not spill registers (``ptxas -v``
 from Triton's bundled CUDA tools). The interpreter tests check the numerics; this checks what the GPU
 compiler makes of the same source, so a kernel that only works in the interpreter fails in CI."""
 

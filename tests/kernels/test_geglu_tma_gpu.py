@@ -1,5 +1,5 @@
 """GPU tests (marker ``gpu``, sm_90+): the TMA GEGLU GEMM's every tile config at SD1.5's and SDXL's GEGLU shapes
-against the fp32 reference (DESIGN.md's rule against cuBLAS fp16 + GEGLU), bf16, CUDA graph replay on new inputs,
+against the fp32 reference (flash-attention's rule, kernels.testing, against cuBLAS fp16 + GEGLU), bf16, CUDA graph replay on new inputs,
 and ``geglu_projection``'s measured choice (logged, kept, not taken inside a capture)."""
 
 import logging
@@ -9,8 +9,8 @@ import torch
 
 from kernels.gemm import geglu_projection as gp
 from kernels.gemm.geglu_tma import CONFIGS, geglu_linear, geglu_linear_ref
-from kernels.gemm.matmul import linear_ref
 from kernels.testing import assert_close_rule, poison
+from kernels.select import rules
 
 pytestmark = pytest.mark.gpu
 if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9:
@@ -31,7 +31,7 @@ def _inputs(M, K, N, dtype=torch.float16):
 
 def _check(ours, x, w, b, atol, name):
     ref32 = geglu_linear_ref(x.float(), w.float(), b.float())
-    lowp = linear_ref(x, w, b, epilogue="geglu", upcast=False)
+    lowp = geglu_linear_ref(x, w, b, upcast=False)
     assert_close_rule(ours, ref32, lowp, atol, name)
 
 
@@ -60,22 +60,21 @@ def test_graph_replay_sees_new_inputs():
     _check(y, x, w, b, 1e-2, "replay")
 
 
-def test_measured_choice_is_logged_kept_and_correct(monkeypatch, caplog):
+def test_measured_choice_is_logged_kept_and_correct(monkeypatch, fresh_choices, caplog):
     caplog.set_level(logging.INFO, logger="sdfast.kernels")
-    monkeypatch.setattr(gp, "_choices", {})
     x, w, b = _inputs(2048, 1280, 5120)
     _check(gp.geglu_projection(x, w, b), x, w, b, 1e-2, "first call")
-    assert "geglu_projection" in caplog.text and len(gp._choices) == 1
-    assert "best TMA None" not in caplog.text and "failed" not in caplog.text  # every candidate config ran
-    monkeypatch.setattr(gp, "_measure", lambda *a: pytest.fail("measured twice"))
+    assert "kernel choice geglu" in caplog.text and len(fresh_choices("geglu")) == 1
+    assert "failed" not in caplog.text  # every candidate config ran and was timed:
+    assert set(fresh_choices("geglu")[0].times_us) == {"cublas", *map(str, gp.TUNING["configs"])}
+    monkeypatch.setattr(rules, "gpu_time_us", lambda *a: pytest.fail("measured twice"))
     _check(gp.geglu_projection(x, w, b), x, w, b, 1e-2, "second call")
 
 
-def test_capture_after_a_tma_choice_replays_on_new_inputs(monkeypatch):
+def test_capture_after_a_tma_choice_replays_on_new_inputs(monkeypatch, fresh_choices):
     """The engine's order: an eager call chooses (here: the TMA kernel, forced), the capture records it, replays
     read the static input and the weight in place."""
-    monkeypatch.setattr(gp, "_choices", {})
-    monkeypatch.setitem(gp.TUNING, "force", CONFIGS[0])
+    monkeypatch.setitem(rules._pins, "geglu", str(CONFIGS[0]))
     ran = []
     real = gp.geglu_linear
     monkeypatch.setattr(gp, "geglu_linear", lambda *a, **k: ran.append(1) or real(*a, **k))
@@ -94,9 +93,8 @@ def test_capture_after_a_tma_choice_replays_on_new_inputs(monkeypatch):
     _check(y, x, w, b, 1e-2, "replay through geglu_projection")
 
 
-def test_capture_without_a_choice_runs_cublas_and_keeps_nothing(monkeypatch):
-    monkeypatch.setattr(gp, "_choices", {})
-    monkeypatch.setattr(gp, "_measure", lambda *a: pytest.fail("nothing may be timed inside a capture"))
+def test_capture_without_a_choice_runs_cublas_and_keeps_nothing(monkeypatch, fresh_choices):
+    monkeypatch.setattr(rules, "gpu_time_us", lambda *a: pytest.fail("nothing may be timed inside a capture"))
     x, w, b = _inputs(512, 1280, 5120)
     gp.cublas_geglu(x, w, b)  # warm cuBLAS and the GEGLU kernel outside the capture
     s = torch.cuda.Stream()
@@ -106,5 +104,5 @@ def test_capture_without_a_choice_runs_cublas_and_keeps_nothing(monkeypatch):
             y = gp.geglu_projection(x, w, b)
     g.replay()
     torch.cuda.synchronize()
-    assert gp._choices == {}
+    assert fresh_choices() == []
     _check(y, x, w, b, 1e-2, "captured cuBLAS path")

@@ -22,7 +22,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from kernels.gemm.int8_outlier import _int8_outlier_kernel
-from kernels.gemm.matmul import _linear_kernel
 from kernels.gemm.w4a16 import _w4a16_kernel
 from kernels.gemm.w8a8 import _quantize_per_token_kernel, _w8a8_gemm_kernel
 
@@ -44,9 +43,6 @@ def compile_(fn, types, consts, arch, num_warps, num_stages):
                 e4m3_cvt="cvt.rn.satfinite.e4m3x2" in ptx)
 
 
-LINEAR_T = {"x_ptr": "*fp16", "w_ptr": "*fp16", "bias_ptr": "*fp16", "res_ptr": "*fp16", "out_ptr": "*fp16",
-            "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "stride_rm": "i32",
-            "stride_om": "i32", "out_scale": "fp32"}
 W8_T = {"a_ptr": "*i8", "b_ptr": "*i8", "a_scale_ptr": "*fp32", "b_scale_ptr": "*fp32", "bias_ptr": "*fp16",
         "out_ptr": "*fp16", "M": "i32", "N": "i32", "K": "i32", "stride_sn": "i32", "stride_om": "i32"}
 FP8_T = {**W8_T, "a_ptr": "*fp8e4nv", "b_ptr": "*fp8e4nv"}
@@ -59,10 +55,6 @@ Q_T = {"x_ptr": "*fp16", "smooth_ptr": "*fp32", "q_ptr": "*i8", "scale_ptr": "*f
 TILE = dict(K_TILES=0, BLOCK_M=128, BLOCK_N=128, GROUP_M=8)
 U = dict(stride_xk=1)
 CASES = {
-    "linear": (_linear_kernel, LINEAR_T, dict(HAS_BIAS=True, HAS_RESIDUAL=True, EPILOGUE=0, IEEE=False, EVEN_K=True,
-               BLOCK_K=64, stride_wk=1, stride_rn=1, stride_on=1, **U, **TILE), 8, 4),
-    "linear_geglu": (_linear_kernel, LINEAR_T, dict(HAS_BIAS=True, HAS_RESIDUAL=False, EPILOGUE=2, IEEE=False, EVEN_K=False,
-                     BLOCK_K=64, stride_wk=1, stride_rn=1, stride_on=1, **U, **TILE), 8, 3),
     "w8a8_int8": (_w8a8_gemm_kernel, W8_T, dict(HAS_BIAS=True, IS_FP8=False, GROUP_SIZE=0, EVEN_K=True, BLOCK_K=128, **TILE), 8, 3),
     "w8a8_int8_groups": (_w8a8_gemm_kernel, W8_T, dict(HAS_BIAS=False, IS_FP8=False, GROUP_SIZE=128, EVEN_K=False,
                          BLOCK_K=128, **TILE), 8, 3),
@@ -87,7 +79,7 @@ for name, (fn, types, consts, warps, stages) in CASES.items():
 print("RESULT" + json.dumps(out))
 """
 
-BLOCK_K = {"linear": 64, "linear_geglu": 64, "w8a8_int8": 128, "w8a8_int8_groups": 128, "w8a8_fp8": 128,
+BLOCK_K = {"w8a8_int8": 128, "w8a8_int8_groups": 128, "w8a8_fp8": 128,
            "w4a16": 64, "int8_outlier": 128}
 
 
@@ -117,7 +109,7 @@ def test_gemm_kernel_compiles_pipelined(compiled, name, arch):
     assert r["commit"] and r["wait"]
     assert r["wgmma"] if arch >= 90 else r["mma_sync"], f"{name} sm_{arch}: no tensor-core MMA"
     # the ring holds more than one stage of the A and B tiles
-    one_stage = 128 * BLOCK_K[name] * (2 if name.startswith(("linear", "w4a16")) else 1)
+    one_stage = 128 * BLOCK_K[name] * (2 if name == "w4a16" else 1)
     assert r["shared"] >= 2 * one_stage, f"{name} sm_{arch}: only {r['shared']} bytes of shared memory"
 
 

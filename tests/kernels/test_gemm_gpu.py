@@ -1,13 +1,12 @@
 """GPU tests (marker ``gpu``): every GEMM kernel at the real SD1.5 / SDXL linear shapes
-(kernels/gemm/sd_shapes.py) against its fp32 reference, plus CUDA-graph capture and torch.compile
+(benchmarks/sd_shapes.py) against its fp32 reference, plus CUDA-graph capture and torch.compile
 of the custom op. Run on the GPU machine: ``pytest -m gpu tests/kernels/test_gemm_gpu.py``."""
 
 import pytest
 import torch
 
 from kernels.gemm.int8_outlier import int8_outlier_linear, int8_outlier_linear_ref
-from kernels.gemm.matmul import linear, linear_ref
-from kernels.gemm.sd_shapes import SD_LINEAR_SHAPES
+from benchmarks.sd_shapes import SD_LINEAR_SHAPES
 from kernels.gemm.w4a16 import quantize_w4, w4a16_linear, w4a16_linear_ref
 from kernels.gemm.w8a8 import (
     quantize_per_token,
@@ -30,50 +29,6 @@ def _rel_ok(ours, ref, tol, name):
     assert torch.isfinite(ours).all(), f"{name}: NaN/Inf"
     rel = ((ours.float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel < tol, f"{name}: relative error {rel:.2e} >= {tol:.0e}"
-
-
-@pytest.mark.parametrize("M,K,N,epi", SHAPES, ids=IDS)
-def test_linear_sd_shapes_fp16(M, K, N, epi):
-    torch.manual_seed(0)
-    rows = 2 * N if epi == "geglu" else N
-    x = torch.randn(M, K, device=DEV, dtype=torch.float16)
-    w = (torch.randn(rows, K, device=DEV) / K**0.5).half()
-    b = torch.randn(rows, device=DEV).half()
-    r = torch.randn(M, N, device=DEV).half() if epi is None else None
-    ours = linear(x, w, b, epilogue=epi, residual=r, out_scale=1.0 if r is None else 0.5)
-    kw = dict(epilogue=epi, out_scale=1.0 if r is None else 0.5)
-    ref32 = linear_ref(x.float(), w.float(), b.float(), residual=None if r is None else r.float(), **kw).float()
-    lowp = linear_ref(x, w, b, residual=r, upcast=False, **kw)
-    assert_close_rule(ours, ref32, lowp, 1e-2, f"linear M{M} K{K} N{N} {epi}")
-
-
-@pytest.mark.parametrize("epi", [None, "gelu", "geglu"])
-def test_linear_bf16_and_fp32(epi):
-    torch.manual_seed(0)
-    M, K, N = 2048, 640, 640
-    rows = 2 * N if epi == "geglu" else N
-    for dtype, atol in ((torch.bfloat16, 5e-2), (torch.float32, 1e-3)):
-        x = torch.randn(M, K, device=DEV).to(dtype)
-        w = (torch.randn(rows, K, device=DEV) / K**0.5).to(dtype)
-        ours = linear(x, w, epilogue=epi)
-        ref32 = linear_ref(x.float(), w.float(), epilogue=epi).float()
-        lowp = linear_ref(x, w, epilogue=epi, upcast=False)
-        assert_close_rule(ours, ref32, lowp, atol, f"linear {dtype} {epi}")
-
-
-def test_linear_cuda_graph_and_compile():
-    x = torch.randn(4096, 320, device=DEV, dtype=torch.float16)
-    w = torch.randn(2560, 320, device=DEV, dtype=torch.float16) / 18
-    want = linear(x, w, epilogue="geglu")  # autotunes before capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = linear(x, w, epilogue="geglu")
-    x.copy_(torch.randn_like(x))
-    g.replay()
-    torch.testing.assert_close(out, linear(x, w, epilogue="geglu"))
-    f = torch.compile(lambda a, b: linear(a, b, epilogue="geglu") * 2, fullgraph=True)
-    torch.testing.assert_close(f(x, w), 2 * linear(x, w, epilogue="geglu"))
-    assert want.shape == (4096, 1280)
 
 
 @pytest.mark.parametrize("M,K", [(8192, 320), (154, 2048), (2048, 5120), (5, 1000)])
@@ -109,7 +64,7 @@ def test_w8a8_sd_shapes(M, K, N, epi, qdtype):
     lowp = ref32.half()
     # The reference quantizes x / smooth computed in fp32, the kernel from fp16: an activation on a code
     # boundary can round to the neighbouring code, a step of 1/8 of its value in FP8 (E4M3) against
-    # 1/127 of the row's max in int8; at K = 5120 a few such flips reach ~0.025 (seen on the H200).
+    # 1/127 of the row's max in int8; at K = 5120 a few such flips reach ~0.025 (seen on sm_90).
     atol = 4e-2 if qdtype == "fp8" else 2e-2
     assert_close_rule(ours, ref32, lowp, atol, f"w8a8 {qdtype} M{M} K{K} N{rows}")
     _rel_ok(ours, x.float() @ w.t() + b.float(), 0.02 if qdtype != "fp8" else 0.08, "w8a8 vs fp32 product")
@@ -153,27 +108,6 @@ def csrc():
     from kernels.csrc import build
 
     return build
-
-
-@pytest.mark.parametrize("M,K,N,epi", SHAPES, ids=IDS)
-def test_csrc_gemm_f16_sd_shapes(csrc, M, K, N, epi):
-    torch.manual_seed(0)
-    rows = 2 * N if epi == "geglu" else N
-    x = torch.randn(M, K, device=DEV, dtype=torch.float16)
-    w = (torch.randn(rows, K, device=DEV) / K**0.5).half()
-    b = torch.randn(rows, device=DEV).half()
-    ours = csrc.gemm_f16(x, w, b)
-    ref32 = x.float() @ w.float().t() + b.float()
-    assert_close_rule(ours, ref32, torch.nn.functional.linear(x, w, b), 1e-2, f"csrc f16 M{M} K{K} N{rows}")
-
-
-@pytest.mark.parametrize("M,K,N", [(1, 64, 8), (129, 96, 130), (300, 200, 77), (37, 8, 5)])
-def test_csrc_gemm_f16_edges(csrc, M, K, N):
-    x = torch.randn(M, K, device=DEV, dtype=torch.float16)
-    w = torch.randn(N, K, device=DEV, dtype=torch.float16)
-    ours = csrc.gemm_f16(x, w)
-    ref32 = x.float() @ w.float().t()
-    assert_close_rule(ours, ref32, x @ w.t(), 1e-2, f"csrc f16 edge {M}x{K}x{N}")
 
 
 @pytest.mark.parametrize("M,K,N,epi", SHAPES, ids=IDS)
@@ -246,7 +180,7 @@ def test_fp8_linear_sd_shapes(M, K, N, epi, fast_accum):
     ours = fp8_linear(q, qw, sa, sw, b, out_dtype=torch.float16, fast_accum=fast_accum)
     ref32 = fp8_linear_ref(q, qw, sa, sw, b, torch.float32)
     # Fast accumulation keeps Hopper's FP8 accumulator (about 14 mantissa bits, DeepSeek-V3 report) without
-    # promotion to fp32: max error 0.024 at K = 5120 against 0.014 allowed for fp32 accumulation (H200), well
+    # promotion to fp32: max error 0.024 at K = 5120 against 0.014 allowed for fp32 accumulation (sm_90), well
     # under the E4M3 quantization error itself (~0.037 relative L2, checked against the fp32 product below).
     atol = 4e-2 if fast_accum else 1e-2
     assert_close_rule(ours, ref32, ref32.half(), atol, f"fp8_linear M{M} K{K} N{rows} fast_accum={fast_accum}")

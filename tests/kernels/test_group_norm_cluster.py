@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from kernels import dispatch
-from kernels.norm import group_norm_cluster as gc, sd_shapes
+from benchmarks import sd_shapes
+from kernels.norm import group_norm_cluster as gc
 
 
 def _valid(plan, B, C, HW, G, elem_size):

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kernels import dispatch
-from kernels.norm import group_norm, group_norm_cluster as gc, group_norm_ref, sd_shapes
+from benchmarks import sd_shapes
+from kernels.norm import group_norm, group_norm_cluster as gc, group_norm_ref
 from kernels.testing import assert_close_rule
 
 pytestmark = pytest.mark.gpu

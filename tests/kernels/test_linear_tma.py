@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from kernels import precompile
+from kernels.select import rules
 from kernels.gemm import linear_projection as lp
 from kernels.gemm.linear_tma import LinearTile, linear_ref, linear_tma, unsupported
 from kernels.testing import assert_close_rule
@@ -73,22 +74,30 @@ def _check_lp(out, x, w, b, r, name):
 
 
 @pytest.fixture
-def clean_choices(monkeypatch):
-    monkeypatch.setattr(lp, "_choices", {})
+def clean_choices(monkeypatch, fresh_choices):
+    """No linear decision before the test; returns a function giving the (winner, source) of each since."""
     monkeypatch.setitem(lp.TUNING, "configs", (SMALL,))
-    return lp._choices
+    return lambda: [(d.winner, d.source) for d in fresh_choices("linear")]
+
+
+def _measured(monkeypatch, times, timed):
+    """linear_projection as on a GPU (its decision measured on the CPU), the timer answering ``times``; ``timed``
+    collects the candidates of each measurement."""
+    real = rules.decide
+    monkeypatch.setattr(rules, "gpu_time_us", lambda c: timed.append(list(c)) or {n: times[n] for n in c})
+    monkeypatch.setattr(lp.select, "decide", lambda *a, **k: real(*a, **k, measure_cpu=True))
 
 
 @pytest.mark.parametrize("residual", [False, True])
 def test_forced_tma_path_runs_the_kernel(clean_choices, monkeypatch, residual):
-    monkeypatch.setitem(lp.TUNING, "force", SMALL)
+    monkeypatch.setitem(rules._pins, "linear", str(SMALL))
     calls = []
     real = lp.linear_tma
     monkeypatch.setattr(lp, "linear_tma", lambda *a, **k: calls.append(1) or real(*a, **k))
     x, w, b, r = _inputs(20, 64, 48)
     r = r if residual else None
     _check_lp(lp.linear_projection(x, w, b, r), x, w, b, r, "forced TMA")
-    assert calls and list(clean_choices.values()) == [SMALL]
+    assert calls and clean_choices() == [(str(SMALL), "pinned")]
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -105,40 +114,38 @@ def test_cpu_without_force_runs_cublas_path_and_keeps_nothing(clean_choices, mon
     monkeypatch.setattr(lp, "linear_tma", lambda *a, **k: pytest.fail("the TMA kernel must not run"))
     x, w, b, r = _inputs(20, 64, 48)
     _check_lp(lp.linear_projection(x, w, b, r), x, w, b, r, "cuBLAS path")
-    assert clean_choices == {}  # nothing measured on the CPU: a later CUDA call would measure
+    assert clean_choices() == []  # nothing measured on the CPU: a later CUDA call would measure
 
 
 def test_measured_once_per_signature(clean_choices, monkeypatch):
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))  # reach the measuring branch
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     measured = []
-    monkeypatch.setattr(lp, "_measure", lambda x, *a: measured.append(x.shape))  # None: cuBLAS measured faster
+    _measured(monkeypatch, {"cublas": 1.0, str(SMALL): 2.0}, measured)  # cuBLAS measured faster
+    monkeypatch.setattr(lp, "linear_tma", lambda *a, **k: None)
     monkeypatch.setattr(lp, "unsupported", lambda *a: None)
     x, w, b, _ = _inputs(20, 64, 48)
     for _ in range(3):
         lp.linear_projection(x, w, b)
     lp.linear_projection(x[:10], w, b)
-    assert len(measured) == 2 and list(clean_choices.values()) == [None, None]
+    assert measured == [["cublas", str(SMALL)]] * 2 and clean_choices() == [("cublas", "measured")] * 2
 
 
 def test_dry_run_compiles_every_config_and_keeps_nothing(clean_choices, monkeypatch):
     monkeypatch.setattr(precompile, "active", lambda: True)
-    monkeypatch.setattr(lp, "_measure", lambda *a: pytest.fail("nothing may be timed in a dry run"))
+    _measured(monkeypatch, {}, [])  # the timer would fail: nothing may be timed in a dry run
     configs = (SMALL, LinearTile(16, 32, 32, 1, 4, persistent=False))
     monkeypatch.setitem(lp.TUNING, "configs", configs)
     monkeypatch.setattr(lp, "unsupported", lambda *a: None)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     launched = []
     monkeypatch.setattr(lp, "linear_tma", lambda x, w, b, r, c: launched.append(c))
     x, w, b, _ = _inputs(20, 64, 48)
     _check_lp(lp.linear_projection(x, w, b), x, w, b, None, "dry run")
-    assert launched == list(configs) and clean_choices == {}
+    assert launched == list(configs) and clean_choices() == []
 
 
 def test_a_misaligned_tensor_with_a_cached_tma_choice_runs_cublas_logged(clean_choices, monkeypatch, caplog):
     """Two contiguous tensors with one shape share a choice; the one off a 16-byte boundary must not reach TMA."""
     caplog.set_level(logging.INFO, logger="sdfast.kernels")
-    monkeypatch.setitem(lp.TUNING, "force", SMALL)
+    monkeypatch.setitem(rules._pins, "linear", str(SMALL))
     buf = torch.randn(20 * 64 + 4).half()
     _, w, b, _ = _inputs(20, 64, 48)
     ran = []
@@ -147,28 +154,29 @@ def test_a_misaligned_tensor_with_a_cached_tma_choice_runs_cublas_logged(clean_c
     aligned, offset = buf[: 20 * 64].view(20, 64), buf[4:].view(20, 64)  # offset: 8 bytes past the start
     _check_lp(lp.linear_projection(aligned, w, b), aligned, w, b, None, "aligned")
     _check_lp(lp.linear_projection(offset, w, b), offset, w, b, None, "misaligned")
-    assert len(ran) == 1 and len(clean_choices) == 1 and "not 16-byte aligned" in caplog.text
+    assert len(ran) == 1 and len(clean_choices()) == 1 and "not 16-byte aligned" in caplog.text
 
 
 def test_unsupported_and_disabled_fall_back_logged(clean_choices, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="sdfast.kernels")
     x, w, b, r = _inputs(20, 36, 48)  # K = 36
     _check_lp(lp.linear_projection(x, w, b), x, w, b, None, "K=36")
-    assert "linear_projection" in caplog.text and "multiples of 8" in caplog.text
-    assert list(clean_choices.values()) == [None]
-    monkeypatch.setitem(lp.TUNING, "enabled", False)
+    assert "linear" in caplog.text and "multiples of 8" in caplog.text
+    assert clean_choices() == [("cublas", "only")]
+    monkeypatch.setitem(rules._pins, "linear", "cublas")  # the policy's switch (KernelPolicy.linear)
+    monkeypatch.setattr(lp, "linear_tma", lambda *a, **k: pytest.fail("pinned to cuBLAS"))
     x, w, b, _ = _inputs(20, 64, 48)
     lp.linear_projection(x, w, b)
-    assert "SDFAST_LINEAR_TMA=0" in caplog.text
+    assert clean_choices()[-1] == ("cublas", "pinned")
 
 
 def test_torch_compile_traces_the_cublas_path(clean_choices, monkeypatch):
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    monkeypatch.setitem(lp.TUNING, "force", SMALL)
+    monkeypatch.setitem(rules._pins, "linear", str(SMALL))
     monkeypatch.setattr(lp, "linear_tma", lambda *a, **k: pytest.fail("not traceable"))
     x, w, b, r = _inputs(20, 64, 48)
     _check_lp(lp.linear_projection(x, w, b, r), x, w, b, r, "compiling")
-    assert clean_choices == {}
+    assert clean_choices() == []
 
 
 def test_cublas_residual_path_checks_shape_and_takes_any_strides():

@@ -1,5 +1,5 @@
 """GPU tests (marker ``gpu``, sm_90+): the TMA linear GEMM's tile configs (persistent and per-tile grids) at SD1.5's and
-SDXL's small-K linear shapes, with bias and with the residual, against the fp32 reference (DESIGN.md's rule against
+SDXL's small-K linear shapes, with bias and with the residual, against the fp32 reference (flash-attention's rule, kernels.testing, against
 cuBLAS fp16); bf16; CUDA graph replay on new inputs and an in-place weight change; and ``linear_projection``'s
 measured choice (logged, kept, correct, not taken inside a capture)."""
 
@@ -11,6 +11,7 @@ import torch
 from kernels.gemm import linear_projection as lp
 from kernels.gemm.linear_tma import CONFIGS, linear_ref, linear_tma
 from kernels.testing import assert_close_rule
+from kernels.select import rules
 
 pytestmark = pytest.mark.gpu
 if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9:
@@ -63,21 +64,20 @@ def test_graph_replay_sees_new_inputs_and_weights():
 
 
 @pytest.mark.parametrize("residual", [False, True])
-def test_measured_choice_is_logged_kept_and_correct(monkeypatch, caplog, residual):
+def test_measured_choice_is_logged_kept_and_correct(monkeypatch, fresh_choices, caplog, residual):
     caplog.set_level(logging.INFO, logger="sdfast.kernels")
-    monkeypatch.setattr(lp, "_choices", {})
     x, w, b, r = _inputs(8192, 320, 320)
     r = r if residual else None
     _check(lp.linear_projection(x, w, b, r), x, w, b, r, 1e-2, "first call")
-    assert "linear_projection" in caplog.text and len(lp._choices) == 1
-    assert "best TMA None" not in caplog.text and "failed" not in caplog.text  # every candidate config ran
-    monkeypatch.setattr(lp, "_measure", lambda *a: pytest.fail("measured twice"))
+    assert "kernel choice linear" in caplog.text and len(fresh_choices("linear")) == 1
+    assert "failed" not in caplog.text  # every candidate config ran and was timed:
+    assert set(fresh_choices("linear")[0].times_us) == {"cublas", *map(str, lp.TUNING["configs"])}
+    monkeypatch.setattr(rules, "gpu_time_us", lambda *a: pytest.fail("measured twice"))
     _check(lp.linear_projection(x, w, b, r), x, w, b, r, 1e-2, "second call")
 
 
-def test_capture_without_a_choice_runs_cublas_and_keeps_nothing(monkeypatch):
-    monkeypatch.setattr(lp, "_choices", {})
-    monkeypatch.setattr(lp, "_measure", lambda *a: pytest.fail("nothing may be timed inside a capture"))
+def test_capture_without_a_choice_runs_cublas_and_keeps_nothing(monkeypatch, fresh_choices):
+    monkeypatch.setattr(rules, "gpu_time_us", lambda *a: pytest.fail("nothing may be timed inside a capture"))
     x, w, b, r = _inputs(2048, 640, 640)
     lp.cublas_linear(x, w, b, r)  # warm cuBLAS and the add kernel outside the capture
     s = torch.cuda.Stream()
@@ -87,5 +87,5 @@ def test_capture_without_a_choice_runs_cublas_and_keeps_nothing(monkeypatch):
             y = lp.linear_projection(x, w, b, r)
     g.replay()
     torch.cuda.synchronize()
-    assert lp._choices == {}
+    assert fresh_choices() == []
     _check(y, x, w, b, r, 1e-2, "captured cuBLAS path")

@@ -1,4 +1,4 @@
-"""GPU tests of the norm family on the real SD shapes (``kernels.norm.sd_shapes``): every GroupNorm
+"""GPU tests of the norm family on the real SD shapes (``benchmarks.sd_shapes``): every GroupNorm
 shape of the SD1.5 UNet/VAE at 512² and the SDXL UNet at 1024² in both layouts, the ResNet-block
 fusion, LayerNorm (+ residual) and GEGLU at every transformer shape, bf16/fp32 spot checks, CUDA-graph
 capture and torch.compile. Outputs are allocated by the ops, so the caching allocator is first
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from benchmarks import sd_shapes
 from kernels.norm import geglu, geglu_ref, group_norm, group_norm_ref, layer_norm, layer_norm_ref
-from kernels.norm import sd_shapes
 from kernels.testing import assert_close_rule
 
 pytestmark = pytest.mark.gpu

@@ -33,7 +33,7 @@ def test_sd_shapes_bit_identical(shape, dtype, channels_last):
 @pytest.mark.parametrize("channels_last", [True, False], ids=["nhwc", "nchw"])
 def test_output_past_2_31_elements(channels_last):
     """A 4096² VAE decode with channels_last off: (1, 256, 2048, 2048) in, 2**32 elements out. In NCHW the channel
-    offset c * H * W alone passes 2**31 (the review of run 9 found this faulting before c was widened)."""
+    offset c * H * W alone passes 2**31 (it faulted before c was widened to 64 bits)."""
     fmt = torch.channels_last if channels_last else torch.contiguous_format
     x = torch.randint(0, 255, (1, 256, 2048, 2048), device="cuda", dtype=torch.uint8).contiguous(memory_format=fmt)
     y = upsample_nearest2x(x)

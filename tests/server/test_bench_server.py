@@ -1,4 +1,4 @@
-"""Issue 9: benchmarks/bench_server.py runs end to end on a fake engine (the real run is on the H200)."""
+"""Issue 9: benchmarks/bench_server.py runs end to end on a fake engine (the real run is on a GPU machine)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,46 @@
+"""OptimizeConfig and its KernelPolicy: the one reader of the SDFAST_* kernel switches, applied at optimize."""
+
+import pytest
+
+import sdfast
+from kernels import select
+from sdfast.config import KernelPolicy, OptimizeConfig
+
+
+def test_from_env_reads_every_kernel_switch():
+    env = {"SDFAST_ATTENTION_BACKEND": "flash", "SDFAST_ATTENTION_TRITON": "0", "SDFAST_CONV_GEMM": "0",
+           "SDFAST_GN_CLUSTER": "0", "SDFAST_LINEAR_TMA": "0", "SDFAST_GEGLU_TMA": "0", "SDFAST_CUSPARSELT_SEARCH": "1"}
+    assert KernelPolicy.from_env(env) == KernelPolicy(attention="flash", attention_triton=False, conv3x3="cudnn",
+                                                      group_norm="triton", linear="cublas", geglu="cublas",
+                                                      cusparselt_search=True)
+    assert KernelPolicy.from_env({}) == KernelPolicy() == KernelPolicy.from_env({"SDFAST_CONV_GEMM": "1"})
+    assert KernelPolicy.from_env({}).pins() == {"conv3x3": None, "group_norm": None, "linear": None, "geglu": None}
+
+
+def test_bad_values_are_refused_with_the_name():
+    with pytest.raises(ValueError, match="SDFAST_CONV_GEMM must be 0 or 1"):
+        KernelPolicy.from_env({"SDFAST_CONV_GEMM": "yes"})
+    with pytest.raises(ValueError, match="KernelPolicy.conv3x3 must be one of"):
+        KernelPolicy(conv3x3="winograd")
+    with pytest.raises(TypeError, match="KernelPolicy.attention_triton"):
+        KernelPolicy(attention_triton="no")
+    with pytest.raises(TypeError, match="OptimizeConfig.kernels"):
+        OptimizeConfig(kernels={"conv3x3": "cudnn"})
+
+
+def test_no_switch_is_read_at_import_or_construction(monkeypatch):
+    monkeypatch.setenv("SDFAST_CONV_GEMM", "0")
+    assert OptimizeConfig().kernels is None  # read when optimize runs
+
+
+def test_optimize_reads_the_switches_and_pins_the_choices(monkeypatch, tiny_engine):
+    sdfast.unoptimize(tiny_engine.pipe)
+    monkeypatch.setenv("SDFAST_CONV_GEMM", "0")
+    monkeypatch.setenv("SDFAST_LINEAR_TMA", "0")
+    try:
+        sdfast.optimize(tiny_engine.pipe)
+        assert tiny_engine.pipe._sdfast.config.kernels == KernelPolicy(conv3x3="cudnn", linear="cublas")
+        assert select.pins() == {"conv3x3": "cudnn", "linear": "cublas"}
+        sdfast.optimize(tiny_engine.pipe, OptimizeConfig())  # the same switches: the same config, no error
+    finally:
+        select.set_pins({})
