@@ -110,7 +110,8 @@ def run(quick: bool = False) -> list[dict]:
             # the dispatcher's warm-up measurement for this key (what the pass does on first sight)
             try:
                 dispatcher(q, k, v, scale=scale, upcast=upcast)
-                picked = dispatcher.choices().get(ap.AttentionDispatcher.key_for(q, k, None, upcast))
+                decided = dispatcher.decision(ap.AttentionDispatcher.key_for(q, k, None, upcast))  # kernels.select's
+                picked = decided.winner if decided is not None else None
             except Exception as e:  # noqa: BLE001 - reported in the rows
                 picked = f"error: {type(e).__name__}: {e}"[:200]
             calls = {n: (lambda fn=dispatcher.backend_fn(n): fn(q, k, v, None, scale, upcast)) for n in names}

@@ -173,7 +173,7 @@ DISPATCH_SHAPES = [s for s in SD_SHAPES if s[0] in (
 
 
 @pytest.mark.parametrize("name,B,H,Lq,Lk,D,upcast", DISPATCH_SHAPES, ids=[s[0] for s in DISPATCH_SHAPES])
-def test_dispatcher_backends(name, B, H, Lq, Lk, D, upcast, caplog):
+def test_dispatcher_backends(name, B, H, Lq, Lk, D, upcast, caplog, fresh_choices):
     from sdfast.passes import attention as ap
 
     torch.manual_seed(0)
@@ -184,8 +184,8 @@ def test_dispatcher_backends(name, B, H, Lq, Lk, D, upcast, caplog):
     with caplog.at_level("INFO", logger="sdfast.attention"):
         out = d(q, k, v, upcast=upcast)
     key = d.key_for(q, k, None, upcast)
-    picked = d.choices()[key]
-    timings, excluded = d.timings()[key], d.excluded().get(key, {})
+    decided = d.decision(key)  # kernels.select's record
+    picked, timings, excluded = decided.winner, decided.times_us, d.excluded().get(key, {})
     assert picked == min(timings, key=timings.get)
     assert "triton" in timings, f"our kernel was excluded: {excluded}"
     assert "sdpa" in timings, f"SDPA's default was excluded: {excluded}"
@@ -205,7 +205,7 @@ def test_dispatcher_backends(name, B, H, Lq, Lk, D, upcast, caplog):
         o2 = d(q2, k2, v2, upcast=not upcast)
     g.replay()
     torch.cuda.synchronize()
-    assert d.key_for(q2, k2, None, not upcast) not in d.choices()
+    assert d.decision(d.key_for(q2, k2, None, not upcast)) is None
     assert torch.isfinite(o2).all()
 
 

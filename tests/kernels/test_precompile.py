@@ -127,12 +127,12 @@ def test_attention_dispatcher_measures_and_caches_nothing_in_a_dry_run():
     q = torch.randn(1, 2, 8, 16)
     out = []
     precompile.dry_run(lambda: out.append(d(q, q, q)))
-    assert calls == [1] and d.choices() == {} and d.timings() == {}
+    key = d.key_for(q, q, None, False)
+    assert calls == [1] and d.decision(key) is None
     ref = torch.nn.functional.scaled_dot_product_attention(q, q, q)
     torch.testing.assert_close(out[0], ref)  # the pass got SDPA's answer (SAFE_DEFAULT)
     d(q, q, q)  # outside the dry run: measured (the fake kernel's zeros are excluded) and cached
-    key = d.key_for(q, q, None, False)
-    assert d.choices()[key] == "math" and "triton" in d.excluded()[key] and len(calls) == 2
+    assert d.decision(key).winner == "math" and "triton" in d.excluded()[key] and len(calls) == 2
 
 
 def test_a_dry_run_inside_a_dry_run_just_runs():

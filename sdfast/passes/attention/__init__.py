@@ -33,7 +33,7 @@ from typing import Callable, Dict, Mapping, Optional
 import torch.nn as nn
 
 from sdfast.passes.attention.backends import BACKEND_NAMES, key_padding_from_mask, xformers_works
-from sdfast.passes.attention.dispatch import AttentionDispatcher, AttentionKey, default_dispatcher
+from sdfast.passes.attention.dispatch import ATTENTION, AttentionDispatcher, AttentionKey
 from sdfast.passes.attention.processor import SdfastAttnProcessor
 from sdfast.passes.attention.qkv import STATE_ATTR, fuse, split_projection, unfuse
 
@@ -90,7 +90,9 @@ def apply(
         module: a UNet, VAE, or any ``nn.Module`` containing diffusers ``Attention`` modules
             (or an ``Attention`` itself).
         filter_fn: ``filter_fn(attention_module, qualified_name) -> bool``; False leaves it alone.
-        dispatcher: shared :class:`AttentionDispatcher` (default: the process-wide one).
+        dispatcher: the :class:`AttentionDispatcher` of these modules (default: one with the default options:
+            measure every backend, our Triton kernel included, no TF32). Its decisions live in
+            :mod:`kernels.select`, so dispatchers with the same options share them.
         fuse_projections: fuse Q/K/V (self) or K/V (cross) projections into one GEMM.
 
     Returns:
@@ -152,7 +154,7 @@ __all__ = [
     "SdfastAttnProcessor",
     "apply",
     "undo",
-    "default_dispatcher",
+    "ATTENTION",
     "key_padding_from_mask",
     "split_projection",
     "xformers_works",

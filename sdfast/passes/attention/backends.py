@@ -190,9 +190,14 @@ def quiet_probe(what: str, logged: Optional[set] = None):
 
 def xformers_works(device: torch.device) -> bool:
     """xformers importable AND a tiny call on ``device`` runs (the GPU machine's wheel fails with
-    'No operator found'). Probed once per device, on first use, never at import; logged."""
+    'No operator found'). Probed once per device, on first use (never at import, never inside a CUDA graph
+    capture or torch.compile tracing: False there, unprobed); logged."""
     dkey = str(device)
     if dkey not in _xformers_ok:
+        if torch.compiler.is_compiling() or (
+            device.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        ):
+            return False  # no probe inside a CUDA graph capture or torch.compile tracing: asked again after it
         try:
             with quiet_probe(f"xformers on {device}"):
                 import xformers.ops as xops  # type: ignore

@@ -1,12 +1,17 @@
 """The attention dispatcher: per attention shape, the fastest backend (:mod:`.backends`) that computes it correctly.
 
-:class:`AttentionDispatcher` is what the processor calls; :class:`AttentionKey` is its per-shape cache key (no
-batch size). A backend is checked against fp32 math attention before it is timed; one that raises or disagrees is
-excluded for that key and logged in one place (``AttentionDispatcher._exclude``).
+:class:`AttentionDispatcher` is what the processor calls. Its per-shape choice is the ``attention`` declaration
+(:data:`ATTENTION`) of the kernel-choice service :mod:`kernels.select`: the service holds the decisions (reported by
+``select.decisions("attention")``, saved and read back by a second process), the pins and the guards; the
+dispatcher supplies the key (:class:`AttentionKey` without the batch size, plus its own options), the candidates and
+the measurement, in which each backend is checked against fp32 math attention before it is timed with
+``select.gpu_time_us``. A backend that raises or disagrees is excluded for that key and logged in one place
+(``AttentionDispatcher._exclude``).
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import logging
 import time
@@ -14,13 +19,17 @@ from typing import Callable, Dict, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
-from kernels import precompile
+from kernels import select
 from kernels.attention.buckets import length_bucket
+from kernels.select.store import device_name
 from sdfast.passes.attention.backends import BackendFn, builtin_backends, quiet_probe, reference, xformers_works
 
 log = logging.getLogger("sdfast.attention")
 
 SAFE_DEFAULT = "sdpa"
+# The attention choice: SDPA's own pick is the default (capture-safe, what stock diffusers runs); the fastest
+# correct backend wins (no margin: the candidates are all exact up to fp16 rounding).
+ATTENTION = select.Choice("attention", default=SAFE_DEFAULT, margin=1.0)
 
 
 class AttentionKey(NamedTuple):
@@ -58,42 +67,6 @@ def mismatch(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> Option
     return None
 
 
-def _time_us(fn: Callable[[], object], device: torch.device, budget_ms: float) -> float:
-    """Median time of ``fn`` in µs. CUDA: per-call CUDA events, with the calls queued behind a
-    spin kernel long enough for the host to enqueue them all, so that host overhead (large for a
-    Triton kernel launched from Python) is not counted: under CUDA graphs it is not paid."""
-    if device.type != "cuda":
-        fn()
-        ts = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-        return sorted(ts)[1] * 1e6
-    fn()
-    torch.cuda.synchronize(device)
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    s.record()
-    fn()
-    e.record()
-    host_us = (time.perf_counter() - t0) * 1e6
-    e.synchronize()
-    est_ms = max(s.elapsed_time(e), 1e-3)
-    n = int(min(50, max(3, budget_ms / est_ms)))
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    if hasattr(torch.cuda, "_sleep"):
-        # twice the host time of the n calls, at >= 1 cycle per ns (H200 SMs run at ~2 GHz)
-        torch.cuda._sleep(int(1000 * (2 * host_us * n + 50)))
-    for s, e in events:
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize(device)
-    ts = sorted(s.elapsed_time(e) for s, e in events)
-    return ts[len(ts) // 2] * 1000.0
-
-
 def _time_once_us(fn: Callable[[], object], device: torch.device) -> float:
     """Wall time of one call in µs, the device synchronized before and after (a rough probe, launch included)."""
     if device.type == "cuda":
@@ -123,32 +96,66 @@ def _dry_rows(lq: int) -> int:
     return lq if lq <= 256 else 128 + lq % 128
 
 
-def _bucket(key: AttentionKey) -> tuple:
-    """``key`` with both lengths replaced by their buckets, and whether the lengths are equal: self-attention
-    (Lq == Lk) and cross-attention over 77 tokens share buckets at SD's smallest latents (64 and 77 queries
-    or keys), but not a bucket mate."""
-    return key._replace(lq=length_bucket(key.lq), lk=length_bucket(key.lk)), key.lq == key.lk
+def _bucket(key: tuple) -> tuple:
+    """A choice key (``AttentionDispatcher.choice_key``: lq, lk, then the rest) with both lengths replaced by their
+    buckets, and whether the lengths are equal: self-attention (Lq == Lk) and cross-attention over 77 tokens share
+    buckets at SD's smallest latents (64 and 77 queries or keys), but not a bucket mate."""
+    return (length_bucket(key[0]), length_bucket(key[1])) + tuple(key[2:]), key[0] == key[1]
+
+
+def _gpu_time_us(fn: Callable[[], object], device: torch.device, budget_ms: float) -> float:
+    """GPU time per call of ``fn`` (µs) by ``select.gpu_time_us``, with enough calls to fill about ``budget_ms``
+    (3 to 50, from one call's time) and a spin kernel ahead of them long enough (twice the host time of the calls,
+    at >= 1 cycle per ns) for the host to queue them all: the host's launch time (large for a Triton kernel
+    launched from Python) is not counted; under CUDA graphs it is not paid."""
+    torch.cuda.synchronize(device)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    s.record()
+    fn()
+    e.record()
+    host_us = (time.perf_counter() - t0) * 1e6
+    e.synchronize()
+    n = int(min(50, max(3, budget_ms / max(s.elapsed_time(e), 1e-3))))
+    iters = max(2, -(-n // 2))  # two rounds (the best of them) of half the calls each
+    return select.gpu_time_us({"fn": fn}, iters=iters, rounds=2, sleep_cycles=int(1000 * (2 * host_us * iters + 50)))["fn"]
+
+
+def _cpu_time_us(fn: Callable[[], object]) -> float:
+    """Median wall time of 3 calls after a warm-up (µs): the CPU's stand-in timer (``measure_cpu``, tests)."""
+    fn()
+    ts = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[1] * 1e6
 
 
 class AttentionDispatcher:
-    """Picks, per attention shape, the fastest backend that computes it correctly, and caches it.
+    """Picks, per attention shape, the fastest backend that computes it correctly: the ``attention`` choice of
+    :mod:`kernels.select`.
 
     Call: ``dispatcher(q, k, v, *, attn_mask=None, scale=None, upcast=False) -> (B, H, Lq, D)``
     with q (B, H, Lq, D), k/v (B, H, Lk, D) (strided views welcome), fp16/bf16/fp32,
     ``attn_mask`` SDPA-style (bool True = keep, or additive float) broadcastable to (B, H, Lq, Lk).
 
-    Cache key: :class:`AttentionKey` (Lq, Lk, heads, head_dim, dtype, device, has_mask, upcast);
-    the batch size is not part of it. On the first call of a key on CUDA (outside CUDA-graph capture
-    and torch.compile tracing), every candidate backend (for a key whose lengths fall in the power-of-two
-    buckets of a key measured before: only those within ``mate_factor`` of that key's best, ``_narrowed``)
-    runs once on the real inputs and is compared with fp32 math attention; a backend that raises or
-    disagrees is excluded for that key and logged (``_exclude``: the one logged dispatch point); the others are timed (CUDA events, about
-    ``budget_ms`` each) and the fastest is cached. A key first seen during capture/compile uses
-    SDPA's default (``"sdpa"``, capture-safe) uncached, with a warning: warm up before capturing.
+    Choice key (:meth:`choice_key`): Lq, Lk, heads, head_dim, dtype, has_mask, upcast (not the batch size), and
+    this dispatcher's options (``allow_tf32``, ``triton``, ``candidates``, the names of ``extra_backends``), so two
+    dispatchers share a decision only when they would choose among the same backends; the service files it per
+    GPU. On the first call of a key on CUDA (outside CUDA-graph capture, torch.compile tracing and a
+    ``kernels.precompile`` dry run: the service's guards), every candidate backend (for a key whose lengths fall in
+    the power-of-two buckets of a key decided before: only those within ``mate_factor`` of that key's best,
+    ``_narrowed``) runs once on the real inputs and is compared with fp32 math attention; a backend that raises
+    or disagrees is excluded for that key and logged (``_exclude``: the one logged dispatch point); the others
+    are timed (``select.gpu_time_us``, about ``budget_ms`` each) and the service records the fastest (and saves
+    it: a second process on the same GPU and versions measures nothing). A key first seen during capture/compile
+    uses SDPA's default (``"sdpa"``, capture-safe) undecided, with a warning: warm up before capturing.
     Probing is quiet (``quiet_probe``): warnings a candidate raises while it is checked and timed go to the
     debug log, once per message; the picked backend's warnings at real calls are shown.
-    On CPU the default is SDPA without measuring (``measure_cpu=True`` measures like CUDA; the
-    Triton kernel runs on CPU only under ``TRITON_INTERPRET=1``).
+    On CPU the default is SDPA without measuring (``measure_cpu=True`` measures, with a wall-clock timer; the
+    Triton kernel runs on CPU only under ``TRITON_INTERPRET=1``). A pin (``select.pinned({"attention": name})``)
+    runs that backend unmeasured.
 
     Backends: ``cudnn``, ``flash``, ``efficient``, ``math`` (torch SDPA forced to that backend via
     ``torch.nn.attention.sdpa_kernel``), ``sdpa`` (SDPA's own choice), ``xformers`` (only if
@@ -159,11 +166,11 @@ class AttentionDispatcher:
 
     Args:
         backend: force one backend for every call (the kernel policy, tests, benchmarks); ``None`` /
-            ``"auto"`` = measure. A forced backend that fails raises (no silent fallback). The environment is
-            not read here: ``sdfast.optimize`` passes what its kernel policy says.
-        triton: whether our Triton kernel is a candidate (on CUDA; on CPU under ``TRITON_INTERPRET=1``). ``False`` leaves it out: a kernel fault
-            (unlike an exception) breaks the CUDA context, so it could not be measured-and-excluded like the
-            others.
+            ``"auto"`` = measure. A forced backend runs without a decision; one that fails raises (no silent
+            fallback). The environment is not read here: ``sdfast.optimize`` passes what its kernel policy says.
+        triton: whether our Triton kernel is a candidate (on CUDA; on CPU under ``TRITON_INTERPRET=1``).
+            ``False`` leaves it out: a kernel fault (unlike an exception) breaks the CUDA context, so it could not
+            be measured-and-excluded like the others.
         candidates: backend names to consider when measuring (default: all available).
         extra_backends: additional named backends ``fn(q, k, v, attn_mask, scale, upcast)``.
         measure_cpu: measure on CPU too instead of taking SDPA.
@@ -204,7 +211,7 @@ class AttentionDispatcher:
         # and skipped if that extrapolates to more than slow_factor times the best (see _too_slow).
         self.probe_us = 1000.0
         self.slow_factor = 8.0
-        # A key whose length bucket was measured before measures only the backends within this factor of that
+        # A key whose length bucket was decided before measures only the backends within this factor of that
         # key's best (see _narrowed).
         self.mate_factor = 1.25
         self._extra = tuple(extra_backends or ())
@@ -212,20 +219,29 @@ class AttentionDispatcher:
         self.budget_ms = budget_ms
         self.allow_tf32 = allow_tf32
         self.triton = bool(triton)
-        self._choice: Dict[AttentionKey, str] = {}
-        self._timings: Dict[AttentionKey, Dict[str, float]] = {}
+        # What makes this dispatcher's decisions its own: the end of every choice key.
+        self.options = (("tf32", self.allow_tf32), ("triton", self.triton), ("candidates", self.candidates),
+                        ("extra", self._extra))
         self._excluded: Dict[AttentionKey, Dict[str, str]] = {}
         self._warned: set = set()
         self._probe_logged: Dict[tuple, set] = {}  # (key, backend) -> warning messages logged while probing
 
-    # -- public views of the cache ------------------------------------------------------------
-    def choices(self) -> Dict[AttentionKey, str]:
-        """key -> backend name picked (a copy)."""
-        return dict(self._choice)
+    # -- keys and the service's record ---------------------------------------------------------
+    @staticmethod
+    def key_for(q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.Tensor], upcast: bool) -> AttentionKey:
+        return AttentionKey(
+            q.shape[2], k.shape[2], q.shape[1], q.shape[3], q.dtype, q.device, attn_mask is not None, bool(upcast)
+        )
 
-    def timings(self) -> Dict[AttentionKey, Dict[str, float]]:
-        """key -> {backend: µs} measured when the key was first seen."""
-        return {k: dict(v) for k, v in self._timings.items()}
+    def choice_key(self, key: AttentionKey) -> tuple:
+        """The key of ``key``'s decision in :mod:`kernels.select` (plain values; the device goes by its name)."""
+        return (key.lq, key.lk, key.heads, key.head_dim, str(key.dtype).removeprefix("torch."), key.has_mask,
+                key.upcast, self.options)
+
+    def decision(self, key: AttentionKey) -> Optional[select.Decision]:
+        """The service's decision for ``key`` on its device (``select.decisions("attention")``), or None."""
+        want, dev = repr(self.choice_key(key)), device_name(key.device)
+        return next((d for d in select.decisions(ATTENTION.name) if d.key == want and d.device == dev), None)
 
     def excluded(self) -> Dict[AttentionKey, Dict[str, str]]:
         """key -> {backend: reason} for backends that raised or gave a wrong answer."""
@@ -233,12 +249,6 @@ class AttentionDispatcher:
 
     def backend_fn(self, name: str) -> BackendFn:
         return self._backends[name]
-
-    @staticmethod
-    def key_for(q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.Tensor], upcast: bool) -> AttentionKey:
-        return AttentionKey(
-            q.shape[2], k.shape[2], q.shape[1], q.shape[3], q.dtype, q.device, attn_mask is not None, bool(upcast)
-        )
 
     # -- call -----------------------------------------------------------------------------------
     def __call__(
@@ -255,24 +265,82 @@ class AttentionDispatcher:
             scale = q.shape[-1] ** -0.5
         if self.forced is not None:
             return self._backends[self.forced](q, k, v, attn_mask, scale, upcast)
+        args = (q, k, v, attn_mask, scale, upcast)
         key = self.key_for(q, k, attn_mask, upcast)
-        name = self._choice.get(key)
-        if name is None:
-            name = self._choose(key, q, k, v, attn_mask, scale, upcast)
+        name = self._decide(key, args)
         if name == SAFE_DEFAULT:
-            return self._backends[name](q, k, v, attn_mask, scale, upcast)
+            self._warn_if_undecided(key)
+            return self._backends[name](*args)
         try:
-            return self._backends[name](q, k, v, attn_mask, scale, upcast)
+            return self._backends[name](*args)
         except torch.OutOfMemoryError:
             raise  # the request is too big, not the backend's fault: nothing is excluded
         except Exception as e:  # noqa: BLE001
-            # the cached winner failed on a later call (the key has no batch size): exclude it and
-            # use SDPA's default from now on. Inside graph capture there is nothing safe to do.
+            # the winner failed on a later call (the key has no batch size; or a saved winner that cannot run in
+            # this process): exclude it and take SDPA's default from now on (the service's decision for the key
+            # becomes that, pinned). Inside graph capture there is nothing safe to do.
             if _capturing_or_compiling(q.device):
                 raise
             self._exclude(key, name, f"failed after being picked: {type(e).__name__}: {e}", wrong=True)
-            self._choice[key] = SAFE_DEFAULT
-            return self._backends[SAFE_DEFAULT](q, k, v, attn_mask, scale, upcast)
+            self._decide(key, args, pin=SAFE_DEFAULT)
+            return self._backends[SAFE_DEFAULT](*args)
+
+    def _decide(self, key: AttentionKey, args: tuple, pin: Optional[str] = None) -> str:
+        q, k = args[0], args[1]
+        names = self._candidate_names(q, k)
+        return select.decide(
+            ATTENTION, self.choice_key(key),
+            candidates=names if SAFE_DEFAULT in names else names + [SAFE_DEFAULT],  # the service's default
+            device=q.device, pin=pin, measure_cpu=self.measure_cpu,
+            measure=lambda live: self._measure_key(key, [n for n in names if n in live], args),
+            compile_all=lambda: self._compile_triton(key, names, args),
+            describe=lambda: repr(tuple(key)),
+        )
+
+    def _warn_if_undecided(self, key: AttentionKey) -> None:
+        """Warn once per key that runs SDPA's default unmeasured because it was first seen during capture/compile."""
+        if key in self._warned or not _capturing_or_compiling(key.device):
+            return
+        self._warned.add(key)
+        if self.decision(key) is None:
+            log.warning(
+                "sdfast attention: %s first seen during CUDA graph capture / compile: using %r "
+                "unmeasured; run a warm-up call before capturing", tuple(key), SAFE_DEFAULT,
+            )
+
+    def _compile_triton(self, key: AttentionKey, names: list, args: tuple) -> None:
+        """The ``kernels.precompile`` dry run: queue our kernel's compilation for this key (nothing is decided)."""
+        if "triton" not in names:
+            return
+        q, k, v, attn_mask, scale, upcast = args
+        # a few queries: what compiles is the same, and a real launch (of a compiled kernel) is cheap;
+        # a failure is left to the real pass, whose measurement excludes and logs it
+        qs, ms = _first_queries(q, attn_mask, _dry_rows(q.shape[2]))
+        with contextlib.suppress(Exception), self._quiet(key, "triton"), torch.no_grad():
+            self._backends["triton"](qs, k, v, ms, scale, upcast)
+
+    # -- measurement (the service's ``measure``) ------------------------------------------------
+    def _measure_key(self, key: AttentionKey, names: list, args: tuple) -> Dict[str, float]:
+        """{backend: µs} of the backends of ``names`` (narrowed by a bucket mate) that compute ``key`` correctly;
+        the rest of ``names`` when none of the narrowed ones does. Raises RuntimeError when no backend does."""
+        q, k, v, attn_mask, scale, upcast = args
+        ref = reference(q, k, v, attn_mask, scale)
+        kept = self._narrowed(key, names)
+        times = self._measure(key, kept, args, ref)
+        if not times and len(kept) < len(names):  # none of the narrowed candidates worked here: try the rest
+            times = self._measure(key, [n for n in names if n not in kept], args, ref)
+        del ref
+        if not times:
+            raise RuntimeError(
+                f"sdfast attention: no backend computed {tuple(key)} correctly: {self._excluded.get(key)}"
+            )
+        return times
+
+    def _time(self, name: str, fn: Callable[[], object], device: torch.device) -> float:
+        """µs per call of backend ``name`` (``fn`` runs it on the key's inputs)."""
+        if device.type == "cuda":
+            return _gpu_time_us(fn, device, self.budget_ms)
+        return _cpu_time_us(fn)
 
     def _too_slow(self, key: AttentionKey, name: str, fn: BackendFn, args: tuple, best_us: float) -> bool:
         """When the best time so far is long (``probe_us``), run a candidate on 1/64 of the queries first and
@@ -298,14 +366,14 @@ class AttentionDispatcher:
     def _narrowed(self, key: AttentionKey, names: list) -> list:
         """The candidates worth measuring for a new ``key``: when a key in the same length bucket (both lengths
         within one power of two, equal or not as in ``key``, everything else equal: SD's layers at another image
-        size) was measured, only the backends that were within ``mate_factor`` of its best time (and not
+        size) was decided by measuring, only the backends that were within ``mate_factor`` of its best time (and not
         excluded there since); else all of ``names``. Each one kept is
         still checked against the fp32 reference and timed at ``key``'s own shape. Without it, a second image
         size measures every backend at every shape again, most of it our kernel's autotuning."""
-        mate = next((m for m in list(self._timings) if _bucket(m) == _bucket(key)), None)
+        mate, timed = self._mate(key)
         if mate is None:
             return names
-        timed = {n: t for n, t in self._timings[mate].items() if n not in self._excluded.get(mate, {})}
+        timed = {n: t for n, t in timed.items() if n not in self._excluded.get(mate, {})}
         if not timed:  # every backend timed there failed later
             return names
         best = min(timed.values())
@@ -313,6 +381,19 @@ class AttentionDispatcher:
         log.info("sdfast attention: %s measures %s, the backends within %.3gx of the best at %s",
                  tuple(key), kept, self.mate_factor, tuple(mate))
         return kept or names
+
+    def _mate(self, key: AttentionKey) -> tuple:
+        """A key decided by measuring (in this process or read from the saved file) whose lengths share
+        ``key``'s buckets, everything else equal, with its times (µs per backend); (None, {}) when there is none."""
+        own = self.choice_key(key)
+        dev = device_name(key.device)
+        for d in select.decisions(ATTENTION.name):
+            if not d.times_us or d.device != dev:
+                continue
+            other = ast.literal_eval(d.key)
+            if other != own and _bucket(other) == _bucket(own):
+                return key._replace(lq=other[0], lk=other[1]), dict(d.times_us)
+        return None, {}
 
     def _exclude(self, key: AttentionKey, name: str, reason: str, wrong: bool = False) -> None:
         """The one logged dispatch point: backend ``name`` will not be used for ``key``."""
@@ -363,7 +444,7 @@ class AttentionDispatcher:
                         self._exclude(key, name, f"wrong result vs fp32 math: {bad}", wrong=True)
                         continue
                     with torch.no_grad():
-                        times[name] = _time_us(lambda: fn(q, k, v, attn_mask, scale, upcast), device, self.budget_ms)
+                        times[name] = self._time(name, lambda: fn(q, k, v, attn_mask, scale, upcast), device)
             except torch.OutOfMemoryError:
                 # transient: nothing is cached for this key, the next call measures again
                 self._excluded.pop(key, None)
@@ -375,57 +456,3 @@ class AttentionDispatcher:
     def _quiet(self, key: AttentionKey, name: str):
         """``quiet_probe`` for backend ``name`` at ``key``: its warnings logged at debug level, once each."""
         return quiet_probe(f"{name!r} for {tuple(key)}", self._probe_logged.setdefault((key, name), set()))
-
-    def _choose(self, key, q, k, v, attn_mask, scale, upcast) -> str:
-        device = q.device
-        if _capturing_or_compiling(device):
-            if key not in self._warned:
-                self._warned.add(key)
-                log.warning(
-                    "sdfast attention: %s first seen during CUDA graph capture / compile: using %r "
-                    "unmeasured; run a warm-up call before capturing", tuple(key), SAFE_DEFAULT,
-                )
-            return SAFE_DEFAULT
-        if device.type != "cuda" and not self.measure_cpu:
-            self._choice[key] = SAFE_DEFAULT
-            return SAFE_DEFAULT
-        if precompile.active():  # compile-only pass: queue our kernel's compilation; measure and cache nothing
-            if "triton" in self._candidate_names(q, k):
-                # a few queries: what compiles is the same, and a real launch (of a compiled kernel) is cheap;
-                # a failure is left to the real pass, whose measurement excludes and logs it
-                qs, ms = _first_queries(q, attn_mask, _dry_rows(q.shape[2]))
-                with contextlib.suppress(Exception), self._quiet(key, "triton"), torch.no_grad():
-                    self._backends["triton"](qs, k, v, ms, scale, upcast)
-            return SAFE_DEFAULT
-        args = (q, k, v, attn_mask, scale, upcast)
-        ref = reference(q, k, v, attn_mask, scale)
-        names = self._candidate_names(q, k)
-        kept = self._narrowed(key, names)
-        times = self._measure(key, kept, args, ref)
-        if not times and len(kept) < len(names):  # none of the narrowed candidates worked here: try the rest
-            times = self._measure(key, [n for n in names if n not in kept], args, ref)
-        del ref
-        if not times:
-            raise RuntimeError(
-                f"sdfast attention: no backend computed {tuple(key)} correctly: {self._excluded.get(key)}"
-            )
-        best = min(times, key=times.get)
-        self._choice[key] = best
-        self._timings[key] = times
-        log.info(
-            "sdfast attention: %s -> %s (%s)", tuple(key), best,
-            ", ".join(f"{n} {t:.1f}us" for n, t in sorted(times.items(), key=lambda x: x[1])),
-        )
-        return best
-
-
-_default_dispatcher: Optional[AttentionDispatcher] = None
-
-
-def default_dispatcher() -> AttentionDispatcher:
-    """The process-wide dispatcher shared by UNet and VAE (created on first use)."""
-    global _default_dispatcher
-    if _default_dispatcher is None:
-        _default_dispatcher = AttentionDispatcher()
-    return _default_dispatcher
-

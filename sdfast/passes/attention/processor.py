@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from sdfast.passes.attention.dispatch import AttentionDispatcher, default_dispatcher
+from sdfast.passes.attention.dispatch import AttentionDispatcher
 from sdfast.passes.attention.qkv import fused_layer, project_kv, split_projection
 from sdfast.quantization.shared_input import SharedInputQuantization
 
@@ -37,7 +37,7 @@ class SdfastAttnProcessor:
     """
 
     def __init__(self, dispatcher: Optional[AttentionDispatcher] = None):
-        self.dispatcher = dispatcher if dispatcher is not None else default_dispatcher()
+        self.dispatcher = dispatcher if dispatcher is not None else AttentionDispatcher()
 
     def __call__(
         self,

@@ -6,6 +6,12 @@ import torch
 from .helpers import tiny_unet
 
 
+@pytest.fixture(autouse=True)
+def _fresh_choices(fresh_choices):
+    """No kernel choice (kernels.select) made before a test, none left after it."""
+    yield
+
+
 @pytest.fixture(scope="module")
 def unet_case():
     unet = tiny_unet()

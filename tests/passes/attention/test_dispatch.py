@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+from kernels import select
 from sdfast.passes import attention as ap
 from sdfast.passes.attention import dispatch as dp
 
@@ -31,8 +32,10 @@ def test_dispatcher_excludes_failing_and_wrong_backends(caplog):
         out2 = d(q, k, v)  # cached: measured once
     key = ap.AttentionDispatcher.key_for(q, k, None, False)
     assert key == (9, 13, 2, 16, torch.float32, torch.device("cpu"), False, False)
-    assert d.choices() == {key: d.choices()[key]} and d.choices()[key] in ("math", "sdpa")
-    assert set(d.timings()[key]) == {"math", "sdpa"}
+    decided = d.decision(key)  # kernels.select's record: the one decision made, measured
+    assert [x.key for x in select.decisions("attention")] == [repr(d.choice_key(key))]
+    assert decided.source == "measured" and decided.winner in ("math", "sdpa")
+    assert set(decided.times_us) == {"math", "sdpa"}
     excl = d.excluded()[key]
     assert "simulated kernel failure" in excl["boom"] and "wrong result" in excl["wrong"]
     assert "'boom' excluded" in caplog.text and "'wrong' excluded" in caplog.text
@@ -62,7 +65,7 @@ def test_dispatcher_probing_is_silent_and_logged_at_debug_but_run_time_warnings_
         assert [str(w.message) for w in caught] == ["picked kernel says hello"]  # the real call's, not the probes'
         d(q, k, v)
     key = d.key_for(q, k, None, False)
-    assert d.choices()[key] == "picked" and "No available kernel" in d.excluded()[key]["refuses"]
+    assert d.decision(key).winner == "picked" and "No available kernel" in d.excluded()[key]["refuses"]
     assert [str(w.message) for w in caught] == ["picked kernel says hello"] * 2
     assert caplog.text.count("head_dim should be no more than 256") == 1  # once, at debug level
     assert caplog.text.count("picked kernel says hello") == 1  # each probe call warned; logged once
@@ -81,11 +84,12 @@ def test_dispatcher_winner_failing_later_falls_back(caplog):
     q, k, v = random_qkv()
     d(q, k, v)
     key = d.key_for(q, k, None, False)
-    assert d.choices()[key] == "flaky"
+    assert d.decision(key).winner == "flaky"
     state["fail"] = True
     with caplog.at_level(logging.INFO, logger="sdfast.attention"):
         out = d(q[:1], k[:1], v[:1])
-    assert d.choices()[key] == "sdpa" and "'flaky' excluded" in caplog.text
+    assert d.decision(key).winner == "sdpa" and "'flaky' excluded" in caplog.text  # the service's record too
+    assert "failed after being picked" in d.excluded()[key]["flaky"]
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q[:1], k[:1], v[:1]))
 
 
@@ -104,15 +108,15 @@ def test_dispatcher_out_of_memory_is_raised_and_nothing_is_cached():
     key = d.key_for(q, k, None, False)
     with pytest.raises(torch.OutOfMemoryError):
         d(q, k, v)
-    assert key not in d.choices() and key not in d.excluded()
+    assert d.decision(key) is None and key not in d.excluded()
     state["oom"] = False
+    d._time = lambda name, fn, device: {"big": 1.0, "math": 100.0}[name]  # "big" wins (CPU timings are noise)
     d(q, k, v)
-    assert set(d.timings()[key]) == {"big", "math"} and key not in d.excluded()
-    d._choice[key] = "big"
+    assert set(d.decision(key).times_us) == {"big", "math"} and key not in d.excluded()
     state["oom"] = True
     with pytest.raises(torch.OutOfMemoryError):
         d(q, k, v)
-    assert d.choices()[key] == "big" and key not in d.excluded()
+    assert d.decision(key).winner == "big" and key not in d.excluded()
 
 
 def test_dispatcher_all_fail_raises():
@@ -128,11 +132,45 @@ def test_dispatcher_cpu_default_and_keys():
     d = ap.AttentionDispatcher()
     q, k, v = random_qkv()
     mask = torch.ones(2, 1, 1, 13, dtype=torch.bool)
-    d(q, k, v)
+    torch.testing.assert_close(d(q, k, v), torch.nn.functional.scaled_dot_product_attention(q, k, v))
     d(q, k, v, attn_mask=mask, upcast=True)
-    ch = d.choices()
-    assert len(ch) == 2 and set(ch.values()) == {"sdpa"}
-    assert {key.has_mask for key in ch} == {False, True} and {key.upcast for key in ch} == {False, True}
+    assert select.decisions("attention") == []  # the CPU runs SDPA's default: nothing measured, nothing recorded
+    keys = {d.key_for(q, k, None, False), d.key_for(q, k, mask, True)}
+    assert len(keys) == 2 and {key.has_mask for key in keys} == {False, True} and {key.upcast for key in keys} == {False, True}
+    assert len({d.choice_key(key) for key in keys}) == 2
+
+
+def test_dispatchers_with_other_options_never_share_a_decision():
+    """allow_tf32, triton, candidates and extra backends are part of the choice key; equal options share one."""
+    q, k, _ = random_qkv()
+    key = ap.AttentionDispatcher.key_for(q, k, None, False)
+    same = {ap.AttentionDispatcher().choice_key(key), ap.AttentionDispatcher("auto").choice_key(key)}
+    others = [ap.AttentionDispatcher(allow_tf32=True), ap.AttentionDispatcher(triton=False),
+              ap.AttentionDispatcher(candidates=("math", "sdpa")),
+              ap.AttentionDispatcher(extra_backends={"mine": lambda *a: None})]
+    assert len(same) == 1 and len(same | {o.choice_key(key) for o in others}) == 1 + len(others)
+
+
+def test_a_decision_is_shared_by_dispatchers_with_the_same_options():
+    """The decision lives in kernels.select: another dispatcher (another pipeline) measures nothing for the key."""
+    calls = []
+
+    def spy(q, k, v, attn_mask, scale, upcast):
+        calls.append(1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    def make():
+        return ap.AttentionDispatcher(candidates=("spy", "math"), extra_backends={"spy": spy}, measure_cpu=True)
+
+    q, k, v = random_qkv()
+    make()(q, k, v)
+    measured = len(calls)
+    assert measured >= 2  # checked and timed
+    d2 = make()
+    d2(q, k, v)
+    winner = d2.decision(d2.key_for(q, k, None, False)).winner
+    assert len(calls) == measured + (winner == "spy")  # only the winner's real call, no measuring
+    assert len(select.decisions("attention")) == 1
 
 
 def test_dispatcher_forced_backend_and_no_environment(monkeypatch):
@@ -144,7 +182,7 @@ def test_dispatcher_forced_backend_and_no_environment(monkeypatch):
     assert d.forced == "math"
     q, k, v = random_qkv()
     torch.testing.assert_close(d(q, k, v), torch.nn.functional.scaled_dot_product_attention(q, k, v))
-    assert d.choices() == {}  # forced: nothing measured
+    assert select.decisions("attention") == []  # forced: nothing measured
     assert ap.AttentionDispatcher("auto").forced is None
     with pytest.raises(ValueError, match="unknown attention backend"):
         ap.AttentionDispatcher("nonsense")
@@ -161,9 +199,10 @@ def test_dispatcher_capture_uses_safe_default(monkeypatch, caplog):
 
     d = ap.AttentionDispatcher(candidates=("spy",), extra_backends={"spy": spy}, measure_cpu=True)
     monkeypatch.setattr(dp, "_capturing_or_compiling", lambda device: True)
+    monkeypatch.setattr(select.rules, "measuring_blocked", lambda device, measure_cpu=False: "CUDA graph capture")
     with caplog.at_level(logging.WARNING, logger="sdfast.attention"):
         d(*random_qkv())
-    assert calls == [] and d.choices() == {} and "capture" in caplog.text
+    assert calls == [] and select.decisions("attention") == [] and "capture" in caplog.text
 
 
 def test_dispatcher_skips_a_much_slower_backend_after_a_probe_on_a_query_slice(caplog):
@@ -183,12 +222,13 @@ def test_dispatcher_skips_a_much_slower_backend_after_a_probe_on_a_query_slice(c
     with caplog.at_level(logging.INFO, logger="sdfast.attention"):
         d(q, k, v)
     key = d.key_for(q, k, None, False)
-    assert d.choices()[key] == "sdpa" and "too slow" in d.excluded()[key]["slow"]
+    assert d.decision(key).winner == "sdpa" and "too slow" in d.excluded()[key]["slow"]
     assert not full_calls and "'slow' excluded" in caplog.text
     d2 = ap.AttentionDispatcher(candidates=("sdpa", "slow"), extra_backends={"slow": slow}, measure_cpu=True)
     d2.slow_factor = 1e9  # never too slow: measured in full
+    select.clear("attention")  # d2 has d's options: its decision would be d's
     d2(q, k, v)
-    assert full_calls and "slow" in d2.timings()[key]
+    assert full_calls and "slow" in d2.decision(key).times_us
 
 
 def test_dispatcher_measures_a_new_length_in_a_measured_bucket_on_the_near_best_backends_only(caplog):
@@ -205,17 +245,17 @@ def test_dispatcher_measures_a_new_length_in_a_measured_bucket_on_the_near_best_
 
     backends = {name: spied(name) for name in ("fast", "near", "slow")}
     d = ap.AttentionDispatcher(candidates=tuple(backends), extra_backends=backends, measure_cpu=True)
+    d._time = lambda name, fn, device: {"fast": 10.0, "near": 12.0, "slow": 40.0}[name]  # CPU timings are noise (µs)
     q, k, v = random_qkv(B=1, H=2, Lq=64, Lk=64)  # self-attention at SD1.5's 8x8 latents
     d(q, k, v)
     key = d.key_for(q, k, None, False)
-    assert set(d.timings()[key]) == {"fast", "near", "slow"}
-    d._timings[key] = {"fast": 10.0, "near": 12.0, "slow": 40.0}  # CPU timings are noise: pin them (µs)
+    assert set(d.decision(key).times_us) == {"fast", "near", "slow"}
     calls.clear()
     q2, k2, v2 = random_qkv(B=1, H=2, Lq=80, Lk=80)  # the same layer at 10x8 latents: the buckets of 64
     with caplog.at_level(logging.INFO, logger="sdfast.attention"):
         out = d(q2, k2, v2)
     key2 = d.key_for(q2, k2, None, False)
-    assert set(d.timings()[key2]) == {"fast", "near"} and ("slow", 80) not in calls
+    assert set(d.decision(key2).times_us) == {"fast", "near"} and ("slow", 80) not in calls
     assert "the backends within 1.25x" in caplog.text
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q2, k2, v2))
     for other in (dict(Lq=64, Lk=77),  # cross-attention over 77 tokens: the same buckets, not a mate
@@ -223,7 +263,7 @@ def test_dispatcher_measures_a_new_length_in_a_measured_bucket_on_the_near_best_
                   dict(Lq=80, Lk=80, H=3)):  # another head count
         q3, k3, v3 = random_qkv(**{"B": 1, "H": 2, **other})
         d(q3, k3, v3)
-        assert set(d.timings()[d.key_for(q3, k3, None, False)]) == {"fast", "near", "slow"}, other
+        assert set(d.decision(d.key_for(q3, k3, None, False)).times_us) == {"fast", "near", "slow"}, other
 
 
 def test_dispatcher_measures_the_rest_when_the_near_best_backends_fail_at_the_new_length(caplog):
@@ -235,14 +275,14 @@ def test_dispatcher_measures_the_rest_when_the_near_best_backends_fail_at_the_ne
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
 
     d = ap.AttentionDispatcher(candidates=("picky", "math"), extra_backends={"picky": picky}, measure_cpu=True)
+    d._time = lambda name, fn, device: {"picky": 10.0, "math": 100.0}[name]  # fixed (µs): "math" is left out next
     q, k, v = random_qkv(B=1, H=2, Lq=64, Lk=64)
     d(q, k, v)
-    d._timings[d.key_for(q, k, None, False)] = {"picky": 10.0, "math": 100.0}  # pinned: "math" is left out next
     q2, k2, v2 = random_qkv(B=1, H=2, Lq=80, Lk=80)
     with caplog.at_level(logging.INFO, logger="sdfast.attention"):
         out = d(q2, k2, v2)
     key2 = d.key_for(q2, k2, None, False)
-    assert d.choices()[key2] == "math" and set(d.timings()[key2]) == {"math"}
+    assert d.decision(key2).winner == "math" and set(d.decision(key2).times_us) == {"math"}
     assert "only 64 queries" in d.excluded()[key2]["picky"] and "measures ['picky']" in caplog.text
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q2, k2, v2))
     # a mate's backend excluded after it was timed there (it failed after being picked) is not kept
