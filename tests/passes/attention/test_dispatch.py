@@ -316,3 +316,36 @@ def test_triton_false_leaves_our_kernel_out_of_the_candidates(monkeypatch):
     assert "triton" in ap.AttentionDispatcher()._candidate_names(c, c)
     assert "triton" not in ap.AttentionDispatcher(triton=False)._candidate_names(c, c)
     assert dp._COMPUTE_DTYPE["tf32"] is torch.float16
+
+
+def test_saved_choices_let_a_second_process_measure_nothing(tmp_path, monkeypatch):
+    """The decision goes to kernels.select's saved-choices file; read back (a second process: nothing in memory),
+    it is the key's decision and nothing is measured. The store runs as on a GPU named "Test GPU"."""
+    from kernels.select import store
+
+    monkeypatch.setenv("SDFAST_CACHE_DIR", str(tmp_path))
+    for name, value in (("_persist", True), ("_saved", None), ("_dirty", False)):
+        monkeypatch.setattr(store, name, value)
+    for module in (store, dp):
+        monkeypatch.setattr(module, "device_name", lambda device: "Test GPU")
+    calls = []
+
+    def spy(q, k, v, attn_mask, scale, upcast):
+        calls.append(1)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    def make():
+        return ap.AttentionDispatcher(candidates=("spy", "math"), extra_backends={"spy": spy}, measure_cpu=True)
+
+    q, k, v = random_qkv()
+    make()(q, k, v)
+    path = select.save()
+    assert path is not None and path.exists() and "attention" in path.read_text()
+    select.clear()  # a second process: no decision in memory, the file read again
+    monkeypatch.setattr(store, "_saved", None)
+    before = len(calls)
+    d2 = make()
+    out = d2(q, k, v)
+    decided = d2.decision(d2.key_for(q, k, None, False))
+    assert decided.source == "saved" and len(calls) == before + (decided.winner == "spy")
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v))
