@@ -35,7 +35,7 @@ def run(batch: int = 2) -> list[dict]:
     import torch.nn.functional as F
     from triton.testing import do_bench_cudagraph
 
-    from sdfast.passes.attention import split_projection
+    from sdfast.passes.attention.qkv import split_projection
 
     rows = []
     for model, level, tokens, c in SHAPES:

@@ -216,25 +216,19 @@ def _sdfast_info(pipe) -> dict:
     info = {"counts": dict(state.counts), "vae_upcast": state.vae_upcast}
     if state.graphs is not None:
         info["graphs"] = state.graphs.stats()
-    info["attention"] = _attention_choices(state.vae_dispatcher)
+    info["attention"] = _attention_choices()
     return info
 
 
-def _attention_choices(vae_dispatcher=None) -> list[dict]:
-    """What the attention dispatchers (the shared one, and the fp32 VAE's own if any) picked per shape, and the µs
-    each backend measured."""
-    from sdfast.passes.attention import default_dispatcher
+def _attention_choices() -> list[dict]:
+    """What the attention choice picked per shape: ``kernels.select``'s "attention" decisions (key: Lq, Lk, heads,
+    head_dim, dtype, mask, upcast and the dispatcher's options, e.g. the fp32 VAE's TF32), how each was made
+    (measured, saved, pinned, only) and the µs each backend measured."""
+    from kernels import select
 
-    rows = []
-    for owner, d in (("shared", default_dispatcher()), ("vae", vae_dispatcher)):
-        if d is None:
-            continue
-        timings = d.timings()
-        rows += [{"dispatcher": owner, "lq": k.lq, "lk": k.lk, "heads": k.heads, "head_dim": k.head_dim,
-                  "mask": k.has_mask, "dtype": str(k.dtype).replace("torch.", ""), "picked": name,
-                  "us": {b: round(t, 1) for b, t in sorted(timings.get(k, {}).items(), key=lambda x: x[1])}}
-                 for k, name in d.choices().items()]
-    return rows
+    return [{"key": d.key, "picked": d.winner, "source": d.source, "device": d.device,
+             "us": {b: round(t, 1) for b, t in sorted(d.times_us.items(), key=lambda x: x[1])}}
+            for d in select.decisions("attention")]
 
 
 def build_sdfast(spec: ModelSpec, ctx: Context, **config_kwargs) -> Built:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sdfast.passes.attention import CROSS_KV_ATTR, SdfastAttnProcessor
+from sdfast.passes.attention.processor import CROSS_KV_ATTR, SdfastAttnProcessor
 from sdfast.runtime.cross_kv import CrossKV, SeenContext
 
 

@@ -13,6 +13,7 @@ from kernels.select import rules
 from sdfast.passes.state import TOKENS_LINEAR
 from kernels.gemm.linear_tma import LinearTile
 from sdfast.passes import attention, layout, linear, norms
+from sdfast.passes.attention.qkv import fused_layer
 
 SMALL = LinearTile(32, 32, 32, 1, 4, group_m=2)
 
@@ -47,7 +48,7 @@ def test_routes_outputs_and_cross_queries_only(unet16):
         # left to the other passes: the fused self-attention QKV, the cached cross K/V, the feed-forward
         assert not any(_rebound(m) for m in (b.attn1.to_q, b.attn1.to_k, b.attn1.to_v, b.attn2.to_k, b.attn2.to_v))
         assert not _rebound(b.ff.net[0].proj) and not _rebound(b.ff.net[-1])
-        assert attention._fused_layer(b.attn1, "to_qkv") is not None
+        assert fused_layer(b.attn1, "to_qkv") is not None
     assert all(TOKENS_LINEAR.get(t) for t in transformers)
 
 

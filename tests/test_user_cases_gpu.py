@@ -227,10 +227,10 @@ def test_gpu_nan_output_is_an_error_never_a_black_image(sd15, monkeypatch):
 def test_gpu_first_image_at_a_new_size_emits_no_user_warning(monkeypatch):
     # the first image at a new size probes every attention backend at each of its shapes; torch's forced SDPA
     # backends warn why they cannot run ("Memory efficient kernel not used because", "head_dim should be no
-    # more than 256"). A fresh process-wide dispatcher, so that the other tests' choices do not skip the probes.
-    from sdfast.passes import attention
+    # more than 256"). No attention decision in kernels.select, so that the other tests' choices do not skip the probes.
+    from kernels import select
 
-    monkeypatch.setattr(attention, "_default_dispatcher", None)
+    select.clear("attention")
     fast = sdfast.load("random:sd15")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

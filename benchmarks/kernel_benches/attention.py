@@ -82,6 +82,8 @@ def run(quick: bool = False) -> list[dict]:
     import triton.testing
 
     from sdfast.passes import attention as ap
+    from sdfast.passes.attention.backends import reference
+    from sdfast.passes.attention.dispatch import mismatch
 
     if not torch.cuda.is_available():
         return [{"model": "-", "note": "error: attention benchmark needs CUDA"}]
@@ -104,11 +106,12 @@ def run(quick: bool = False) -> list[dict]:
         flop = 4.0 * sh["B"] * sh["H"] * sh["Lq"] * sh["Lk"] * sh["D"]
         base = {k_: sh[k_] for k_ in ("model", "attn", "B", "H", "Lq", "Lk", "D")}
         with torch.no_grad():
-            ref = ap._reference(q, k, v, None, scale)
+            ref = reference(q, k, v, None, scale)
             # the dispatcher's warm-up measurement for this key (what the pass does on first sight)
             try:
                 dispatcher(q, k, v, scale=scale, upcast=upcast)
-                picked = dispatcher.choices().get(ap.AttentionDispatcher.key_for(q, k, None, upcast))
+                decided = dispatcher.decision(ap.AttentionDispatcher.key_for(q, k, None, upcast))  # kernels.select's
+                picked = decided.winner if decided is not None else None
             except Exception as e:  # noqa: BLE001 - reported in the rows
                 picked = f"error: {type(e).__name__}: {e}"[:200]
             calls = {n: (lambda fn=dispatcher.backend_fn(n): fn(q, k, v, None, scale, upcast)) for n in names}
@@ -118,7 +121,7 @@ def run(quick: bool = False) -> list[dict]:
             for name, fn in calls.items():
                 r = dict(base, backend=name, upcast=upcast)
                 try:
-                    bad = ap._mismatch(fn(), ref, dtype)
+                    bad = mismatch(fn(), ref, dtype)
                     if bad is not None:
                         raise RuntimeError(f"wrong result: {bad}")
                     r["us"] = triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median") * 1e3

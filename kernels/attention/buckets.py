@@ -10,8 +10,5 @@ from __future__ import annotations
 
 
 def length_bucket(n: int) -> int:
-    """The bucket of a sequence length ``n`` (>= 0): the largest power of two <= n, at least 16.
-
-    SD1.5's second image size (lengths above) spent 1.2 s timing attention configs before the autotuner keyed on
-    these buckets (H200, run 11)."""
+    """The bucket of a sequence length ``n`` (>= 0): the largest power of two <= n, at least 16."""
     return max(16, 1 << (max(int(n), 1).bit_length() - 1))

@@ -17,18 +17,17 @@ What is specific to Stable Diffusion's shapes:
 * query / key lengths that are not tile multiples (77, 154, 4225 = 65x65): the last partial key
   tile runs a copy of the loop body that sends keys past the end to -inf, as a loop of 0 or 1
   iteration after the main loop. Written as an `if`, Triton 3.6 miscompiled it on sm_90 (wrong
-  results for some tiles, illegal memory accesses for others, with or without software pipelining;
-  H200, 2026-11-29). K/V loads are row-masked in every tile, also the full ones: a cheap guard,
+  results for some tiles, illegal memory accesses for others, with or without software pipelining).
+  K/V loads are row-masked in every tile, also the full ones: a cheap guard,
   added while that fault was hunted; the fault itself was the `if`.
 * any strides: q, k, v, out may be strided views, e.g. the (B, L, H, D) output of a fused QKV
   projection seen as (B, H, L, D) through ``transpose(1, 2)``; no copy is made.
 
 Measured and not kept: FlashAttention-4's conditional softmax rescaling (move a row's running max only when a tile
 raises it by more than 8 in base 2). Triton can only branch on a value uniform over the program, a max over all rows
-that goes through shared memory on every key tile: 5-20 % slower at every SD self-attention shape (H200, run 18,
-call A). There, Nsight Compute put cuDNN's head-dim-40 kernel at 48 % tensor-pipe and 52 % MUFU (exp2) activity and
-this kernel at 39 % and 43 % with 255 registers per thread: the exponentials and the MMAs take turns rather than
-overlap, in both.
+that goes through shared memory on every key tile: measured slower at every SD self-attention shape on sm_90
+(``benchmarks/results/h200-2026-12-01-run18``, with the Nsight Compute profile: in cuDNN's head-dim-40 kernel as in
+this one, the exponentials and the MMAs take turns rather than overlap).
 
 The output is allocated as (B, Lq, H, D) memory and returned as its (B, H, Lq, D) view, so that
 ``out.transpose(1, 2).reshape(B, Lq, H * D)`` (what attention processors do next) is free.
@@ -425,9 +424,8 @@ def flash_attention_configs(head_dim: int, elem_size: int = 2, device: Optional[
     if not split_dv:
         if d0 + d1 <= 128:  # 40, 64, 80
             # (128, 64, 4 warps, 2 stages) replaced (128, 128, 8, 3), which was the fastest of these candidates at
-            # none of 10 SD1.5/SDXL/SD2.1 attention shapes (H200, run 12, benchmarks/sweep_attention.py, calls B
-            # and H); the new one is within 2-6 % of the sweep's best at the cross-attentions. No engine-level
-            # change was measurable.
+            # none of SD1.5/SDXL/SD2.1's attention shapes (benchmarks/sweep_attention.py; results in
+            # benchmarks/results/h200-2026-11-30-run12).
             cands = [(128, 64, None, 4, 3), (128, 64, None, 4, 2), (64, 64, None, 4, 3), (128, 32, None, 4, 4)]
         else:  # 160, 256: wide accumulators, more warps per row tile
             cands = [(64, 64, None, 4, 3), (128, 64, None, 8, 3), (64, 32, None, 4, 3), (128, 32, None, 8, 3)]
@@ -463,10 +461,9 @@ def _prune_configs(configs, named_args, **kwargs):
 
 
 def _bench_short(fn, quantiles):
-    # Short timing: every new length bucket pays this once per config at warm-up (SD1.5's second image size paid
-    # 1.23 s of 2.78 s before the buckets; now its lengths share the first size's buckets). Shorter is not better:
-    # at warmup=2, rep=6 SDXL's (1024, 20 heads, 64) self-attention got a config 18 % slower and lost to cuDNN,
-    # +0.6 ms per step (H200, run 7, call 4).
+    # Short timing: every new length bucket pays this once per config at warm-up. Shorter is not better: at
+    # warmup=2, rep=6 SDXL's (1024, 20 heads, 64) self-attention got a slower config and lost to cuDNN
+    # (benchmarks/results/h200-2026-11-30-run7).
     return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
 
@@ -694,7 +691,7 @@ def flash_attention(
     Runs the Triton kernel on CUDA (or on CPU under ``TRITON_INTERPRET=1``), else the PyTorch
     reference through ``kernels.dispatch.use_triton`` (logged). Registered as the custom op
     ``torch.ops.sdfast.flash_attention``. The first call of a new (Lq, Lk, D, dtype, mask, upcast)
-    autotunes (a few configs, ~100 ms); do that before CUDA-graph capture.
+    autotunes (a few configs); do that before CUDA-graph capture.
     """
     _check_inputs(q, k, v, key_padding_mask, scale)
     if scale is None:

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from kernels.gemm.w8a8 import check_fp8_supported
-from sdfast.passes.attention import FUSED_PROJECTIONS
+from sdfast.passes.attention.qkv import FUSED_PROJECTIONS
 from sdfast.quantization.calibration import collect_linear_stats
 from sdfast.quantization.modules import Int8OutlierLinear, QuantizedLinear, W4A16Linear, W8A8Linear, W8A8StaticLinear
 

@@ -45,7 +45,7 @@ from kernels.gemm.sparse24 import (
     sparsegpt_prune_24,
 )
 
-from sdfast.passes.attention import FUSED_PROJECTIONS
+from sdfast.passes.attention.qkv import FUSED_PROJECTIONS
 
 log = logging.getLogger("sdfast.passes")
 

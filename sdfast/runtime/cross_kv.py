@@ -28,7 +28,8 @@ import weakref
 
 import torch
 
-from sdfast.passes.attention import CROSS_KV_ATTR, SdfastAttnProcessor, project_kv
+from sdfast.passes.attention.processor import CROSS_KV_ATTR, SdfastAttnProcessor
+from sdfast.passes.attention.qkv import project_kv
 
 
 def _version(t: torch.Tensor):

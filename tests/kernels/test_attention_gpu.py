@@ -173,7 +173,7 @@ DISPATCH_SHAPES = [s for s in SD_SHAPES if s[0] in (
 
 
 @pytest.mark.parametrize("name,B,H,Lq,Lk,D,upcast", DISPATCH_SHAPES, ids=[s[0] for s in DISPATCH_SHAPES])
-def test_dispatcher_backends(name, B, H, Lq, Lk, D, upcast, caplog):
+def test_dispatcher_backends(name, B, H, Lq, Lk, D, upcast, caplog, fresh_choices):
     from sdfast.passes import attention as ap
 
     torch.manual_seed(0)
@@ -184,8 +184,8 @@ def test_dispatcher_backends(name, B, H, Lq, Lk, D, upcast, caplog):
     with caplog.at_level("INFO", logger="sdfast.attention"):
         out = d(q, k, v, upcast=upcast)
     key = d.key_for(q, k, None, upcast)
-    picked = d.choices()[key]
-    timings, excluded = d.timings()[key], d.excluded().get(key, {})
+    decided = d.decision(key)  # kernels.select's record
+    picked, timings, excluded = decided.winner, decided.times_us, d.excluded().get(key, {})
     assert picked == min(timings, key=timings.get)
     assert "triton" in timings, f"our kernel was excluded: {excluded}"
     assert "sdpa" in timings, f"SDPA's default was excluded: {excluded}"
@@ -205,7 +205,7 @@ def test_dispatcher_backends(name, B, H, Lq, Lk, D, upcast, caplog):
         o2 = d(q2, k2, v2, upcast=not upcast)
     g.replay()
     torch.cuda.synchronize()
-    assert d.key_for(q2, k2, None, not upcast) not in d.choices()
+    assert d.decision(d.key_for(q2, k2, None, not upcast)) is None
     assert torch.isfinite(o2).all()
 
 
@@ -310,18 +310,19 @@ def test_vae_decoder_parity():
 def test_tf32_backend_on_the_fp32_vae_shape_and_in_a_cuda_graph(lq):
     """The SDXL VAE's mid-block attention (1 head of 512, 128x128 latents at 1024²) in TF32: within fp16's
     tolerance of fp32 math, and the same numbers replayed from a CUDA graph (the TF32 flag is read at capture)."""
-    from sdfast.passes import attention as ap
+    from sdfast.passes.attention import backends
+    from sdfast.passes.attention.dispatch import mismatch
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(1, 1, lq, 512, device="cuda", generator=g) for _ in range(3))
     scale = 512**-0.5
     before = torch.backends.cuda.matmul.allow_tf32
-    out = ap._tf32_backend(q, k, v, None, scale, False)
-    ref = ap._reference(q, k, v, None, scale)
-    assert ap._mismatch(out, ref, torch.float16) is None
+    out = backends._tf32_backend(q, k, v, None, scale, False)
+    ref = backends.reference(q, k, v, None, scale)
+    assert mismatch(out, ref, torch.float16) is None
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = ap._tf32_backend(q, k, v, None, scale, False)
+        captured = backends._tf32_backend(q, k, v, None, scale, False)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, out)

@@ -127,12 +127,12 @@ def test_attention_dispatcher_measures_and_caches_nothing_in_a_dry_run():
     q = torch.randn(1, 2, 8, 16)
     out = []
     precompile.dry_run(lambda: out.append(d(q, q, q)))
-    assert calls == [1] and d.choices() == {} and d.timings() == {}
+    key = d.key_for(q, q, None, False)
+    assert calls == [1] and d.decision(key) is None
     ref = torch.nn.functional.scaled_dot_product_attention(q, q, q)
     torch.testing.assert_close(out[0], ref)  # the pass got SDPA's answer (SAFE_DEFAULT)
     d(q, q, q)  # outside the dry run: measured (the fake kernel's zeros are excluded) and cached
-    key = d.key_for(q, q, None, False)
-    assert d.choices()[key] == "math" and "triton" in d.excluded()[key] and len(calls) == 2
+    assert d.decision(key).winner == "math" and "triton" in d.excluded()[key] and len(calls) == 2
 
 
 def test_a_dry_run_inside_a_dry_run_just_runs():
@@ -184,7 +184,7 @@ def test_a_second_threads_dry_run_does_nothing_while_one_is_on():
 
 
 def test_dry_rows_keep_divisibility_and_stay_small():
-    from sdfast.passes.attention import _dry_rows
+    from sdfast.passes.attention.dispatch import _dry_rows
 
     for lq in (1, 77, 256, 257, 1024, 4096, 5120, 16384, 4608, 1000, 18432):
         m = _dry_rows(lq)
