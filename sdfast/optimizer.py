@@ -96,11 +96,13 @@ def _undo_vae_upcast(pipe, state: OptimizeState) -> None:
 def _attention(pipe, state: OptimizeState) -> int:
     from .passes import attention
 
-    config = state.config
+    config, policy = state.config, state.config.kernels
+    options = dict(backend=policy.attention, triton=policy.attention_triton)
+    dispatcher = attention.AttentionDispatcher(**options)
     if state.vae_upcast and config.vae_tf32:
-        state.vae_dispatcher = attention.AttentionDispatcher(allow_tf32=True)
+        state.vae_dispatcher = attention.AttentionDispatcher(**options, allow_tf32=True)
     return sum(attention.apply(m, fuse_projections=config.fuse_qkv,
-                               dispatcher=state.vae_dispatcher if m is pipe.vae else None)
+                               dispatcher=state.vae_dispatcher if m is pipe.vae and state.vae_dispatcher else dispatcher)
                for m in _denoisers(pipe))
 
 

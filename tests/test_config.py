@@ -44,3 +44,18 @@ def test_optimize_reads_the_switches_and_pins_the_choices(monkeypatch, tiny_engi
         sdfast.optimize(tiny_engine.pipe, OptimizeConfig())  # the same switches: the same config, no error
     finally:
         select.set_pins({})
+
+
+def test_optimize_hands_the_attention_switches_to_the_dispatchers(monkeypatch, tiny_engine):
+    from sdfast.passes.attention import SdfastAttnProcessor
+
+    sdfast.unoptimize(tiny_engine.pipe)
+    monkeypatch.setenv("SDFAST_ATTENTION_BACKEND", "math")
+    monkeypatch.setenv("SDFAST_ATTENTION_TRITON", "0")
+    try:
+        sdfast.optimize(tiny_engine.pipe)
+        procs = [p for p in tiny_engine.pipe.unet.attn_processors.values() if isinstance(p, SdfastAttnProcessor)]
+        assert procs and all(p.dispatcher.forced == "math" and p.dispatcher.triton is False for p in procs)
+    finally:
+        sdfast.unoptimize(tiny_engine.pipe)
+        select.set_pins({})

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from sdfast.passes.attention.processor import CROSS_KV_ATTR, SdfastAttnProcessor
+from sdfast.passes.attention.processor import SdfastAttnProcessor
+from sdfast.passes.state import CROSS_KV
 from sdfast.runtime.cross_kv import CrossKV, SeenContext
 
 
@@ -25,7 +26,7 @@ def test_step_reading_the_slots_equals_the_stock_step(tiny_engine):
         ref = unet(sample, t, encoder_hidden_states=ctx).sample
         slots = cache.fill(ctx)
         assert set(slots) == {id(m) for m in layers}
-        assert all(getattr(m, CROSS_KV_ATTR) is cache for m in layers)
+        assert all(CROSS_KV.get(m) is cache for m in layers)
         with cache.reading(slots, ctx):
             out = unet(sample, t, encoder_hidden_states=ctx).sample
     assert torch.equal(out, ref)
@@ -48,7 +49,7 @@ def test_slots_are_read_only_while_capturing_and_only_for_that_context(tiny_engi
     layer = cache.layers()[0]
     assert cache.lookup(layer, ctx) is None
     cache.uninstall()
-    assert all(CROSS_KV_ATTR not in m.__dict__ for m in unet.modules())
+    assert all(CROSS_KV.get(m) is None for m in unet.modules())
 
 
 def test_state_follows_in_place_changes_of_context_and_weights(tiny_engine):

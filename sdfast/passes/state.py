@@ -46,4 +46,13 @@ TOKENS_LINEAR: Slot[bool] = Slot(
     "tma_linear", "On a Transformer2DModel whose proj_in / proj_out run on kernels.gemm.linear_projection (written by "
     "sdfast.passes.linear); the channels_last token path (sdfast.passes.layout) then routes them through it.")
 
-__all__ = ["BLOCK_TEMB", "NORMS_FUSED", "Slot", "TEMB_PACK", "TOKENS_LINEAR"]
+ATTENTION: Slot[dict] = Slot(
+    "attention_state", "On each Attention module the attention pass converted: {'processor': the processor it "
+    "replaced, 'fused': 'to_qkv' / 'to_kv' / None (the projections it fused, sdfast.passes.attention.qkv)}; "
+    "qkv.fused_layer reads it to tell our fusion from diffusers' own.")
+CROSS_KV: Slot[Any] = Slot(
+    "cross_kv", "On each cross-attention module while the UNet's graphs project the text embedding once per call: "
+    "the sdfast.runtime.cross_kv.CrossKV whose slots hold its K and V (written by the runtime, read by the attention "
+    "processor instead of projecting at every step).")
+
+__all__ = ["ATTENTION", "BLOCK_TEMB", "CROSS_KV", "NORMS_FUSED", "Slot", "TEMB_PACK", "TOKENS_LINEAR"]

@@ -28,7 +28,8 @@ import weakref
 
 import torch
 
-from sdfast.passes.attention.processor import CROSS_KV_ATTR, SdfastAttnProcessor
+from sdfast.passes.attention.processor import SdfastAttnProcessor
+from sdfast.passes.state import CROSS_KV
 from sdfast.passes.attention.qkv import project_kv
 
 
@@ -69,7 +70,7 @@ class CrossKV:
         """K/V of every layer for ``context``: {id(layer): (key, value)}. Sets each layer's cache attribute."""
         slots = {}
         for m in self.layers():
-            setattr(m, CROSS_KV_ATTR, self)
+            CROSS_KV.set(m, self)
             slots[id(m)] = project_kv(m, context, cross=True)
         return slots
 
@@ -108,8 +109,7 @@ class CrossKV:
 
     def uninstall(self) -> None:
         for m in self.module.modules():
-            if CROSS_KV_ATTR in m.__dict__:
-                delattr(m, CROSS_KV_ATTR)
+            CROSS_KV.clear(m)
 
 
 class SeenContext:

@@ -35,7 +35,8 @@ import torch.nn as nn
 from sdfast.passes.attention.backends import BACKEND_NAMES, key_padding_from_mask, xformers_works
 from sdfast.passes.attention.dispatch import ATTENTION, AttentionDispatcher, AttentionKey
 from sdfast.passes.attention.processor import SdfastAttnProcessor
-from sdfast.passes.attention.qkv import STATE_ATTR, fuse, split_projection, unfuse
+from sdfast.passes.attention.qkv import fuse, split_projection, unfuse
+from sdfast.passes.state import ATTENTION
 
 log = logging.getLogger("sdfast.attention")
 
@@ -104,7 +105,7 @@ def apply(
     processor = SdfastAttnProcessor(dispatcher)
     new: Dict[str, object] = {}
     for name, m in module.named_modules():
-        if not isinstance(m, Attention) or hasattr(m, STATE_ATTR):
+        if not isinstance(m, Attention) or ATTENTION.get(m) is not None:
             continue
         if isinstance(getattr(m, "processor", None), SdfastAttnProcessor):
             continue
@@ -114,7 +115,7 @@ def apply(
             log.debug("sdfast attention: %s skipped (processor %s)", name, type(m.processor).__name__)
             continue
         state = {"processor": m.processor, "fused": fuse(m) if fuse_projections else None}
-        setattr(m, STATE_ATTR, state)
+        ATTENTION.set(m, state)
         new[name] = processor
     if new:
         _set_processors(module, new)
@@ -132,7 +133,7 @@ def undo(module: nn.Module) -> int:
     old: Dict[str, object] = {}
     restored = 0
     for name, m in module.named_modules():
-        state = getattr(m, STATE_ATTR, None)
+        state = ATTENTION.get(m)
         if state is None:
             continue
         ours = isinstance(getattr(m, "processor", None), SdfastAttnProcessor)
@@ -140,7 +141,7 @@ def undo(module: nn.Module) -> int:
             old[name] = state["processor"]  # the separate layers stay valid views of the fused weight)
             if state["fused"] is not None:
                 unfuse(m, state["fused"])
-        delattr(m, STATE_ATTR)
+        ATTENTION.clear(m)
         restored += 1
     if old:
         _set_processors(module, old)

@@ -15,11 +15,9 @@ import torch.nn as nn
 
 from sdfast.passes.attention.dispatch import AttentionDispatcher
 from sdfast.passes.attention.qkv import fused_layer, project_kv, split_projection
+from sdfast.passes.state import CROSS_KV
 from sdfast.quantization.shared_input import SharedInputQuantization
 
-# Attribute of a cross-attention ``Attention`` that holds a K/V cache (``sdfast.runtime.cross_kv.CrossKV``):
-# ``cache.lookup(attn, encoder_hidden_states)`` gives its (key, value) or None.
-CROSS_KV_ATTR = "_sdfast_cross_kv"
 
 
 class SdfastAttnProcessor:
@@ -104,7 +102,7 @@ class SdfastAttnProcessor:
             return tuple(t.view(*t.shape[:2], heads, head_dim) for t in (query, key, value)) + (head_dim,)
         query = attn.to_q(hidden_states)
         cached = None
-        if encoder_hidden_states is not None and (kv_cache := getattr(attn, CROSS_KV_ATTR, None)) is not None:
+        if encoder_hidden_states is not None and (kv_cache := CROSS_KV.get(attn)) is not None:
             cached = kv_cache.lookup(attn, encoder_hidden_states)  # K/V computed outside the step's graph
         if cached is not None:
             key, value = cached

@@ -17,16 +17,13 @@ import torch
 import torch.nn as nn
 
 from sdfast.passes._modules import runs_as_its_class
+from sdfast.passes.state import ATTENTION
 
 log = logging.getLogger("sdfast.attention")
 
 # Names of the fused Q/K/V (K/V) projections this pass adds: views of to_q/to_k/to_v's weights, used
 # only while those are plain nn.Linear, so other passes (quantize_, sparsify_) never convert them.
 FUSED_PROJECTIONS = (".to_qkv", ".to_kv")
-# The attention pass's per-module state, set by ``apply`` and removed by ``undo``: {"processor": the one replaced,
-# "fused": "to_qkv" / "to_kv" when ``fuse`` packed the projections, else None}. ``fused_layer`` reads "fused" to
-# tell a layer packed here (its views checked) from one packed by diffusers (its own copy).
-STATE_ATTR = "_sdfast_attention_state"
 
 
 def fused_layer(attn: nn.Module, name: str) -> Optional[nn.Module]:
@@ -44,7 +41,7 @@ def fused_layer(attn: nn.Module, name: str) -> Optional[nn.Module]:
     parts = (attn.to_k, attn.to_v) if name == "to_kv" else (attn.to_q, attn.to_k, attn.to_v)
     if not all(runs_as_its_class(p, nn.Linear) for p in parts):
         return None  # a wrapped, hooked (calibration, user hooks) or re-bound projection must run itself
-    state = getattr(attn, STATE_ATTR, None)
+    state = ATTENTION.get(attn)
     if state is None or state.get("fused") != name:
         return fused  # fused by diffusers (``fuse_projections``): its own copy, as stock uses it
     row = 0
