@@ -2,7 +2,7 @@
 
     python -m benchmarks.sweep_cusparselt --out DIR [--shapes ff|all] [--dtypes fp16,fp8] [--quick]
 
-cuSPARSELt's own search (``cusparseLtMatmulSearch``) broke the CUDA context on the H200 (run 3), so this
+cuSPARSELt's own search (``cusparseLtMatmulSearch``) broke the CUDA context on the H200, so this
 walks the settings by hand, each timed in a CUDA graph (``triton.testing.do_bench_cudagraph``, median):
 
 - the dense operand as x^T viewed (K-major, no copy) or x^T copied (M-major), and the result transposed

@@ -1,4 +1,4 @@
-"""2:4 sparse linear vs dense cuBLAS at every SD1.5 / SDXL transformer linear shape (fp16, H200).
+"""2:4 sparse linear vs dense cuBLAS at every SD1.5 / SDXL transformer linear shape (fp16).
 
 ``run(quick=False) -> list[dict]`` (GPU only; nothing runs at import). One row per (shape, backend):
 
@@ -18,7 +18,7 @@ overhead shows when the host is slower than the GPU, as in eager inference) and 
 UNet), ``tflops_graph`` (dense-equivalent 2*M*K*N FLOP / us_graph; ceiling 739 TFLOP/s) and
 ``speedup_graph`` / ``speedup_eager`` against dense in the same mode. Target: >= 1.3x on the large
 feed-forward shapes. Rows with ``bench == "sparse24_default_path_diagnosis"`` decompose the default
-path's slowdown at the DESIGN.md shape (8192 x 320 -> 2560): eager vs graph time, host time per
+path's slowdown at 8192 x 320 -> 2560: eager vs graph time, host time per
 call, layout variants, algorithm 0 vs searched. A backend that fails on a shape (or gives a wrong
 result) gives a row whose ``note`` starts with ``error:`` (never dropped silently).
 """
@@ -30,7 +30,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-PEAK_TFLOPS = 739.0  # measured bf16 matmul ceiling on the H200 (DESIGN.md)
+PEAK_TFLOPS = 739.0  # the measured bf16 matmul ceiling of the H200
 
 
 _LEAD = ("bench", "model", "layer", "M", "K", "N", "backend", "us_graph", "tflops_graph", "speedup_graph", "us_eager", "note")

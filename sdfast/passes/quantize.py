@@ -72,11 +72,10 @@ class W8A8Config:
         activation scale per layer from calibration and one weight scale per tensor (SmoothQuant's
         per-tensor static setting, TensorRT Model Optimizer's FP8 SD recipe), the GEMM in cuBLASLt
         (:class:`~sdfast.quantization.modules.W8A8StaticLinear`); Q/K/V share one quantize pass when
-        ``alpha == 0``. Speed (H200, run 8): SDXL's linears 1.39x cuBLAS fp16 with the quantize passes (the GEMMs
-        alone 1.65x), against 0.92x for "dynamic"; the SDXL UNet step 1.175x sdfast fp16; SD1.5 0.99x (its linears
-        are too small). Numerics: 44 dB against stock fp16 on SDXL; inputs beyond the calibrated range saturate.
-    fast_accum: "static" only: cuBLASLt's fast FP8 accumulation (no periodic fp32 promotion). Speed: 9.3
-        against 11.4 ms over SDXL's linears (H200). Numerics: the relative error against the fp32 product of the
+        ``alpha == 0``. Speed: pays on SDXL's large linears, not on SD1.5's (the README's figures). Numerics:
+        inputs beyond the calibrated range saturate.
+    fast_accum: "static" only: cuBLASLt's fast FP8 accumulation (no periodic fp32 promotion). Speed: faster
+        GEMMs (the README's figures). Numerics: the relative error against the fp32 product of the
         unquantized operands is unchanged (0.037, the E4M3 quantization); the largest error against the fp32
         product of the quantized operands grows to 0.024 at K = 5120.
     group_size: None (per-channel weights) or a multiple of 32 (ZeroQuant group-wise weights, smaller

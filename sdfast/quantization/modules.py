@@ -266,10 +266,8 @@ class W4A16Linear(QuantizedLinear):
     (N, G), ``smooth`` fp32 (K,) (AWQ's ``1/s``) or None, ``bias``. ``backend``: ``"triton"``, ``"csrc"``
     (the CUDA C++ kernel for fp16 CUDA input with K % 32 == 0 and group_size % 32 == 0; anything else, and
     ``smooth`` handling, goes through Triton / a torch multiply) or ``"auto"``: the CUDA C++ kernel where it
-    applies to a call of at least ``CSRC_MIN_TOKENS`` rows and builds, else Triton. On the H200 (run 8, every SD
-    linear shape) the CUDA C++ kernel was 1.4–1.9x faster than Triton's at every 2048- and 8192-token shape, and
-    slower at 154 tokens and at two of SD1.5's three 512-token shapes: 0.84x of Triton's time over SD1.5's
-    linears, 0.67x over SDXL's.
+    applies to a call of at least ``CSRC_MIN_TOKENS`` rows and builds, else Triton (the CUDA C++ kernel measured
+    faster at 2048 tokens and more, slower at fewer, on sm_90).
     """
 
     CSRC_MIN_TOKENS = 1024
