@@ -302,11 +302,9 @@ def build_sdfast_compressed(spec: ModelSpec, ctx: Context, *, preset: str) -> Bu
                "weight_ratio": after / sum(before[n] for n in replaced) if replaced else None}
     def info():
         out = {**details, **_sdfast_info(pipe)}
-        if fn_name == "sparsify_":  # which shapes ran sparse: decided per (N, K, M) at the first GPU call
-            from kernels.gemm.sparse24 import shape_decisions
-
-            out["sparse_shapes"] = shape_decisions()
-            out["sparse_shapes_by_backend"] = dict(Counter(d["backend"] for d in out["sparse_shapes"]))
+        if fn_name == "sparsify_":  # which shapes ran sparse: the "sparse24" choices, per input signature
+            out["sparse_shapes"] = [d for d in sdfast.decisions() if d["choice"] == "sparse24"]
+            out["sparse_shapes_by_backend"] = dict(Counter(d["winner"].partition(":")[0] for d in out["sparse_shapes"]))
         return out
 
     return Built(engine, {"optimize": True, "dtype": str(engine.dtype), fn_name: config_name, **kwargs,

@@ -2,7 +2,7 @@
 
     python -m benchmarks.sweep_cusparselt --out DIR [--shapes ff|all] [--dtypes fp16,fp8] [--quick]
 
-cuSPARSELt's own search (``cusparseLtMatmulSearch``) broke the CUDA context on the H200 (run 3), so this
+cuSPARSELt's own search (``cusparseLtMatmulSearch``) broke the CUDA context on the H200, so this
 walks the settings by hand, each timed in a CUDA graph (``triton.testing.do_bench_cudagraph``, median):
 
 - the dense operand as x^T viewed (K-major, no copy) or x^T copied (M-major), and the result transposed
@@ -153,13 +153,13 @@ def _env() -> dict:
     import torch
     import triton
 
-    from kernels.gemm.sparse24 import _loaded_libraries, cusparselt_runtime_version
+    from kernels.sparse24.cusparselt import cusparselt_runtime_version, loaded_libraries
 
     return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
                 triton=triton.__version__,
                 cusparselt_built_with=getattr(torch.backends.cusparselt, "version", lambda: None)(),
                 cusparselt_loaded=".".join(map(str, cusparselt_runtime_version() or ())) or None,
-                cusparselt_paths=_loaded_libraries("libcusparseLt.so"),  # every mapped copy (an LD_PRELOAD: two)
+                cusparselt_paths=loaded_libraries("libcusparseLt.so"),  # every mapped copy (an LD_PRELOAD: two)
                 date=datetime.datetime.now().isoformat(timespec="seconds"))
 
 

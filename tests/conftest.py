@@ -19,7 +19,8 @@ if not HAS_CUDA:
     import kernels.gemm.geglu_tma  # noqa: F401,E402
     import kernels.gemm.int8_outlier  # noqa: F401,E402
     import kernels.gemm.linear_tma  # noqa: F401,E402
-    import kernels.gemm.sparse24  # noqa: F401,E402
+    import kernels.sparse24.kernel  # noqa: F401,E402
+    import kernels.sparse24.sparsegpt_block  # noqa: F401,E402
     import kernels.gemm.w4a16  # noqa: F401,E402
     import kernels.gemm.w8a8  # noqa: F401,E402
     import kernels.norm  # noqa: F401,E402

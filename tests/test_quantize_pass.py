@@ -5,6 +5,7 @@ references (TRITON_INTERPRET=0 -> the logged dispatch fallback) to keep CI fast:
 checked against those references in tests/kernels/test_quant.py."""
 
 import copy
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -194,7 +195,7 @@ def test_pipeline_object_and_errors(unet, monkeypatch):
         quantize_(copy.deepcopy(unet), W4A16Config(method="awq", min_features=32))
     with pytest.raises(ValueError, match="calibration"):
         quantize_(copy.deepcopy(unet), W4A16Config(method="gptq", min_features=32))
-    with pytest.raises(TypeError, match="config"):
+    with pytest.raises(TypeError, match=r"config must be .*W8A8Config, W4A16Config, Int8OutlierConfig.* got str"):
         quantize_(u, "int8")
     with pytest.raises(TypeError, match="nn.Module"):
         quantize_(object(), W8A8Config())
@@ -204,6 +205,50 @@ def test_pipeline_object_and_errors(unet, monkeypatch):
         W4A16Config(method="hqq")
     with pytest.raises(ValueError, match="group_size"):
         W4A16Config(group_size=100)
+
+
+def test_a_registered_config_type_is_quantized_by_its_handler(monkeypatch):
+    """quantize_ dispatches on the config's type through the handler table (torchao's
+    register_quantize_module_handler): a new method is a config class plus a registered handler, and quantize_
+    runs it (targets, calibration, stats and undo included) without being edited."""
+    from sdfast.quantization import registry
+
+    monkeypatch.setattr(registry, "_HANDLERS", dict(registry._HANDLERS))  # the registration below is undone
+
+    @dataclass(frozen=True)
+    class HalfConfig:  # weights rounded to fp16, a toy method
+        min_features: int = 32
+
+    class HalfLinear(QuantizedLinear):
+        def __init__(self, lin, absmax):
+            super().__init__(lin.in_features, lin.out_features, lin.bias, lin.weight.dtype)
+            self.register_buffer("w16", lin.weight.detach().half())
+            self.absmax = absmax
+
+        def forward(self, x):
+            return torch.nn.functional.linear(x, self.w16.to(x.dtype), self.bias)
+
+        def dequantized_weight(self):
+            return self.w16.float()
+
+        def weight_nbytes(self):
+            return self.w16.numel() * 2
+
+    seen = []
+
+    @registry.register_quantize_module_handler(HalfConfig, calibration=lambda c: registry.Calibration(collect=True))
+    def convert(lin, config, stats):
+        seen.append(stats)
+        return HalfLinear(lin, stats.absmax)
+
+    assert HalfConfig in registry.registered("quantize_")
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 16))
+    x = torch.randn(4, 64)
+    n = quantize_(model, HalfConfig(), filter_fn=lambda m, name: True, calibration=lambda: model(x))
+    assert n == 1 and isinstance(model[0], HalfLinear) and type(model[1]) is nn.Linear  # 16 < min_features
+    assert n.skipped_shape == 1 and n.weight_ratio == 0.5
+    assert len(seen) == 1 and torch.equal(seen[0].absmax, x.abs().amax(0))
+    assert dequantize_(model) == 1 and type(model[0]) is nn.Linear
 
 
 def test_dtype_casts_keep_quantized_storage():

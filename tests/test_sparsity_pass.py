@@ -6,8 +6,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from kernels.gemm.sparse24 import SparseLinear, is_24_sparse, prune_24_magnitude
+from kernels.sparse24.prune import is_24_sparse, prune_24_magnitude
 from sdfast.passes import sparsity as sp
+from sdfast.quantization import registry
+from sdfast.quantization.sparse import SparseLinear
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -69,7 +71,8 @@ def test_config_is_frozen_and_validated():
     for bad in (dict(method="random"), dict(backend="cublas"), dict(timing="wall"), dict(blocksize=6), dict(percdamp=-1),
                 # wrong types and non-finite numbers (a fresh-user trial saw these fail deep inside, or pass)
                 dict(min_features="256"), dict(min_features=1.5), dict(blocksize=4.0), dict(percdamp=float("nan")),
-                dict(min_speedup=float("nan")), dict(keep_dense_copy="no"), dict(hessian_device="foo")):
+                dict(min_speedup=float("nan")), dict(min_speedup=0.5), dict(keep_dense_copy="no"), dict(hessian_device="foo"),
+                dict(cusparselt_search="1")):
         with pytest.raises(ValueError, match=next(iter(bad))):
             sp.Sparse24Config(**bad)
     if not torch.cuda.is_available():
@@ -199,3 +202,43 @@ def test_calibration_gets_the_module_only_when_it_needs_an_argument():
     sp._call_calibration(lambda n=2: seen.append(n), mod)  # an optional parameter keeps its default
     sp._call_calibration(lambda: seen.append("none"), mod)
     assert seen == [mod, mod, 2, "none"]
+
+
+def test_cusparselt_search_comes_from_the_config_else_the_kernel_policy(monkeypatch):
+    """``Sparse24Config.cusparselt_search`` None (default) takes ``KernelPolicy.from_env()``'s (read when sparsify_
+    runs: ``SDFAST_CUSPARSELT_SEARCH=1``); True/False override it. The kernels never read the environment."""
+    model = lambda: nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32))  # noqa: E731
+    everything = lambda m, name: True  # noqa: E731
+    monkeypatch.delenv("SDFAST_CUSPARSELT_SEARCH", raising=False)
+    m = model()
+    sp.sparsify_(m, sp.Sparse24Config(min_features=16), filter_fn=everything)
+    assert [l.cusparselt_search for l in m] == [False, False]
+    monkeypatch.setenv("SDFAST_CUSPARSELT_SEARCH", "1")
+    m = model()
+    sp.sparsify_(m, sp.Sparse24Config(min_features=16), filter_fn=everything)
+    assert [l.cusparselt_search for l in m] == [True, True]
+    m = model()
+    sp.sparsify_(m, sp.Sparse24Config(min_features=16, cusparselt_search=False), filter_fn=everything)
+    assert [l.cusparselt_search for l in m] == [False, False]
+
+
+def test_sparsify_dispatches_on_the_registered_handler(monkeypatch):
+    """sparsify_ looks its method up by the config's type: a config type registered with a handler runs that
+    handler; an unregistered one raises a TypeError naming the registered types."""
+    monkeypatch.setattr(registry, "_HANDLERS", dict(registry._HANDLERS))  # the registration below is undone
+    with pytest.raises(TypeError, match="Sparse24Config"):
+        sp.sparsify_(nn.Sequential(nn.Linear(32, 32)), "magnitude")
+
+    class FirstColumnsConfig:  # keep the first two of every four columns
+        min_features = 8
+
+    @registry.register_sparsify_module_handler(FirstColumnsConfig)
+    def convert(lin, config, stats):
+        assert stats is None  # no calibration asked for
+        w = lin.weight.detach().clone().reshape(lin.out_features, -1, 4)
+        w[..., 2:] = 0
+        return SparseLinear.from_dense(lin, w.reshape(lin.out_features, -1))
+
+    m = nn.Sequential(nn.Linear(32, 16))
+    assert sp.sparsify_(m, FirstColumnsConfig(), filter_fn=lambda mod, name: True) == 1
+    assert isinstance(m[0], SparseLinear) and bool((m[0].weight.reshape(16, -1, 4)[..., 2:] == 0).all())

@@ -1,11 +1,11 @@
-"""2:4 sparse linear vs dense cuBLAS at every SD1.5 / SDXL transformer linear shape (fp16, H200).
+"""2:4 sparse linear vs dense cuBLAS at every SD1.5 / SDXL transformer linear shape (fp16).
 
 ``run(quick=False) -> list[dict]`` (GPU only; nothing runs at import). One row per (shape, backend):
 
 - ``dense``: ``F.linear`` (cuBLAS) with the pruned weight.
 - ``cusparselt_default``: torch's default path, ``F.linear(x, to_sparse_semi_structured(W))``
   (cuSPARSELt subclass, alg_id 0, per-call plan creation, tensor-subclass dispatch).
-- ``cusparselt_alg0``: our direct call (``kernels.gemm.sparse24.cusparselt_linear``: sparse weight
+- ``cusparselt_alg0``: our direct call (``kernels.sparse24.cusparselt.cusparselt_linear``: sparse weight
   as the left operand, x^T as a K-major view, transposed result, fused bias), algorithm 0.
 - ``cusparselt_tuned``: same with the algorithm / split-K found by cuSPARSELt's search for the shape.
 - ``cutlass_default``: ``F.linear`` with the CUTLASS subclass (what ``_FORCE_CUTLASS`` gives).
@@ -18,7 +18,7 @@ overhead shows when the host is slower than the GPU, as in eager inference) and 
 UNet), ``tflops_graph`` (dense-equivalent 2*M*K*N FLOP / us_graph; ceiling 739 TFLOP/s) and
 ``speedup_graph`` / ``speedup_eager`` against dense in the same mode. Target: >= 1.3x on the large
 feed-forward shapes. Rows with ``bench == "sparse24_default_path_diagnosis"`` decompose the default
-path's slowdown at the DESIGN.md shape (8192 x 320 -> 2560): eager vs graph time, host time per
+path's slowdown at 8192 x 320 -> 2560: eager vs graph time, host time per
 call, layout variants, algorithm 0 vs searched. A backend that fails on a shape (or gives a wrong
 result) gives a row whose ``note`` starts with ``error:`` (never dropped silently).
 """
@@ -30,7 +30,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-PEAK_TFLOPS = 739.0  # measured bf16 matmul ceiling on the H200 (DESIGN.md)
+PEAK_TFLOPS = 739.0  # the measured bf16 matmul ceiling of the H200
 
 
 _LEAD = ("bench", "model", "layer", "M", "K", "N", "backend", "us_graph", "tflops_graph", "speedup_graph", "us_eager", "note")
@@ -114,40 +114,47 @@ def _host_us_per_call(fn, n: int = 50) -> float:
     return (time.perf_counter() - t0) * 1e6 / n
 
 
+def _search_enabled() -> bool:
+    """cuSPARSELt's algorithm search runs where the kernel policy asks for it (``SDFAST_CUSPARSELT_SEARCH=1``)."""
+    from sdfast.config import KernelPolicy
+
+    return KernelPolicy.from_env().cusparselt_search
+
+
 def _candidates(x, w, b) -> dict:
-    from kernels.gemm import sparse24 as s24
+    from kernels.sparse24 import cusparselt as cslt, format as fmt, kernel as k24
 
     out = {"dense": lambda: F.linear(x, w, b)}
     n, k = w.shape
     errors = {}
-    ok, why = s24.backend_supports("cusparselt", n, k, w.dtype)
+    ok, why = cslt.backend_supports("cusparselt", n, k, w.dtype)
     if ok:
         try:
-            ws = s24.to_semi_structured(w, "cusparselt")
+            ws = cslt.to_semi_structured(w, "cusparselt")
             out["cusparselt_default"] = lambda: F.linear(x, ws, b)
             packed = torch._cslt_compress(w)
-            out["cusparselt_alg0"] = lambda: s24.cusparselt_linear(x, packed, b)
-            if s24.cusparselt_search_enabled():
-                plan = s24.cusparselt_search(packed, s24._pad_rows(x, 8), b)
-                out["cusparselt_tuned"] = lambda: s24.cusparselt_linear(x, packed, b, plan)
+            out["cusparselt_alg0"] = lambda: cslt.cusparselt_linear(x, packed, b)
+            if _search_enabled():
+                plan = cslt.cusparselt_search(packed, cslt.pad_rows(x, 8), b)
+                out["cusparselt_tuned"] = lambda: cslt.cusparselt_linear(x, packed, b, plan)
                 out["_plan"] = plan
         except Exception as e:
             errors["cusparselt"] = f"{type(e).__name__}: {e}"[:300]
     else:
         errors["cusparselt"] = why
-    ok, why = s24.backend_supports("cutlass", n, k, w.dtype)
+    ok, why = cslt.backend_supports("cutlass", n, k, w.dtype)
     if ok:
         try:
-            wc = s24.to_semi_structured(w, "cutlass")
+            wc = cslt.to_semi_structured(w, "cutlass")
             out["cutlass_default"] = lambda: F.linear(x, wc, b)
-            cp, cm = s24.to_cutlass_format(w)
-            out["cutlass"] = lambda: s24.cutlass_linear(x, cp, cm, b)
+            cp, cm = fmt.to_cutlass_format(w)
+            out["cutlass"] = lambda: cslt.cutlass_linear(x, cp, cm, b)
         except Exception as e:
             errors["cutlass"] = f"{type(e).__name__}: {e}"[:300]
     else:
         errors["cutlass"] = why
-    values, meta = s24.compress_24(w)
-    out["triton"] = lambda: s24.sparse24_linear(x, values, meta, b)
+    values, meta = fmt.compress_24(w)
+    out["triton"] = lambda: k24.sparse24_linear(x, values, meta, b)
     out["_errors"] = errors
     return out
 
@@ -166,27 +173,27 @@ def _check(fn, ref32, lowp) -> str | None:
 
 
 def _diagnosis(meta: dict) -> list[dict]:
-    """Why torch's default path was 15-40x slower than dense at 8192 x 320 -> 2560 (DESIGN.md)."""
-    from kernels.gemm import sparse24 as s24
+    """Why torch's default path is slower than dense at 8192 x 320 -> 2560: its parts, timed one by one."""
+    from kernels.sparse24 import cusparselt as cslt, prune
 
     m, k, n = 8192, 320, 2560
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w, _ = s24.prune_24_magnitude(torch.randn(n, k, device="cuda", dtype=torch.float16, generator=gen))
+    w, _ = prune.prune_24_magnitude(torch.randn(n, k, device="cuda", dtype=torch.float16, generator=gen))
     x = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=gen)
     b = torch.randn(n, device="cuda", dtype=torch.float16, generator=gen)
     rows = []
     variants = {"dense": lambda: F.linear(x, w, b)}
-    if s24.cusparselt_available():
-        ws = s24.to_semi_structured(w, "cusparselt")
+    if cslt.cusparselt_available():
+        ws = cslt.to_semi_structured(w, "cusparselt")
         packed = torch._cslt_compress(w)
-        plan = s24.cusparselt_search(packed, x, b) if s24.cusparselt_search_enabled() else s24.CusparseltPlan()
+        plan = cslt.cusparselt_search(packed, x, b) if _search_enabled() else cslt.CusparseltPlan()
         xt_contig = x.t().contiguous()
         variants.update(
             {
                 "default: F.linear(x, to_sparse_semi_structured(W))": lambda: F.linear(x, ws, b),
                 "default without bias (mm path, no addmm)": lambda: F.linear(x, ws),
-                "direct _cslt_sparse_mm, alg 0, x^T view, transposed result": lambda: s24.cusparselt_linear(x, packed, b),
-                f"direct, searched alg {plan.alg_id} split_k {plan.split_k}": lambda: s24.cusparselt_linear(x, packed, b, plan),
+                "direct _cslt_sparse_mm, alg 0, x^T view, transposed result": lambda: cslt.cusparselt_linear(x, packed, b),
+                f"direct, searched alg {plan.alg_id} split_k {plan.split_k}": lambda: cslt.cusparselt_linear(x, packed, b, plan),
                 "direct, x^T made contiguous (copy each call)": lambda: torch._cslt_sparse_mm(
                     packed, x.t().contiguous(), bias=b, transpose_result=True, alg_id=plan.alg_id
                 ),
@@ -260,14 +267,14 @@ def run(quick: bool = False) -> list[dict]:
     """Benchmark rows (see module docstring). Needs CUDA; raises RuntimeError without it."""
     if not torch.cuda.is_available():
         raise RuntimeError("benchmarks.kernel_benches.sparse needs a CUDA GPU")
-    from kernels.gemm import sparse24 as s24
+    from kernels.sparse24 import prune
 
     meta = _meta()
     rows: list[dict] = []
     torch.manual_seed(0)
     for shape in _shapes(quick):
         m, k, n = shape["M"], shape["K"], shape["N"]
-        w, _ = s24.prune_24_magnitude(torch.randn(n, k, device="cuda", dtype=torch.float16) * k**-0.5)
+        w, _ = prune.prune_24_magnitude(torch.randn(n, k, device="cuda", dtype=torch.float16) * k**-0.5)
         x = torch.randn(m, k, device="cuda", dtype=torch.float16)
         b = torch.randn(n, device="cuda", dtype=torch.float16) * 0.1
         ref32 = F.linear(x.float(), w.float(), b.float())

@@ -39,6 +39,7 @@ from kernels.gemm.w8a8 import check_fp8_supported
 from sdfast.passes.attention.qkv import FUSED_PROJECTIONS
 from sdfast.quantization.calibration import collect_linear_stats
 from sdfast.quantization.modules import Int8OutlierLinear, QuantizedLinear, W4A16Linear, W8A8Linear, W8A8StaticLinear
+from sdfast.quantization.registry import Calibration, handler_for, register_quantize_module_handler
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -71,11 +72,12 @@ class W8A8Config:
         activation scale per layer from calibration and one weight scale per tensor (SmoothQuant's
         per-tensor static setting, TensorRT Model Optimizer's FP8 SD recipe), the GEMM in cuBLASLt
         (:class:`~sdfast.quantization.modules.W8A8StaticLinear`); Q/K/V share one quantize pass when
-        ``alpha == 0``. Faster than fp16 on SDXL's linears and its UNet step, not on SD1.5's smaller linears (sm_90;
-        README and ``benchmarks/results/h200-2026-11-30-run8/``). Inputs beyond the calibrated range saturate.
-    fast_accum: "static" only: cuBLASLt's fast FP8 accumulation (no periodic fp32 promotion): faster, and the relative
-        error against the fp32 product of the unquantized operands is unchanged (it is the E4M3 quantization's); the
-        largest error against the fp32 product of the quantized operands grows (to about 0.024 at K = 5120).
+        ``alpha == 0``. Speed: pays on SDXL's large linears, not on SD1.5's (the README's figures). Numerics:
+        inputs beyond the calibrated range saturate.
+    fast_accum: "static" only: cuBLASLt's fast FP8 accumulation (no periodic fp32 promotion). Speed: faster
+        GEMMs (the README's figures). Numerics: the relative error against the fp32 product of the
+        unquantized operands is unchanged (0.037, the E4M3 quantization); the largest error against the fp32
+        product of the quantized operands grows to 0.024 at K = 5120.
     group_size: None (per-channel weights) or a multiple of 32 (ZeroQuant group-wise weights, smaller
         weight error, one fp32 scale per group per row); "dynamic" only.
     min_features: layers with in or out features below this are skipped (speed: too small to pay).
@@ -254,6 +256,59 @@ def _static_range(name: str, st) -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# the methods: one handler per config type (sdfast.quantization.registry)
+# --------------------------------------------------------------------------------------------
+def _w8a8_calibration(config: W8A8Config) -> Calibration:
+    if _static(config):
+        return Calibration(collect=True, required="W8A8 activations='static'")
+    return Calibration(collect=config.alpha != 0)  # SmoothQuant's smoothing needs the input ranges
+
+
+def _w8a8_eligible(config: W8A8Config, lin: nn.Linear) -> bool:
+    return min(lin.in_features, lin.out_features) >= config.min_features and not (
+        _static(config) and (lin.in_features % 16 or lin.out_features % 16))  # cuBLASLt FP8: K and N multiples of 16
+
+
+def _w8a8_validate(config: W8A8Config, targets: dict, stats: dict | None) -> None:
+    if not _static(config):
+        return
+    if stats is None:
+        _check_fp8_device(targets)
+    else:  # before any layer is replaced: an error leaves the module as it was
+        for name in targets:
+            _static_range(name, stats[name])
+
+
+@register_quantize_module_handler(W8A8Config, calibration=_w8a8_calibration, eligible=_w8a8_eligible,
+                                  shape_rule=lambda c: ", or not a multiple of 16 as FP8 GEMMs need" if _static(c) else "",
+                                  validate=_w8a8_validate)
+def _w8a8(lin: nn.Linear, config: W8A8Config, st) -> nn.Module:
+    if _static(config):
+        return W8A8StaticLinear.from_linear(lin, act_absmax=st.absmax, alpha=config.alpha, fast_accum=config.fast_accum)
+    return W8A8Linear.from_linear(lin, act_absmax=None if st is None else st.absmax, alpha=config.alpha,
+                                  dtype=config.dtype, group_size=config.group_size)
+
+
+def _w4a16_calibration(config: W4A16Config) -> Calibration:
+    if config.method == "rtn":
+        return Calibration()
+    return Calibration(collect=True, required=f"W4A16 method {config.method!r}", hessian=config.method == "gptq",
+                       n_samples=config.n_samples if config.method == "awq" else 0)
+
+
+@register_quantize_module_handler(W4A16Config, calibration=_w4a16_calibration)
+def _w4a16(lin: nn.Linear, config: W4A16Config, st) -> nn.Module:
+    return W4A16Linear.from_linear(lin, method=config.method, group_size=config.group_size, stats=st,
+                                   damp=config.damp, n_grid=config.n_grid, backend=config.backend)
+
+
+@register_quantize_module_handler(Int8OutlierConfig,
+                                  calibration=lambda config: Calibration(collect=config.static_outliers))
+def _int8_outlier(lin: nn.Linear, config: Int8OutlierConfig, st) -> nn.Module:
+    return Int8OutlierLinear.from_linear(lin, threshold=config.threshold, act_absmax=None if st is None else st.absmax)
+
+
+# --------------------------------------------------------------------------------------------
 # the pass
 # --------------------------------------------------------------------------------------------
 def quantize_(
@@ -267,7 +322,9 @@ def quantize_(
     """Replace the targeted ``nn.Linear`` layers of ``module`` (in place) by quantized modules.
 
     module: an ``nn.Module`` (e.g. ``pipe.unet``) or a pipeline with ``.unet``.
-    config: :class:`W8A8Config`, :class:`W4A16Config` or :class:`Int8OutlierConfig`.
+    config: a config with a registered handler (``sdfast.quantization.registry``): :class:`W8A8Config`,
+        :class:`W4A16Config`, :class:`Int8OutlierConfig`, or one registered with
+        ``register_quantize_module_handler``.
     filter_fn: ``(module, name) -> bool`` choosing layers (default :func:`default_filter`); only exact
         ``nn.Linear`` instances are converted, already-quantized layers are skipped and counted.
     calibration: callable that runs the model once; pre-hooks collect the statistics the method needs.
@@ -276,11 +333,11 @@ def quantize_(
 
     Returns a :class:`QuantizeStats` (an int: the number of layers converted). When it is 0, warns
     (:class:`NothingQuantizedWarning`) why, before any calibration runs.
-    Raises: TypeError (bad module / config), ValueError (AWQ / GPTQ without calibration).
+    Raises: TypeError (bad module; a config type with no handler, naming the registered ones), ValueError (a
+    method that needs calibration, e.g. AWQ / GPTQ, without it).
     """
     root = _root(module)
-    if not isinstance(config, (W8A8Config, W4A16Config, Int8OutlierConfig)):
-        raise TypeError(f"quantize_: config must be W8A8Config, W4A16Config or Int8OutlierConfig, got {type(config).__name__}")
+    handler = handler_for(config, "quantize_")
     filter_fn = filter_fn or default_filter
     targets: dict[str, nn.Linear] = {}
     skipped_shape = skipped_already = 0
@@ -291,54 +348,33 @@ def quantize_(
             continue
         if type(m) is not nn.Linear or name.endswith(FUSED_PROJECTIONS) or not filter_fn(m, name):
             continue
-        if min(m.in_features, m.out_features) < config.min_features or (_static(config) and (
-                m.in_features % 16 or m.out_features % 16)):  # cuBLASLt FP8: K and N multiples of 16
+        if not handler.eligible(config, m):
             skipped_shape += 1
             widest_skipped = max(widest_skipped, min(m.in_features, m.out_features))
             continue
         targets[name] = m
     if not targets:
-        _warn_nothing_quantized(config, skipped_shape, skipped_already, widest_skipped, calibration is not None)
+        _warn_nothing_quantized(config, handler, skipped_shape, skipped_already, widest_skipped,
+                                calibration is not None)
         return QuantizeStats(0, skipped_shape=skipped_shape, skipped_already=skipped_already)
 
-    needs_cal = (isinstance(config, W4A16Config) and config.method in ("awq", "gptq")) or _static(config)
-    if needs_cal and calibration is None:
-        what = "W8A8 activations='static'" if _static(config) else f"W4A16 method {config.method!r}"
-        raise ValueError(f"quantize_: {what} needs calibration=<callable running the model>")
-    if _static(config):
-        _check_fp8_device(targets)
+    need = handler.calibration(config)
+    if need.required and calibration is None:
+        raise ValueError(f"quantize_: {need.required} needs calibration=<callable running the model>")
+    handler.validate(config, targets, None)
     stats = {}
-    use_cal = calibration is not None and not (isinstance(config, W4A16Config) and config.method == "rtn") and not (
-        isinstance(config, Int8OutlierConfig) and not config.static_outliers) and not (
-        isinstance(config, W8A8Config) and config.alpha == 0 and not _static(config))
-    if use_cal:
-        hessian = isinstance(config, W4A16Config) and config.method == "gptq"
-        n_samples = config.n_samples if isinstance(config, W4A16Config) and config.method == "awq" else 0
-        stats = collect_linear_stats(targets, calibration, hessian=hessian, n_samples=n_samples)
+    if need.collect and calibration is not None:
+        stats = collect_linear_stats(targets, calibration, hessian=need.hessian, n_samples=need.n_samples)
         missing = [n for n in targets if n not in stats]
-        if needs_cal and missing:
+        if need.required and missing:
             raise ValueError(f"quantize_: calibration did not run {len(missing)} targeted layers (e.g. {missing[0]})")
-        if _static(config):  # before any layer is replaced: an error leaves the module as it was
-            for name in targets:
-                _static_range(name, stats[name])
+        handler.validate(config, targets, stats)
 
     before = after = 0
     done = []
     for name, lin in targets.items():
-        st = stats.get(name)
         with torch.no_grad():
-            if _static(config):
-                q = W8A8StaticLinear.from_linear(lin, act_absmax=st.absmax, alpha=config.alpha,
-                                                 fast_accum=config.fast_accum)
-            elif isinstance(config, W8A8Config):
-                q = W8A8Linear.from_linear(lin, act_absmax=None if st is None else st.absmax, alpha=config.alpha,
-                                           dtype=config.dtype, group_size=config.group_size)
-            elif isinstance(config, W4A16Config):
-                q = W4A16Linear.from_linear(lin, method=config.method, group_size=config.group_size, stats=st,
-                                            damp=config.damp, n_grid=config.n_grid, backend=config.backend)
-            else:
-                q = Int8OutlierLinear.from_linear(lin, threshold=config.threshold,
-                                                  act_absmax=None if st is None else st.absmax)
+            q = handler.convert(lin, config, stats.get(name))
         if keep_original:
             q.keep_original(lin)
         before += lin.weight.numel() * lin.weight.element_size()
@@ -350,14 +386,14 @@ def quantize_(
                          weight_bytes_before=before, weight_bytes_after=after, layers=done)
 
 
-def _warn_nothing_quantized(config, skipped_shape: int, skipped_already: int, widest_skipped: int,
+def _warn_nothing_quantized(config, handler, skipped_shape: int, skipped_already: int, widest_skipped: int,
                             calibration: bool) -> None:
     reasons = []
     if skipped_shape:
         reasons.append(
             f"{skipped_shape} targeted linear(s) are smaller than {type(config).__name__}.min_features="
             f"{config.min_features} in their in or out features (the largest is {widest_skipped}"
-            + (", or not a multiple of 16 as FP8 GEMMs need" if _static(config) else "")
+            + handler.shape_rule(config)
             + f"; pass min_features<={max(widest_skipped, 1)} to quantize them, though layers that small rarely run "
             "faster quantized)")
     if skipped_already:

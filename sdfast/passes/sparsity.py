@@ -15,7 +15,7 @@ not change numerics beyond accumulation order: every backend multiplies by the s
 - ``method="magnitude"``: keep the two largest |w| of each group of four along K. No data needed.
 - ``method="sparsegpt"``: SparseGPT (Frantar & Alistarh, ICML 2023). ``calibration`` runs the model;
   forward pre-hooks on every targeted ``nn.Linear`` accumulate ``H = 2 X^T X / n`` (fp32, n = rows
-  seen), then each weight is pruned with OBS error compensation (``kernels.gemm.sparse24``). All
+  seen), then each weight is pruned with OBS error compensation (``kernels.sparse24.prune``). All
   Hessians are collected in one calibration pass (not the paper's layer-by-layer sequential
   variant, which re-runs calibration after pruning each layer). Memory: ``4 K^2`` bytes per
   targeted layer (SD1.5 about 0.3 GB, SDXL about 8 GB; ``hessian_device="cpu"`` keeps them in RAM).
@@ -37,15 +37,10 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from kernels.gemm.sparse24 import (
-    BACKEND_CHOICES,
-    TIMING_CHOICES,
-    SparseLinear,
-    prune_24_magnitude,
-    sparsegpt_prune_24,
-)
-
+from kernels.sparse24.prune import prune_24_magnitude, sparsegpt_prune_24
 from sdfast.passes.attention.qkv import FUSED_PROJECTIONS
+from sdfast.quantization.registry import Calibration, handler_for, register_sparsify_module_handler
+from sdfast.quantization.sparse import BACKEND_CHOICES, TIMING_CHOICES, SparseLinear
 
 log = logging.getLogger("sdfast.passes")
 
@@ -78,7 +73,10 @@ class Sparse24Config:
     - ``timing``: ``"graph"`` measures kernels in a CUDA graph (right when the UNet is graph-captured,
       as sdfast does); ``"eager"`` includes per-call host overhead (right for eager inference,
       where cuSPARSELt's per-call plan setup makes it lose).
-    - ``min_speedup``: margin a sparse backend must beat dense by (guards timing noise).
+    - ``min_speedup``: margin a sparse backend must beat dense by (guards timing noise); >= 2/3.
+    - ``cusparselt_search``: cuSPARSELt's own algorithm search per shape (a candidate beside its default
+      algorithm; slower to start). None (default): the kernel policy's, ``sdfast.KernelPolicy.from_env()``
+      (``SDFAST_CUSPARSELT_SEARCH=1``), read when ``sparsify_`` runs.
     - ``blocksize``, ``percdamp``: SparseGPT's lazy-update block (multiple of 4; speed only, the
       result is identical) and dampening (fraction of mean diag(H) added to the diagonal; larger is
       more stable and less exact).
@@ -97,6 +95,7 @@ class Sparse24Config:
     percdamp: float = 0.01
     keep_dense_copy: bool = False
     hessian_device: str | None = None
+    cusparselt_search: bool | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -113,12 +112,14 @@ class Sparse24Config:
 
         if not is_int(self.min_features) or self.min_features < 0:
             raise ValueError(f"min_features must be an integer >= 0, got {self.min_features!r}")
-        if not is_real(self.min_speedup) or self.min_speedup <= 0:
-            raise ValueError(f"min_speedup must be a finite number > 0, got {self.min_speedup!r}")
+        if not is_real(self.min_speedup) or self.min_speedup < 2 / 3:
+            raise ValueError(f"min_speedup must be a finite number >= 2/3, got {self.min_speedup!r}")
         if not is_int(self.blocksize) or self.blocksize <= 0 or self.blocksize % 4:
             raise ValueError(f"blocksize must be a positive integer multiple of 4, got {self.blocksize!r}")
         if not is_real(self.percdamp) or self.percdamp < 0:
             raise ValueError(f"percdamp must be a finite number >= 0, got {self.percdamp!r}")
+        if self.cusparselt_search is not None and not isinstance(self.cusparselt_search, bool):
+            raise ValueError(f"cusparselt_search must be None, True or False, got {self.cusparselt_search!r}")
         if not isinstance(self.keep_dense_copy, bool):
             raise ValueError(f"keep_dense_copy must be True or False, got {self.keep_dense_copy!r}")
         if self.hessian_device is not None:
@@ -220,7 +221,7 @@ def _set_submodule(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
-def _targets(module: nn.Module, config: Sparse24Config, filter_fn) -> dict[str, nn.Linear]:
+def _targets(module: nn.Module, config, handler, filter_fn) -> dict[str, nn.Linear]:
     filter_fn = filter_fn or default_filter
     found: dict[str, nn.Linear] = {}
     for name, m in module.named_modules():
@@ -231,10 +232,53 @@ def _targets(module: nn.Module, config: Sparse24Config, filter_fn) -> dict[str, 
         if m.in_features % 4:
             log.info("sparsify_: skip %s: in_features=%d is not a multiple of 4", name, m.in_features)
             continue
-        if min(m.in_features, m.out_features) < config.min_features:
+        if not handler.eligible(config, m):
             continue
         found[name] = m
     return found
+
+
+def _sparse24_calibration(config: Sparse24Config) -> Calibration:
+    if config.method == "sparsegpt":
+        return Calibration(collect=True, required="method='sparsegpt'", hessian=True)
+    return Calibration()
+
+
+@register_sparsify_module_handler(Sparse24Config, calibration=_sparse24_calibration)
+def _sparse24(lin: nn.Linear, config: Sparse24Config, hessian) -> SparseLinear:
+    """Prune ``lin`` by ``config.method`` (SparseGPT with its ``(H, n)``; by magnitude, logged, where it saw no
+    calibration input) into a :class:`SparseLinear`."""
+    method = config.method
+    with torch.no_grad():
+        if method == "sparsegpt":
+            H, n = hessian
+            if n == 0:
+                log.warning("sparsify_: a %s saw no calibration input; pruned by magnitude instead", lin)
+                method = "magnitude_fallback"
+                pruned, _ = prune_24_magnitude(lin.weight)
+            else:
+                pruned = sparsegpt_prune_24(
+                    lin.weight, H.to(lin.weight.device), blocksize=config.blocksize, percdamp=config.percdamp
+                )
+            del H
+        else:
+            pruned, _ = prune_24_magnitude(lin.weight)
+    search = config.cusparselt_search
+    if search is None:
+        from sdfast.config import KernelPolicy
+
+        search = KernelPolicy.from_env().cusparselt_search
+    new = SparseLinear.from_dense(
+        lin,
+        pruned,
+        backend=config.backend,
+        timing=config.timing,
+        min_speedup=config.min_speedup,
+        cusparselt_search=search,
+        keep_dense_copy=config.keep_dense_copy,
+    )
+    new.method = method
+    return new
 
 
 def sparsify_(
@@ -245,55 +289,35 @@ def sparsify_(
     calibration: Callable | None = None,
 ) -> int:
     """Prune the targeted ``nn.Linear`` layers of ``module`` to 2:4 (in place) and replace them with
-    ``kernels.gemm.sparse24.SparseLinear``. Returns how many layers were replaced.
+    ``sdfast.quantization.sparse.SparseLinear``, by the handler registered for ``config``'s type
+    (``sdfast.quantization.registry``; :class:`Sparse24Config`'s by default). Returns how many layers were replaced.
 
     Targets: ``nn.Linear`` submodules (not ``module`` itself) with ``filter_fn(linear, qualified_name)``
     true (default ``default_filter``: the UNet's transformer linears), ``in_features % 4 == 0`` and
     both feature counts >= ``config.min_features``. Layers that are already ``SparseLinear`` are
     skipped, so a second call returns 0. ``method="sparsegpt"`` needs ``calibration`` (ValueError
     otherwise); a targeted layer that saw no calibration input is pruned by magnitude and logged
-    (``sparsity_stats`` counts it under ``"magnitude_fallback"``).
+    (``sparsity_stats`` counts it under ``"magnitude_fallback"``). A config type with no handler raises TypeError.
     """
     if not isinstance(module, nn.Module):  # a diffusers pipeline: its UNet, as quantize_ does
         unet = getattr(module, "unet", None)
         if not isinstance(unet, nn.Module):
             raise TypeError(f"sparsify_: module must be an nn.Module or a pipeline with .unet, got {type(module).__name__}")
         module = unet
-    if not isinstance(config, Sparse24Config):
-        raise TypeError(f"config must be a Sparse24Config, got {type(config).__name__}")
-    if config.method == "sparsegpt" and calibration is None:
-        raise ValueError("method='sparsegpt' needs calibration=callable running the model on a few inputs")
-    targets = _targets(module, config, filter_fn)
+    handler = handler_for(config, "sparsify_")
+    need = handler.calibration(config)
+    if need.required and calibration is None:
+        raise ValueError(f"{need.required} needs calibration=callable running the model on a few inputs")
+    targets = _targets(module, config, handler, filter_fn)
     if not targets:
         return 0
+    handler.validate(config, targets, None)
     hessians = {}
-    if config.method == "sparsegpt":
-        hessians = collect_hessians(module, targets, calibration, device=config.hessian_device)
+    if need.collect and calibration is not None:
+        hessians = collect_hessians(module, targets, calibration, device=getattr(config, "hessian_device", None))
+        handler.validate(config, targets, hessians)
     for name, lin in targets.items():
-        method = config.method
-        with torch.no_grad():
-            if method == "sparsegpt":
-                H, n = hessians.pop(name)
-                if n == 0:
-                    log.warning("sparsify_: %s saw no calibration input; pruned by magnitude instead", name)
-                    method = "magnitude_fallback"
-                    pruned, _ = prune_24_magnitude(lin.weight)
-                else:
-                    pruned = sparsegpt_prune_24(
-                        lin.weight, H.to(lin.weight.device), blocksize=config.blocksize, percdamp=config.percdamp
-                    )
-                del H
-            else:
-                pruned, _ = prune_24_magnitude(lin.weight)
-        new = SparseLinear.from_dense(
-            lin,
-            pruned,
-            backend=config.backend,
-            timing=config.timing,
-            min_speedup=config.min_speedup,
-            keep_dense_copy=config.keep_dense_copy,
-        )
-        new.method = method
+        new = handler.convert(lin, config, hessians.pop(name, None))
         new.train(lin.training)
         _set_submodule(module, name, new)
     return len(targets)

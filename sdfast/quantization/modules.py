@@ -266,9 +266,8 @@ class W4A16Linear(QuantizedLinear):
     (N, G), ``smooth`` fp32 (K,) (AWQ's ``1/s``) or None, ``bias``. ``backend``: ``"triton"``, ``"csrc"``
     (the CUDA C++ kernel for fp16 CUDA input with K % 32 == 0 and group_size % 32 == 0; anything else, and
     ``smooth`` handling, goes through Triton / a torch multiply) or ``"auto"``: the CUDA C++ kernel where it
-    applies to a call of at least ``CSRC_MIN_TOKENS`` rows and builds, else Triton: at every SD linear shape the CUDA
-    C++ kernel measured faster than Triton's from 2048 tokens up and slower at 154 and most 512-token shapes
-    (sm_90; ``benchmarks/results/h200-2026-11-30-run8/``).
+    applies to a call of at least ``CSRC_MIN_TOKENS`` rows and builds, else Triton (the CUDA C++ kernel measured
+    faster at 2048 tokens and more, slower at fewer, on sm_90).
     """
 
     CSRC_MIN_TOKENS = 1024

@@ -7,10 +7,6 @@ quantized, keyed by the input tensor object, its version counter (an in-place ch
 the layer's quantization key; outside a block it always quantizes. The memory lives only for the block
 (the attention processor wraps its projections in one), so nothing outlives the call it was made for.
 
-Tried and not kept: the fused transformer block's LayerNorm writing the E4M3 copy of its output beside it and
-handing it to the linears here. It removed about half of the SDXL UNet's quantize passes but slowed the LayerNorm
-kernels by as much, so the step did not get faster (``benchmarks/results/h200-2026-11-30-run8/``).
-
     with SharedInputQuantization():
         q = attn.to_q(x); k = attn.to_k(x); v = attn.to_v(x)     # x quantized once
 

@@ -1,5 +1,5 @@
-"""GPU tests of kernels/gemm/sparse24.py (marker ``gpu``; skipped without CUDA): SparseLinear with each
-backend against the dense matmul of the pruned weight at SD shapes (fp16), the per-layer selection,
+"""GPU tests of kernels/sparse24/ and sdfast/quantization/sparse.py (marker ``gpu``; skipped without CUDA):
+SparseLinear with each backend against the dense matmul of the pruned weight at SD shapes (fp16), the per-layer selection,
 CUDA-graph capture, torch's semi-structured subclasses, and the sparsity pass on a small UNet."""
 
 import copy
@@ -9,8 +9,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.gemm import sparse24 as s24
+from kernels import select
+from kernels.sparse24 import cusparselt as cslt
+from kernels.sparse24 import format as fmt
+from kernels.sparse24 import kernel as k24
+from kernels.sparse24 import prune
 from kernels.testing import assert_close_rule
+from sdfast.config import KernelPolicy
+from sdfast.quantization.sparse import SparseLinear
 
 pytestmark = pytest.mark.gpu
 
@@ -29,15 +35,13 @@ SPARSE = ["cusparselt", "cutlass", "triton"]
 
 
 @pytest.fixture(autouse=True)
-def _fresh():
-    s24.clear_decisions()
+def _fresh(fresh_choices):
     yield
-    s24.clear_decisions()
 
 
 def _layer(k, n, bias, dtype=torch.float16, **kw):
     lin = nn.Linear(k, n, bias=bias, device="cuda", dtype=dtype)
-    return s24.SparseLinear.from_dense(lin, **kw)
+    return SparseLinear.from_dense(lin, **kw)
 
 
 def _check(sl, x, name):
@@ -52,7 +56,7 @@ def _check(sl, x, name):
 
 def _skip_unsupported(backend, n, k, dtype):
     if backend in ("cusparselt", "cutlass"):
-        ok, why = s24.backend_supports(backend, n, k, dtype)
+        ok, why = cslt.backend_supports(backend, n, k, dtype)
         if not ok:
             pytest.skip(f"{backend}: {why}")
 
@@ -88,10 +92,10 @@ def test_auto_selection_measures_and_reuses_per_shape():
     if chosen != "dense":
         best = min(t for label, t in timings.items() if label.split(":")[0] == chosen)
         assert best * sl.min_speedup <= timings["dense"]
-    n_decisions = len(s24._DECISIONS)
+    n_decisions = len(select.decisions("sparse24"))
     other = _layer(k, n, True)
     _check(other, x, "auto, second layer")
-    assert len(s24._DECISIONS) == n_decisions and other.chosen[m] == chosen
+    assert len(select.decisions("sparse24")) == n_decisions and other.chosen[m] == chosen
     assert set(other._data) <= {chosen}
 
 
@@ -131,17 +135,17 @@ def test_first_call_inside_capture_runs_dense_and_does_not_measure():
         y = sl(x)
     g.replay()
     torch.cuda.synchronize()
-    assert sl.chosen == {} and not s24._DECISIONS
+    assert sl.chosen == {} and not select.decisions("sparse24")
     torch.testing.assert_close(y, F.linear(x, sl.weight, sl.bias), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("backend", ["cusparselt", "cutlass"])
 def test_torch_semi_structured_default_path(backend):
-    ok, why = s24.backend_supports(backend, 2560, 320, torch.float16)
+    ok, why = cslt.backend_supports(backend, 2560, 320, torch.float16)
     if not ok:
         pytest.skip(why)
-    w, _ = s24.prune_24_magnitude(torch.randn(2560, 320, device="cuda", dtype=torch.float16))
-    ws = s24.to_semi_structured(w, backend)
+    w, _ = prune.prune_24_magnitude(torch.randn(2560, 320, device="cuda", dtype=torch.float16))
+    ws = cslt.to_semi_structured(w, backend)
     x = torch.randn(1024, 320, device="cuda", dtype=torch.float16)
     b = torch.randn(2560, device="cuda", dtype=torch.float16)
     ref32 = F.linear(x.float(), w.float(), b.float())
@@ -149,33 +153,33 @@ def test_torch_semi_structured_default_path(backend):
 
 
 def test_cusparselt_search_and_direct_call():
-    if not s24.cusparselt_available():
+    if not cslt.cusparselt_available():
         pytest.skip("torch built without cuSPARSELt")
-    w, _ = s24.prune_24_magnitude(torch.randn(5120, 640, device="cuda", dtype=torch.float16))
+    w, _ = prune.prune_24_magnitude(torch.randn(5120, 640, device="cuda", dtype=torch.float16))
     x = torch.randn(2048, 640, device="cuda", dtype=torch.float16)
     b = torch.randn(5120, device="cuda", dtype=torch.float16)
     packed = torch._cslt_compress(w)
-    plan = s24.CusparseltPlan()
-    if s24.cusparselt_search_enabled():  # off by default: see cusparselt_search_enabled
-        plan = s24.cusparselt_search(packed, x, b)
+    plan = cslt.CusparseltPlan()
+    if KernelPolicy.from_env().cusparselt_search:  # off by default: see sdfast.config.KernelPolicy
+        plan = cslt.cusparselt_search(packed, x, b)
         assert plan.alg_id >= 0 and plan.split_k >= 1
     ref32 = F.linear(x.float(), w.float(), b.float())
-    for p in (s24.CusparseltPlan(), plan):
-        y = s24.cusparselt_linear(x, packed, b, p)
+    for p in (cslt.CusparseltPlan(), plan):
+        y = cslt.cusparselt_linear(x, packed, b, p)
         assert y.is_contiguous() and y.shape == (2048, 5120)
         assert_close_rule(y, ref32, F.linear(x, w, b), atol=1e-2, name=f"cuSPARSELt {p}")
     # M not a multiple of 8 (2 x 77 text tokens) is padded
     x154 = torch.randn(154, 640, device="cuda", dtype=torch.float16)
-    y = s24.cusparselt_linear(x154, packed, b, plan)
+    y = cslt.cusparselt_linear(x154, packed, b, plan)
     assert_close_rule(y, F.linear(x154.float(), w.float(), b.float()), F.linear(x154, w, b), atol=1e-2, name="M=154")
 
 
 def test_triton_kernel_matches_reference_large():
-    w, _ = s24.prune_24_magnitude(torch.randn(1280, 5120, device="cuda", dtype=torch.float16))
-    values, meta = s24.compress_24(w)
+    w, _ = prune.prune_24_magnitude(torch.randn(1280, 5120, device="cuda", dtype=torch.float16))
+    values, meta = fmt.compress_24(w)
     for m in (16, 128, 154, 1024):
         x = torch.randn(m, 5120, device="cuda", dtype=torch.float16)
-        y = s24.sparse24_linear(x, values, meta)
+        y = k24.sparse24_linear(x, values, meta)
         assert_close_rule(y, F.linear(x.float(), w.float()), F.linear(x, w), atol=1e-2, name=f"triton M={m}")
 
 
@@ -215,7 +219,7 @@ def test_sparsify_pass_on_small_unet_gpu():
 @pytest.mark.parametrize("n,nb", [(1280, 128), (10240, 128), (320, 64)], ids=["1280x128", "10240x128", "320x64"])
 def test_sparsegpt_block_kernel_on_gpu(n, nb):
     """SparseGPT's per-block loop (one Triton launch) against the PyTorch loop, on CUDA, SD's row counts."""
-    from kernels.gemm import sparsegpt_block as sb
+    from kernels.sparse24 import sparsegpt_block as sb
 
     g = torch.Generator(device="cuda").manual_seed(n)
     A = torch.randn(nb, nb, dtype=torch.float64, device="cuda", generator=g)

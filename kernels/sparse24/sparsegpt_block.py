@@ -1,11 +1,11 @@
 """SparseGPT's inner loop over one block of columns, as one Triton kernel (Frantar & Alistarh, ICML 2023).
 
-``sparse24.sparsegpt_prune_24`` walks the columns of W in blocks of ``BS`` (128): inside a block each
+``kernels.sparse24.prune.sparsegpt_prune_24`` walks the columns of W in blocks of ``BS`` (128): inside a block each
 column is pruned to its 2:4 mask and its error is spread over the block's remaining columns with one row
 of U (the upper Cholesky factor of H^-1), one column after the other. In PyTorch that is about ten small
-kernels per column, so pruning SDXL's 722 linears (about a million columns) is launch-bound: several
-minutes on an H200. Rows are independent inside a block, so here one program keeps a (BLOCK_R, BS) tile
-of W in registers and walks the block's columns itself: one launch per block.
+kernels per column, so pruning SDXL's 722 linears (about a million columns) is launch-bound. Rows are
+independent inside a block, so here one program keeps a (BLOCK_R, BS) tile of W in registers and walks the
+block's columns itself: one launch per block.
 
 Per group of four columns (the first column's turn), the mask drops the two smallest ``w^2 / U_jj^2`` of
 the current, already compensated weights (ties: the lower column first); then for each column j of the
