@@ -1,0 +1,104 @@
+"""Start-up time: a fresh process, ``sdfast.load`` and its first image, first ever and again on the same machine.
+
+    python -m benchmarks.startup --out DIR [--models sd15,sdxl] [--steps 30] [--profile] [--caches DIR2]
+
+For each model, two child processes run one after the other with the same cache directories (``TRITON_CACHE_DIR``
+and ``SDFAST_CACHE_DIR`` under ``<caches>/<model>``, empty before the first; ``--caches`` defaults to a new
+temporary directory): the first one compiles every
+kernel and measures every kernel choice (the first start ever on a machine); the second finds the compiled
+kernels and the saved kernel choices (``kernels.select``) and should measure nothing. Each child reports, in
+seconds: from its spawn to ``load`` returning (``start_to_load``: interpreter, imports, weights, ``optimize``), the
+first image after ``load`` returned (``first_image``: warm-up, graph capture and the steps themselves) and a second
+image at the same size (``warm_image``, the steady state), plus how many kernel choices it measured and read from
+the saved file. ``--profile`` writes a cProfile of the second process's first image to
+``DIR/<model>-second.pstats`` and its top functions to ``DIR/<model>-second.txt``. Rows go to ``DIR/startup.json``
+and ``DIR/startup.md``, with the GPU's name and the versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+MODELS = {"sd15": ("random:sd15", 512), "sdxl": ("random:sdxl", 1024)}
+
+CHILD = r"""
+import cProfile, io, json, os, pstats, sys, time
+spawned = float(sys.argv[1]); model, size, steps, profile = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+import torch
+import sdfast
+from kernels import select
+engine = sdfast.load(model)
+t_load = time.time()
+prof = cProfile.Profile() if profile != "-" else None
+kw = dict(num_inference_steps=steps, height=size, width=size, seed=0)
+if prof: prof.enable()
+t0 = time.perf_counter()
+engine.txt2img("a photo of a cat", **kw)
+torch.cuda.synchronize()
+first = time.perf_counter() - t0
+if prof:
+    prof.disable()
+    prof.dump_stats(profile + ".pstats")
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(60)
+    open(profile + ".txt", "w").write(buf.getvalue())
+t0 = time.perf_counter()
+engine.txt2img("a photo of a cat", **kw)
+torch.cuda.synchronize()
+warm = time.perf_counter() - t0
+sources = [d.source for d in select.decisions()]
+print("STARTUP " + json.dumps(dict(start_to_load=t_load - spawned, first_image=first, warm_image=warm,
+      measured=sources.count("measured"), saved=sources.count("saved"), gpu=torch.cuda.get_device_name(),
+      torch=torch.__version__)))
+"""
+
+
+def run_child(model: str, size: int, steps: int, env: dict, profile: str) -> dict:
+    spawned = time.time()
+    out = subprocess.run([sys.executable, "-c", CHILD, repr(spawned), model, str(size), str(steps), profile],
+                         env=env, capture_output=True, text=True, timeout=900)
+    line = next((ln for ln in out.stdout.splitlines() if ln.startswith("STARTUP ")), None)
+    if out.returncode != 0 or line is None:
+        raise RuntimeError(f"startup child for {model} failed (rc {out.returncode}):\n{out.stderr[-4000:]}")
+    return json.loads(line[len("STARTUP "):])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--models", default="sd15,sdxl")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--profile", action="store_true", help="cProfile the second process's first image")
+    ap.add_argument("--caches", type=Path, default=None, help="where the per-model cache directories go")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.models.split(","):
+        model, size = MODELS[name]
+        caches = (args.caches or Path(tempfile.mkdtemp(prefix="sdfast-startup-"))) / name
+        env = dict(os.environ, TRITON_CACHE_DIR=str(caches / "triton"), SDFAST_CACHE_DIR=str(caches / "sdfast"))
+        for run in ("first", "second"):
+            profile = str(args.out / f"{name}-second") if (args.profile and run == "second") else "-"
+            row = dict(model=model, size=size, steps=args.steps, run=run,
+                       date=time.strftime("%Y-%m-%d"), **run_child(model, size, args.steps, env, profile))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    (args.out / "startup.json").write_text(json.dumps(rows, indent=1))
+    lines = ["| model | run | start -> load returns (s) | first image (s) | warm image (s) | choices measured | "
+             "choices read |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['model']} {r['size']}² | {r['run']} | {r['start_to_load']:.2f} | {r['first_image']:.2f} | "
+              f"{r['warm_image']:.3f} | {r['measured']} | {r['saved']} |" for r in rows]
+    (args.out / "startup.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
