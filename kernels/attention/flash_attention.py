@@ -478,6 +478,7 @@ def _tuned_kernel(head_dim: int, elem_size: int, device_type: str, device_index:
         key=["LQ_BUCKET", "LK_BUCKET", "HAS_MASK", "UPCAST"],
         prune_configs_by={"early_config_prune": _prune_configs},
         do_bench=_bench_short,
+        cache_results=True,  # the winners go to Triton's cache: a second process on this machine times nothing
     )(_flash_attn_fwd_kernel)
 
 

@@ -133,7 +133,7 @@ def _tuned(device_index: int):
     cfgs = gemm8_configs(torch.device("cuda", device_index))
     # the 16-bit outlier tile doubles the A footprint: drop the largest pipelines
     cfgs = [c for c in cfgs if c.num_stages * (c.kwargs["BLOCK_M"] * 3 + c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] <= 200 * 1024] or cfgs
-    return triton.autotune(configs=cfgs, key=["M", "N", "K", "HAS_BIAS", "IEEE"], do_bench=autotune_bench)(_int8_outlier_kernel)
+    return triton.autotune(configs=cfgs, key=["M", "N", "K", "HAS_BIAS", "IEEE"], do_bench=autotune_bench, cache_results=True)(_int8_outlier_kernel)
 
 
 # --------------------------------------------------------------------------------------------

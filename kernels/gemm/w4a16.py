@@ -265,6 +265,7 @@ def _tuned(device_index: int, group_size: int, elem_bytes: int):
         configs=w4a16_configs(torch.device("cuda", device_index), group_size, elem_bytes),
         key=["M", "N", "K", "GROUP_SIZE", "HAS_SMOOTH", "HAS_BIAS", "IEEE"],
         do_bench=autotune_bench,
+        cache_results=True,
     )(triton.heuristics({"EVEN_K": even_k})(_w4a16_kernel))
 
 

@@ -313,7 +313,7 @@ def _tuned_gemm(device_index: int, group_size: int):
     cfgs = gemm8_configs(torch.device("cuda", device_index), group_size)
     if not cfgs:
         raise ValueError(f"w8a8_gemm: group_size={group_size} has no valid tile config (needs a multiple of 32)")
-    return triton.autotune(configs=cfgs, key=["M", "N", "K", "HAS_BIAS", "IS_FP8", "GROUP_SIZE"], do_bench=autotune_bench)(
+    return triton.autotune(configs=cfgs, key=["M", "N", "K", "HAS_BIAS", "IS_FP8", "GROUP_SIZE"], do_bench=autotune_bench, cache_results=True)(
         triton.heuristics({"EVEN_K": even_k})(_w8a8_gemm_kernel))
 
 
