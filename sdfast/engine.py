@@ -25,12 +25,11 @@ def _to_uint8(images: torch.Tensor, flags: tuple[torch.Tensor, ...] = ()) -> tup
     """A pipeline's ``output_type="pt"`` images, (N, C, H, W) in [0, 1] on any device, as C-contiguous (N, H, W, C)
     uint8 on the host, and whether every value was finite and every one-element bool tensor of ``flags`` (e.g. the
     VAE decoder output's own check, still on the GPU) is True. The arithmetic of diffusers' ``pt_to_numpy`` and
-    ``numpy_to_pil`` (fp32 ``x * 255``, round half to even, cast), bit for bit, but on the images' device: on the
-    H200's host, numpy's pass took 8 ms of a 512² image and 21 ms of a 1024² one (``benchmarks/trace_e2e.py``).
-    From a GPU the pixels and the flags come back in one wait, through pinned host memory (``non_blocking`` copies
-    to the CPU land in pinned memory): a pageable copy of a 1024² image held the host 1.5 ms (run 10). The pixels
-    are made (N, H, W, C)-contiguous on the device: PIL's ``fromarray`` copies a strided array through
-    ``tobytes`` first (about 1 ms of a 512² image on the H200's host, with the GPU idle)."""
+    ``numpy_to_pil`` (fp32 ``x * 255``, round half to even, cast), bit for bit, but on the images' device, so the
+    host does not run a per-pixel numpy pass (``benchmarks/trace_e2e.py`` times it). From a GPU the pixels and the
+    flags come back in one wait, through pinned host memory (``non_blocking`` copies to the CPU land in pinned
+    memory; a pageable copy holds the host longer). The pixels are made (N, H, W, C)-contiguous on the device:
+    PIL's ``fromarray`` copies a strided array through ``tobytes`` first, on the host, with the GPU idle."""
     x = images.permute(0, 2, 3, 1).float()
     finite = torch.stack([torch.isfinite(x).all(), *(f.reshape(()).to(x.device) for f in flags)]).all()
     pixels = (x * 255).round().to(torch.uint8).contiguous()
