@@ -1,9 +1,9 @@
 """``Engine``: one loaded (and optionally optimized) diffusers pipeline, and txt2img on it.
 
 ``txt2img(...)`` builds a ``sdfast.request.Txt2ImgRequest`` (the one validation) and runs it with ``run``;
-``request(...)`` builds one with its texts tokenized by this engine, for a caller that keeps it (the CLI, the
-service). ``run`` counts the texts' windows, encodes them from their token ids (``sdfast.prompts``) and calls the
-pipeline inside a ``runtime.session.CallSession`` (graph checks, host timesteps, finite flag, OOM rollback).
+``request(...)`` builds one with its texts tokenized by this engine. The CLI (built before the load) and the
+service (tokenized on its own tokenizer copies) hand theirs to ``run``, which counts the texts' windows, encodes
+them from their token ids (``sdfast.prompts``) and calls the pipeline inside a ``runtime.session.CallSession`` (graph checks, host timesteps, finite flag, OOM rollback).
 """
 
 from __future__ import annotations
