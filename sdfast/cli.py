@@ -1,5 +1,9 @@
 """The ``sdfast`` command: ``sdfast txt2img``, ``sdfast serve``, ``sdfast bench``.
 
+``txt2img`` builds one ``sdfast.request.Txt2ImgRequest`` from its flags (validated once, before the model loads)
+and hands it to ``Engine.run``. ``serve`` and ``bench`` import ``server`` and ``benchmarks`` only when they run, so
+the library never imports them.
+
 Bad input (an argument out of range, a missing model, an unknown scheduler) prints one line
 ``sdfast: error: ...`` and exits with code 2, never a traceback.
 """
@@ -129,16 +133,16 @@ def cmd_txt2img(args) -> int:
 def _txt2img(args) -> int:
     import sdfast
     from sdfast.png import check_quality, format_for_path, save_image
-    from sdfast.request import check_request
+    from sdfast.request import Txt2ImgRequest
 
     if args.model is not None and not args.model.strip():
         raise ValueError("--model is empty")
     model = args.model or default_model()
     width, height = args.size or (None, None)
-    # Validate before the (slow) load, so bad input answers at once.
-    check_request(prompt=args.prompt, height=8 if height is None else height, width=8 if width is None else width,
-                  num_inference_steps=args.steps, guidance_scale=args.guidance, num_images_per_prompt=args.n,
-                  scheduler=args.scheduler, seed=args.seed)
+    # The request, validated once, before the (slow) load, so bad input answers at once; the engine runs it as is.
+    request = Txt2ImgRequest.build(
+        args.prompt, negative_prompt=args.negative, num_inference_steps=args.steps, guidance_scale=args.guidance,
+        height=height, width=width, seed=args.seed, num_images_per_prompt=args.n, scheduler=args.scheduler)
     _check_steps_before_load(args.steps, args.scheduler)
     paths = _out_paths(args.out, args.n)
     fmt = format_for_path(paths[0])
@@ -157,9 +161,7 @@ def _txt2img(args) -> int:
     engine = sdfast.load(model, optimize=not args.no_optimize)
     print(f"loaded {model} on {engine.device} ({str(engine.dtype).replace('torch.', '')}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     t1 = time.perf_counter()
-    images = engine.txt2img(args.prompt, negative_prompt=args.negative, num_inference_steps=args.steps,
-                            guidance_scale=args.guidance, height=height, width=width, seed=args.seed,
-                            num_images_per_prompt=args.n, scheduler=args.scheduler, progress=True)
+    images = engine.run(request, progress=True)
     took = time.perf_counter() - t1
     for img, path in zip(images, paths):
         path.parent.mkdir(parents=True, exist_ok=True)

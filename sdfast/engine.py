@@ -1,7 +1,14 @@
-"""``Engine``: one loaded (and optionally optimized) diffusers pipeline, and txt2img on it."""
+"""``Engine``: one loaded (and optionally optimized) diffusers pipeline, and txt2img on it.
+
+``txt2img(...)`` builds a ``sdfast.request.Txt2ImgRequest`` (the one validation) and runs it with ``run``;
+``request(...)`` builds one with its texts tokenized by this engine. The CLI (built before the load) and the
+service (tokenized on its own tokenizer copies) hand theirs to ``run``, which counts the texts' windows, encodes
+them from their token ids (``sdfast.prompts``) and calls the pipeline inside a ``runtime.session.CallSession`` (graph checks, host timesteps, finite flag, OOM rollback).
+"""
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import time
@@ -12,9 +19,9 @@ import torch
 from PIL import Image
 
 from . import prompts as prompt_policy
-from .errors import GenerationCancelled, NonFiniteOutputError
-from .request import check_long_prompt, check_negative_prompt, check_request
-from .runtime import host_timesteps
+from .errors import GenerationCancelled
+from .request import Txt2ImgRequest
+from .runtime.session import CallSession
 from .schedulers import check_steps, make_scheduler
 
 log = logging.getLogger("sdfast")
@@ -24,12 +31,11 @@ def _to_uint8(images: torch.Tensor, flags: tuple[torch.Tensor, ...] = ()) -> tup
     """A pipeline's ``output_type="pt"`` images, (N, C, H, W) in [0, 1] on any device, as C-contiguous (N, H, W, C)
     uint8 on the host, and whether every value was finite and every one-element bool tensor of ``flags`` (e.g. the
     VAE decoder output's own check, still on the GPU) is True. The arithmetic of diffusers' ``pt_to_numpy`` and
-    ``numpy_to_pil`` (fp32 ``x * 255``, round half to even, cast), bit for bit, but on the images' device: on the
-    H200's host, numpy's pass took 8 ms of a 512² image and 21 ms of a 1024² one (``benchmarks/trace_e2e.py``).
-    From a GPU the pixels and the flags come back in one wait, through pinned host memory (``non_blocking`` copies
-    to the CPU land in pinned memory): a pageable copy of a 1024² image held the host 1.5 ms (run 10). The pixels
-    are made (N, H, W, C)-contiguous on the device: PIL's ``fromarray`` copies a strided array through
-    ``tobytes`` first (about 1 ms of a 512² image on the H200's host, with the GPU idle)."""
+    ``numpy_to_pil`` (fp32 ``x * 255``, round half to even, cast), bit for bit, but on the images' device, so the
+    host does not run a per-pixel numpy pass (``benchmarks/trace_e2e.py`` times it). From a GPU the pixels and the
+    flags come back in one wait, through pinned host memory (``non_blocking`` copies to the CPU land in pinned
+    memory; a pageable copy holds the host longer). The pixels are made (N, H, W, C)-contiguous on the device:
+    PIL's ``fromarray`` copies a strided array through ``tobytes`` first, on the host, with the GPU idle."""
     x = images.permute(0, 2, 3, 1).float()
     finite = torch.stack([torch.isfinite(x).all(), *(f.reshape(()).to(x.device) for f in flags)]).all()
     pixels = (x * 255).round().to(torch.uint8).contiguous()
@@ -145,29 +151,47 @@ class Engine:
             image; ``torch.OutOfMemoryError`` (a host allocation failure too), after dropping the CUDA graphs
             that the failed call captured (the service answers 503 and goes on).
         """
-        height = self.default_size if height is None else height
-        width = self.default_size if width is None else width
-        prompts = check_request(
-            prompt=prompt, height=height, width=width, num_inference_steps=num_inference_steps,
-            guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt,
-            scheduler=scheduler, seed=seed,
-        )
-        negatives = check_negative_prompt(negative_prompt, len(prompts))
-        check_long_prompt(long_prompt)
-        sched = self.scheduler_for(scheduler)
-        check_steps(int(num_inference_steps), sched, scheduler)
-        # checked integral (numpy scalars included): plain ints from here on
-        height, width, num_inference_steps, num_images_per_prompt = (
-            int(v) for v in (height, width, num_inference_steps, num_images_per_prompt))
-        guidance_scale = float(guidance_scale)
-        n = len(prompts) * num_images_per_prompt
-        if seed is None:
-            seed = secrets.randbelow(2**31 - n)
-        seeds = [int(s) for s in seed] if isinstance(seed, (list, tuple)) else [int(seed) + i for i in range(n)]
+        request = Txt2ImgRequest.build(
+            prompt, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale, height=height, width=width, seed=seed,
+            num_images_per_prompt=num_images_per_prompt, scheduler=scheduler, long_prompt=long_prompt)
+        return self.run(request, progress=progress, should_stop=should_stop, _stacklevel=3)
+
+    def request(self, prompt, **kwargs) -> Txt2ImgRequest:
+        """``Txt2ImgRequest.build(prompt, **kwargs)`` (``txt2img``'s keyword arguments) with the texts tokenized
+        by this engine's tokenizers, so that ``run`` does not tokenize them again."""
+        return Txt2ImgRequest.build(prompt, tokenize=functools.partial(prompt_policy.tokenize, self.pipe), **kwargs)
+
+    def run(self, request: Txt2ImgRequest, *, progress: bool = False, should_stop=None, _stacklevel: int = 2):
+        """Run a built request (``Txt2ImgRequest.build`` or ``Engine.request``): what ``txt2img`` returns and
+        raises (see there), without validating the request again. Its ``tokens`` are used when they are this
+        pipeline's (same tokenizers and vocabularies), else the texts are tokenized here, once. The model's own
+        limits are checked here: the scheduler's step limit, ``InvalidRequestError`` before any step."""
+        if not isinstance(request, Txt2ImgRequest):
+            raise TypeError(f"run takes an sdfast.request.Txt2ImgRequest (Txt2ImgRequest.build(...) or "
+                            f"engine.request(...)), got {type(request).__name__}")
+        height = self.default_size if request.height is None else request.height
+        width = self.default_size if request.width is None else request.width
+        num_inference_steps, guidance_scale = request.num_inference_steps, request.guidance_scale
+        num_images_per_prompt = request.num_images_per_prompt
+        sched = self.scheduler_for(request.scheduler)
+        check_steps(num_inference_steps, sched, request.scheduler)
+        prompts = list(request.prompts)
+        negatives = None if request.negative_prompts is None else list(request.negative_prompts)
+        n = request.num_images
+        if request.seeds is not None:
+            seeds = list(request.seeds)
+        else:
+            start = secrets.randbelow(2**31 - n)
+            seeds = [start + i for i in range(n)]
         generators = [torch.Generator("cpu").manual_seed(s) for s in seeds]
         pipe = self.pipe
         do_cfg = guidance_scale > 1 and pipe.unet.config.get("time_cond_proj_dim") is None
-        report = prompt_policy.plan(pipe, prompts, negatives if do_cfg else None, long_prompt)
+        counted = negatives if do_cfg else None  # without CFG the negative prompt is never encoded
+        tokens = request.tokens
+        if tokens is None or not tokens.fits(pipe, len(prompts), counted is not None):
+            tokens = prompt_policy.tokenize(pipe, prompts, counted)
+        report = prompt_policy.plan(pipe, prompts, counted, request.long_prompt, tokens=tokens)
         self.last_prompt_report = report
         if report.any_truncated:
             warnings.warn(
@@ -176,34 +200,21 @@ class Engine:
                 + (f" and {sum(report.negative_truncated)} of the negative prompt(s)" if any(report.negative_truncated or ()) else "")
                 + "; use long_prompt='chunk' to keep them",
                 PromptTruncatedWarning,
-                stacklevel=2,
+                stacklevel=_stacklevel,
             )
-        graphs = getattr(getattr(pipe, "_sdfast", None), "graphs", None)
-        if report.chunks > 1 or graphs is not None:
-            # Long prompts: windows (stock would truncate). Graphed pipelines: prompt and negative prompt in one
-            # text-encoder batch, one graph replay per encoder instead of two (SD1.5: about 1 ms of an image).
-            if report.chunks > 1:
-                log.info("sdfast: long prompt encoded in %d windows of %d tokens", report.chunks, prompt_policy.WINDOW)
-            if graphs is not None:  # the pipeline's own check (check_inputs, all graphs) comes after the encoders run
-                graphs.check(names=("text_encoder", "text_encoder_2"))
-            text = prompt_policy.encode_chunked(pipe, prompts, negatives, report.chunks, do_cfg=do_cfg,
-                                                batch_cfg=graphs is not None)
-        else:
-            text = {"prompt": prompts, "negative_prompt": negatives}
-        pipe.scheduler = sched
-        if graphs is not None:  # the graph runner uploads a host timestep by value: no per-step sync (PNDM)
-            host_timesteps.keep_on_host(sched)
-        else:  # an eager UNet would copy it to the GPU with a sync at every step
-            host_timesteps.release(sched)
+        session = CallSession(pipe)
+        # The texts are encoded here from their tokens (diffusers does not tokenize again): long prompts in
+        # windows (stock would truncate); graphed pipelines with prompt and negative prompt in one text-encoder
+        # batch, one graph replay per encoder instead of two.
+        if report.chunks > 1:
+            log.info("sdfast: long prompt encoded in %d windows of %d tokens", report.chunks, prompt_policy.WINDOW)
+        session.before_text_encoders()
+        text = prompt_policy.encode_chunked(pipe, prompts, negatives, report.chunks, do_cfg=do_cfg,
+                                            batch_cfg=session.graphed, tokens=tokens)
         pipe.set_progress_bar_config(disable=not progress)
-        finite = []
-        hook = pipe.vae.decoder.register_forward_hook(  # a flag on the device: no wait for the decoder here
-            lambda module, args, output: finite.append(torch.isfinite(output).all())
-        )
-        mark = graphs.mark() if graphs is not None else None
         stop = {} if should_stop is None else {"callback_on_step_end": _stopper(should_stop)}
         t0 = time.perf_counter()
-        try:
+        with session.call(sched, what=f"{n} image(s) of {width}x{height} on {self.device}") as finite:
             out = pipe(
                 **text,
                 **stop,
@@ -215,27 +226,9 @@ class Engine:
                 generator=generators,
                 output_type="pt",
             )
-        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
-            oom = isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "can't allocate memory" in str(e)
-            if oom and graphs is not None:  # graphs captured for a call that could not complete: free their buffers
-                graphs.drop_since(mark)
-            if oom and not isinstance(e, torch.OutOfMemoryError):  # host memory: the same error type as CUDA's
-                raise torch.OutOfMemoryError(
-                    f"out of host memory for {n} image(s) of {width}x{height} on {self.device} ({e}); "
-                    "ask for fewer or smaller images") from e
-            raise
-        finally:
-            hook.remove()
         pixels, all_finite = _to_uint8(out.images, tuple(finite))
         self.last_timings = {"total_s": time.perf_counter() - t0}
-        if not all_finite:
-            low = pipe.unet.dtype in (torch.float16, torch.bfloat16)
-            raise NonFiniteOutputError(
-                "the pipeline produced NaN/Inf values; no image is returned. "
-                + ("Likely an fp16 overflow or a broken kernel: try dtype=torch.float32, optimize=False, or report it"
-                   if low else f"It runs in {pipe.unet.dtype} already: check guidance_scale ({guidance_scale:g}) and "
-                   "the weights, try optimize=False, or report it")
-            )
+        session.check_finite(all_finite, guidance_scale)
         pil = [Image.fromarray(p[..., 0] if p.shape[-1] == 1 else p) for p in pixels]
         for i, (img, s) in enumerate(zip(pil, seeds)):
             p = i // num_images_per_prompt

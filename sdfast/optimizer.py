@@ -52,7 +52,7 @@ def _vae_decode_in_own_dtype(vae):
 
 
 def _install_graphs(pipe, state: OptimizeState) -> None:
-    from .passes import time_embedding
+    from .runtime import session
     from .runtime.cross_kv import CrossKV
     from .runtime.cuda_graphs import GraphCache
 
@@ -65,8 +65,7 @@ def _install_graphs(pipe, state: OptimizeState) -> None:
     original_check = pipe.check_inputs
 
     def check_inputs(self, *args, **kwargs):  # runs at the start of every pipeline call
-        time_embedding.refresh(pipe.unet)  # a repack first, so that the graph check sees its storage at once
-        cache.check()
+        session.before_denoising(pipe, cache)  # time-embedding refresh, then the graph check
         return original_check(*args, **kwargs)
 
     pipe.check_inputs = types.MethodType(check_inputs, pipe)

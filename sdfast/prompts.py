@@ -11,13 +11,17 @@ without a word). sdfast offers two policies, both reported (``warnings.warn`` an
   the encoding of ""). SDXL: both encoders are chunked the same way (penultimate hidden states,
   concatenated along features as diffusers does) and the pooled embedding is the second encoder's pooled
   output of the first window. This is the method of AUTOMATIC1111's web UI and of compel (without their
-  comma-aware window boundaries and emphasis weights). A prompt that fits in one window is left to
-  diffusers' own encoding on a stock pipeline, so it gives stock's image exactly; on a pipeline that
-  ``sdfast.optimize`` gave CUDA graphs, the engine encodes it here too, in one window, with prompt and negative
-  prompt in one batch (``encode_chunked(..., batch_cfg=True)``): the same token ids and embeddings up to the
-  GEMMs' rounding.
+  comma-aware window boundaries and emphasis weights). A prompt that fits in one window is encoded in
+  one window, as diffusers encodes it, so it gives stock's image exactly; on a pipeline that
+  ``sdfast.optimize`` gave CUDA graphs, prompt and negative prompt go in one encoder batch
+  (``encode_chunked(..., batch_cfg=True)``): the same token ids and embeddings up to the GEMMs' rounding.
 - ``"truncate"``: stock diffusers' behaviour (tokens after the 75th are dropped), with the number of
   dropped tokens reported.
+
+Every text is tokenized once (``tokenize``: one ``PromptTokens`` per request, carried by
+``sdfast.request.Txt2ImgRequest``); counting (``plan``) and encoding (``encode_chunked``) read those ids, and the
+engine hands the pipeline embeddings (``prompt_embeds`` ...), so diffusers does not tokenize again. A text that
+fits in one window is encoded exactly as diffusers' ``encode_prompt`` encodes it (same ids, same encoder call).
 
 Token counts are in CLIP BPE tokens, after textual-inversion expansion (``maybe_convert_prompt``).
 """
@@ -98,6 +102,63 @@ def content_ids(pipe, texts: list[str], tokenizer=None) -> list[list[int]]:
     return [tokenizer(t, add_special_tokens=False, verbose=False).input_ids for t in texts]
 
 
+Ids = tuple[tuple[int, ...], ...]  # content token ids of each text
+
+
+@dataclass(frozen=True)
+class PromptTokens:
+    """The content token ids of a request's texts, computed once (``tokenize``), for each tokenizer of the
+    pipeline (SD: ``tokenizer``; SDXL: ``tokenizer`` and ``tokenizer_2``).
+
+    prompts: ``prompts[t][i]``: ids of prompt i with tokenizer t (no BOS/EOS, untruncated).
+    negatives: the same for the negative prompts, or None (no negative prompt, or not needed: no CFG).
+    vocab: ``len(tokenizer)`` of each tokenizer when the ids were made; a textual inversion loaded later adds
+        tokens, and ``fits`` then says False (the engine tokenizes again rather than encode stale ids).
+    """
+
+    prompts: tuple[Ids, ...]
+    negatives: tuple[Ids, ...] | None
+    vocab: tuple[int, ...]
+
+    def windows(self) -> tuple[int, int]:
+        """(77-token windows of the longest prompt, of the longest negative prompt (1 without one)), first
+        tokenizer, as ``plan`` counts them with ``long_prompt="chunk"``."""
+        neg = max(map(len, self.negatives[0]), default=0) if self.negatives is not None else 0
+        return windows_needed(max(map(len, self.prompts[0]), default=0)), windows_needed(neg)
+
+    def fits(self, pipe, n_prompts: int, with_negatives: bool) -> bool:
+        """Whether these ids are ``pipe``'s (same tokenizers and vocabularies) for ``n_prompts`` prompts and,
+        with ``with_negatives``, as many negative prompts."""
+        if self.vocab != tuple(len(t) for t in _tokenizers(pipe)) or any(len(p) != n_prompts for p in self.prompts):
+            return False
+        return not with_negatives or (self.negatives is not None and all(len(n) == n_prompts for n in self.negatives))
+
+    @staticmethod
+    def concat(parts: list[PromptTokens | None]) -> PromptTokens | None:
+        """The tokens of requests batched into one call (prompts in order), or None when a part has none or
+        the parts come from different vocabularies or disagree on negative prompts."""
+        if not parts or any(p is None for p in parts) or len({(p.vocab, p.negatives is None) for p in parts}) != 1:
+            return None
+        first = parts[0]
+        prompts = tuple(sum((p.prompts[t] for p in parts), ()) for t in range(len(first.vocab)))
+        negatives = None if first.negatives is None else tuple(
+            sum((p.negatives[t] for p in parts), ()) for t in range(len(first.vocab)))
+        return PromptTokens(prompts, negatives, first.vocab)
+
+
+def tokenize(pipe, prompts: list[str], negative_prompts: list[str] | None, *, tokenizers=None) -> PromptTokens:
+    """``PromptTokens`` of ``prompts`` (and ``negative_prompts``) with each of ``pipe``'s tokenizers, each
+    distinct text tokenized once. ``tokenizers``: copies of ``pipe``'s tokenizers to use instead (a thread other
+    than the one running the pipeline must not share a fast tokenizer with it)."""
+    tokenizers = list(tokenizers) if tokenizers is not None else _tokenizers(pipe)
+    texts = list(dict.fromkeys([*prompts, *(negative_prompts or [])]))
+    per_tokenizer = [dict(zip(texts, content_ids(pipe, texts, t))) for t in tokenizers]
+    ids = [tuple(tuple(table[p]) for p in prompts) for table in per_tokenizer]
+    neg = None if negative_prompts is None else [tuple(tuple(table[p]) for p in negative_prompts)
+                                                  for table in per_tokenizer]
+    return PromptTokens(tuple(ids), None if neg is None else tuple(neg), tuple(len(t) for t in tokenizers))
+
+
 def windows_needed(n_tokens: int) -> int:
     """77-token windows that ``n_tokens`` content tokens need (at least 1)."""
     return max(1, math.ceil(n_tokens / WINDOW))
@@ -110,12 +171,16 @@ def windows_of(pipe, text: str) -> int:
     return windows_needed(len(content_ids(pipe, [text])[0]))
 
 
-def plan(pipe, prompts: list[str], negative_prompts: list[str] | None, policy: str) -> PromptReport:
-    """Count tokens and decide the number of windows (see the module docstring). No encoder runs."""
+def plan(pipe, prompts: list[str], negative_prompts: list[str] | None, policy: str, *,
+         tokens: PromptTokens | None = None) -> PromptReport:
+    """Count tokens and decide the number of windows (see the module docstring). No encoder runs.
+    ``tokens``: the texts' ids from ``tokenize`` (else they are tokenized here)."""
     if policy not in POLICIES:
         raise ValueError(f"long_prompt must be one of {POLICIES}, got {policy!r}")
-    tokens = [len(i) for i in content_ids(pipe, prompts)]
-    neg = [len(i) for i in content_ids(pipe, negative_prompts)] if negative_prompts is not None else None
+    if tokens is None:
+        tokens = tokenize(pipe, prompts, negative_prompts)
+    neg = [len(i) for i in tokens.negatives[0]] if negative_prompts is not None else None
+    tokens = [len(i) for i in tokens.prompts[0]]
     if policy == "chunk":
         chunks = max(windows_needed(n) for n in tokens + (neg or []))
         truncated, neg_truncated = [0] * len(tokens), ([0] * len(neg) if neg is not None else None)
@@ -140,17 +205,18 @@ def _attention_mask(window: torch.Tensor, n_content: int) -> torch.Tensor:
     return mask
 
 
-def _encode_windows(pipe, texts: list[str], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(B, 77·k, D) embeddings of ``texts`` (and SDXL's (B, D2) pooled embedding of window 0)."""
+def _encode_windows(pipe, ids_per_tokenizer: list[Ids], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(B, 77·k, D) embeddings of the B texts whose content ids (per tokenizer) are given (and SDXL's (B, D2)
+    pooled embedding of window 0)."""
     device = pipe._execution_device
     is_xl = getattr(pipe, "text_encoder_2", None) is not None
     per_encoder, pooled = [], None
-    for tokenizer, encoder in zip(_tokenizers(pipe), [e for e in (pipe.text_encoder, getattr(pipe, "text_encoder_2", None)) if e is not None]):
-        ids = content_ids(pipe, texts, tokenizer)
-        windows = [_window_ids(tokenizer, i, k) for i in ids]  # B lists of k (1, 77) tensors
+    encoders = [e for e in (pipe.text_encoder, getattr(pipe, "text_encoder_2", None)) if e is not None]
+    for tokenizer, encoder, ids in zip(_tokenizers(pipe), encoders, ids_per_tokenizer):
+        windows = [_window_ids(tokenizer, list(i), k) for i in ids]  # B lists of k (1, 77) tensors
         outs = []
         for w in range(k):
-            batch = torch.cat([windows[b][w] for b in range(len(texts))]).to(device)
+            batch = torch.cat([windows[b][w] for b in range(len(ids))]).to(device)
             if is_xl:
                 out = encoder(batch, output_hidden_states=True)
                 if w == 0 and out[0].ndim == 2:  # CLIPTextModelWithProjection: the pooled projection
@@ -161,7 +227,7 @@ def _encode_windows(pipe, texts: list[str], k: int) -> tuple[torch.Tensor, torch
                 if getattr(encoder.config, "use_attention_mask", False):
                     mask = torch.cat([
                         _attention_mask(windows[b][w], max(0, min(WINDOW, len(ids[b]) - w * WINDOW)))
-                        for b in range(len(texts))
+                        for b in range(len(ids))
                     ]).to(device)
                 outs.append(encoder(batch, attention_mask=mask)[0])
         per_encoder.append(torch.cat(outs, dim=1))
@@ -172,7 +238,7 @@ def _encode_windows(pipe, texts: list[str], k: int) -> tuple[torch.Tensor, torch
 
 @torch.no_grad()
 def encode_chunked(pipe, prompts: list[str], negative_prompts: list[str] | None, k: int, *, do_cfg: bool,
-                   batch_cfg: bool = False) -> dict:
+                   batch_cfg: bool = False, tokens: PromptTokens | None = None) -> dict:
     """Pipeline keyword arguments (``prompt_embeds``, ``negative_prompt_embeds`` and, for SDXL, the pooled
     ones) that encode every text in k windows. For SDXL without a negative prompt and with
     ``force_zeros_for_empty_prompt``, the negative embeddings are left to diffusers (zeros of the same shape).
@@ -180,18 +246,26 @@ def encode_chunked(pipe, prompts: list[str], negative_prompts: list[str] | None,
     ``batch_cfg``: prompts and negative prompts go through each text encoder in one batch, one call per window
     instead of two (diffusers encodes them one after the other). On a CUDA-graphed encoder that is one replay
     fewer per encoder; CLIP at 77 tokens is bound by reading its weights, so a batch of 2 costs about what a
-    batch of 1 does. The embeddings equal the separate calls' up to the GEMMs' rounding (a few 1e-7 on the CPU)."""
+    batch of 1 does. The embeddings equal the separate calls' up to the GEMMs' rounding (a few 1e-7 on the CPU).
+
+    ``tokens``: the texts' ids from ``tokenize`` (with the negative prompts when there are any and ``do_cfg``);
+    else they are tokenized here. The empty negative prompt (CFG without one) has no content tokens."""
     is_xl = getattr(pipe, "text_encoder_2", None) is not None
     zeros = is_xl and negative_prompts is None and pipe.config.force_zeros_for_empty_prompt
-    negatives = (negative_prompts or [""] * len(prompts)) if do_cfg and not zeros else None
+    use_negatives = do_cfg and not zeros
+    if tokens is None:
+        tokens = tokenize(pipe, prompts, negative_prompts if use_negatives else None)
     n = len(prompts)
-    if batch_cfg and negatives is not None:
-        both, both_pooled = _encode_windows(pipe, list(prompts) + list(negatives), k)
+    ids, neg_ids = list(tokens.prompts), None
+    if use_negatives:
+        neg_ids = list(tokens.negatives) if negative_prompts else [((),) * n] * len(ids)
+    if batch_cfg and neg_ids is not None:
+        both, both_pooled = _encode_windows(pipe, [p + q for p, q in zip(ids, neg_ids)], k)
         embeds, neg_embeds = both[:n], both[n:]
         pooled, neg_pooled = (both_pooled[:n], both_pooled[n:]) if both_pooled is not None else (None, None)
     else:
-        embeds, pooled = _encode_windows(pipe, prompts, k)
-        neg_embeds, neg_pooled = _encode_windows(pipe, negatives, k) if negatives is not None else (None, None)
+        embeds, pooled = _encode_windows(pipe, ids, k)
+        neg_embeds, neg_pooled = _encode_windows(pipe, neg_ids, k) if neg_ids is not None else (None, None)
     kwargs = {"prompt_embeds": embeds}
     if is_xl:
         kwargs["pooled_prompt_embeds"] = pooled

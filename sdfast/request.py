@@ -1,17 +1,125 @@
-"""Validation of one txt2img request, done before any denoising step (shared by the API, CLI and service)."""
+"""One txt2img request: ``Txt2ImgRequest``, validated once by its one constructor (``build``), before any
+denoising step, and carried as it is from the Python API, the CLI or the HTTP service to ``Engine.run``.
+
+The limits here are the engine's. The HTTP service (``server.schemas``) takes these constants and only tightens
+them (smaller images, fewer steps and images, 32-bit seeds, shorter prompts), so every request its schemas accept
+builds here without an error.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
+from typing import TYPE_CHECKING
 
 from .errors import InvalidRequestError
 from .schedulers import check_scheduler_name
 
+if TYPE_CHECKING:
+    from .prompts import PromptTokens
+
 MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed takes a signed 64-bit seed
+MIN_SIDE = 8  # pixels: the VAE downsamples by 8, so a side is a positive multiple of 8
 MAX_SIDE = 8192  # pixels: 8x SD1.5's and 4x SDXL's native side (a 64x larger latent than SDXL's)
 MAX_IMAGES = 64  # images per call (prompts x num_images_per_prompt); loop for more
 MAX_GUIDANCE = 100.0  # guidance_scale: SD is used at 1-20 (the HTTP service takes 0-30); 1e308 overflows to Inf/NaN
+# num_inference_steps: at least 1; the upper bound is the scheduler's (``sdfast.schedulers.check_steps``: 999 for
+# SD's 1000 training timesteps, 50 for LCM), checked by the engine against the loaded model's scheduler.
+
+
+@dataclasses.dataclass(frozen=True)
+class Txt2ImgRequest:
+    """A validated txt2img request, normalised. Make one with ``Txt2ImgRequest.build`` (or ``Engine.request``,
+    which also tokenizes); the plain constructor does not validate. Run it with ``Engine.run``.
+
+    prompts: the prompts, one batch entry each; negative_prompts: one per prompt, or None.
+    height, width: pixels, or None for the model's native size (``Engine.default_size``).
+    seeds: one per image (image ``i`` of prompt ``p`` is ``p * num_images_per_prompt + i``), or None: the engine
+        draws a random seed at each run.
+    tokens: the texts' CLIP token ids (``sdfast.prompts.PromptTokens``), or None: ``Engine.run`` tokenizes.
+    """
+
+    prompts: tuple[str, ...]
+    negative_prompts: tuple[str, ...] | None = None
+    height: int | None = None
+    width: int | None = None
+    num_inference_steps: int = 30
+    guidance_scale: float = 7.5
+    num_images_per_prompt: int = 1
+    seeds: tuple[int, ...] | None = None
+    scheduler: str | None = None
+    long_prompt: str = "chunk"
+    tokens: PromptTokens | None = None
+
+    @property
+    def num_images(self) -> int:
+        return len(self.prompts) * self.num_images_per_prompt
+
+    @classmethod
+    def build(cls, prompt, *, negative_prompt=None, num_inference_steps: int = 30, guidance_scale: float = 7.5,
+              height: int | None = None, width: int | None = None, seed=None, num_images_per_prompt: int = 1,
+              scheduler: str | None = None, long_prompt: str = "chunk", tokenize=None) -> Txt2ImgRequest:
+        """Validate ``Engine.txt2img``'s arguments (see there) and return the request. Raises
+        ``InvalidRequestError`` (a ``ValueError``) naming the field. ``tokenize``: None, or a function
+        ``(prompts, negative_prompts) -> PromptTokens`` (``sdfast.prompts.tokenize`` bound to a pipeline) called
+        once on the validated texts."""
+        prompts = check_request(
+            prompt=prompt, height=height, width=width, num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt, scheduler=scheduler,
+            seed=seed)
+        negatives = check_negative_prompt(negative_prompt, len(prompts))
+        check_long_prompt(long_prompt)
+        # checked integral (numpy scalars included): plain ints from here on
+        steps, per_prompt = int(num_inference_steps), int(num_images_per_prompt)
+        n = len(prompts) * per_prompt
+        seeds = None if seed is None else tuple(
+            int(s) for s in seed) if isinstance(seed, (list, tuple)) else tuple(int(seed) + i for i in range(n))
+        return cls(
+            prompts=tuple(prompts), negative_prompts=None if negatives is None else tuple(negatives),
+            height=None if height is None else int(height), width=None if width is None else int(width),
+            num_inference_steps=steps, guidance_scale=float(guidance_scale), num_images_per_prompt=per_prompt,
+            seeds=seeds, scheduler=scheduler, long_prompt=long_prompt,
+            tokens=None if tokenize is None else tokenize(list(prompts), negatives))
+
+    def as_kwargs(self) -> dict:
+        """``Engine.txt2img``'s (and ``build``'s) keyword arguments that make this request again (without its
+        tokens): ``Txt2ImgRequest.build(**r.as_kwargs())`` equals ``r`` with ``tokens=None``."""
+        return dict(
+            prompt=list(self.prompts), negative_prompt=None if self.negative_prompts is None else list(self.negative_prompts),
+            num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale, height=self.height,
+            width=self.width, seed=None if self.seeds is None else list(self.seeds),
+            num_images_per_prompt=self.num_images_per_prompt, scheduler=self.scheduler, long_prompt=self.long_prompt)
+
+    @classmethod
+    def concat(cls, requests: list[Txt2ImgRequest]) -> Txt2ImgRequest:
+        """Requests batched into one engine call (the HTTP service's batches): their prompts, negative prompts,
+        seeds and tokens in order. Each must have its seeds, one image per prompt, and the same settings
+        (size, steps, guidance, scheduler, long-prompt policy, with or without negative prompts); raises
+        ``ValueError`` otherwise, and ``InvalidRequestError`` (field ``num_images_per_prompt``) past
+        ``MAX_IMAGES`` images in all."""
+        from .prompts import PromptTokens
+
+        if not requests:
+            raise ValueError("concat needs at least one request")
+        first = requests[0]
+
+        def settings(r):
+            return (r.height, r.width, r.num_inference_steps, r.guidance_scale, r.scheduler, r.long_prompt,
+                    r.negative_prompts is None, r.num_images_per_prompt)
+
+        if any(r.seeds is None or settings(r) != settings(first) for r in requests) or first.num_images_per_prompt != 1:
+            raise ValueError("concat: requests batched into one call need their seeds, one image per prompt and the "
+                             "same size, steps, guidance, scheduler, long-prompt policy and negative-prompt presence")
+        prompts = tuple(p for r in requests for p in r.prompts)
+        if len(prompts) > MAX_IMAGES:
+            raise InvalidRequestError(
+                "num_images_per_prompt", f"{len(prompts)} prompt(s) x 1 = {len(prompts)} images; at most "
+                f"{MAX_IMAGES} per call (call again for more)")
+        negatives = None if first.negative_prompts is None else tuple(p for r in requests for p in r.negative_prompts)
+        return dataclasses.replace(first, prompts=prompts, negative_prompts=negatives,
+                                   seeds=tuple(s for r in requests for s in r.seeds),
+                                   tokens=PromptTokens.concat([r.tokens for r in requests]))
 
 
 def check_request(
@@ -25,7 +133,8 @@ def check_request(
     scheduler: str | None,
     seed,
 ) -> list[str]:
-    """Validate and normalise; returns the prompt as a list. Raises ``InvalidRequestError`` naming the field."""
+    """Validate and normalise; returns the prompt as a list. Raises ``InvalidRequestError`` naming the field.
+    ``height``/``width`` None: the model's native size (always valid). ``Txt2ImgRequest.build`` calls it."""
     prompts = [prompt] if isinstance(prompt, str) else list(prompt) if isinstance(prompt, (list, tuple)) else None
     if not prompts or not all(isinstance(p, str) for p in prompts):
         raise InvalidRequestError("prompt", f"must be a string or a non-empty list of strings (got {type(prompt).__name__})")
@@ -33,6 +142,8 @@ def check_request(
     height, width, num_inference_steps, num_images_per_prompt = (
         _as_int(v) for v in (height, width, num_inference_steps, num_images_per_prompt))
     for field, v in (("height", height), ("width", width)):
+        if v is None:  # the model's native size
+            continue
         if not isinstance(v, int) or isinstance(v, bool):
             raise InvalidRequestError(field, f"must be an integer, a positive multiple of 8 (got {type(v).__name__} {v!r})")
         if v <= 0 or v % 8:

@@ -251,7 +251,7 @@ class Service:
         self.default_size = int(getattr(engine, "default_size", 512))
         self.request_timeout_s = float(request_timeout_s)
         self.poll_s = poll_s
-        self._count_windows = _window_counter(engine)
+        self._tokenize = _tokenizer_for(engine)
         self.metrics = Metrics(endpoints=ENDPOINTS, queue_depth=lambda: self.worker.depth, device=device)
         self.worker = Worker(engine, max_batch=max_batch, queue_size=queue_size, on_batch=self.metrics.observe_batch)
 
@@ -274,13 +274,9 @@ class Service:
             raise InvalidRequest(
                 f"seed: image i uses seed + i, so with {images_field}={num_images} the seed must be at most "
                 f"{MAX_SEED - num_images + 1} (got {seed}; seeds are at most {MAX_SEED})", field="seed")
-        job = Job(
-            prompt=prompt, negative_prompt=negative_prompt, seeds=[seed + i for i in range(num_images)],
-            width=width or self.default_size, height=height or self.default_size,
-            num_inference_steps=num_inference_steps, guidance_scale=float(guidance_scale),
-            scheduler=scheduler, timeout_s=self.request_timeout_s,
-            text_windows=(self._count_windows(prompt), self._count_windows(negative_prompt or "")),
-        )
+        job = self._job(prompt=prompt, negative_prompt=negative_prompt, seed=seed, num_images=num_images,
+                        width=width, height=height, num_inference_steps=num_inference_steps,
+                        guidance_scale=guidance_scale, scheduler=scheduler, images_field=images_field)
         self.worker.submit(job)  # QueueFull -> 429 at once
         waiter = asyncio.wrap_future(job.future)
         try:
@@ -306,6 +302,29 @@ class Service:
             # Left without the answer (deadline, client gone): the error a stopped job gets later has no
             # reader, and asyncio would log it as "Future exception was never retrieved".
             waiter.cancel()
+
+    def _job(self, *, prompt: str, negative_prompt: str | None, seed: int, num_images: int, width: int | None,
+             height: int | None, num_inference_steps: int, guidance_scale: float, scheduler: str | None,
+             images_field: str) -> Job:
+        """The job of one request: its ``sdfast.request.Txt2ImgRequest`` (one prompt per image, so that a batch is
+        the concatenation of its jobs' requests), built once here with the texts tokenized once (the worker and
+        the engine take it as it is). The schemas' limits are within the engine's, so building raises only on
+        an inconsistency, as a 422 naming the service's field."""
+        from sdfast.errors import InvalidRequestError
+        from sdfast.request import Txt2ImgRequest
+
+        try:
+            request = Txt2ImgRequest.build(
+                [prompt] * num_images, negative_prompt=None if negative_prompt is None else [negative_prompt] * num_images,
+                seed=[seed + i for i in range(num_images)], width=width or self.default_size,
+                height=height or self.default_size, num_inference_steps=num_inference_steps,
+                guidance_scale=float(guidance_scale), num_images_per_prompt=1, scheduler=scheduler,
+                tokenize=self._tokenize)
+        except InvalidRequestError as e:
+            field = images_field if e.field == "num_images_per_prompt" else e.field
+            raise InvalidRequest(f"{field}: {e.reason}", field=field) from None
+        windows = request.tokens.windows() if request.tokens is not None else (1, 1)
+        return Job(request=request, timeout_s=self.request_timeout_s, text_windows=windows)
 
     def _check_steps(self, steps: int, scheduler: str | None) -> None:
         """The scheduler's own step limit (LCM: 50) as a 422 before the request is queued (``sdfast.schedulers``)."""
@@ -335,26 +354,22 @@ class Service:
         )
 
 
-def _window_counter(engine):
-    """A function text -> the 77-token CLIP windows the engine encodes it in (``sdfast.prompts``), using
-    a private copy of the engine's tokenizer (the worker thread uses the engine's own). Returns 1 for
-    every text when the engine has no tokenizer or no long-prompt support."""
+def _tokenizer_for(engine):
+    """A function (prompts, negative_prompts) -> ``sdfast.prompts.PromptTokens`` for ``Txt2ImgRequest.build``,
+    using private copies of the engine's tokenizers (the event loop tokenizes while the worker thread runs the
+    engine, and a fast tokenizer must not be shared between threads). None when the engine has no tokenizer
+    (then the engine tokenizes, and every text counts one window)."""
     import copy
 
     pipe = getattr(engine, "pipe", None)
-    tokenizer = getattr(pipe, "tokenizer", None)
-    try:
-        from sdfast import prompts
-    except ImportError:
-        prompts = None
-    if tokenizer is None or prompts is None or not hasattr(prompts, "content_ids"):
-        return lambda text: 1
-    tokenizer = copy.deepcopy(tokenizer)
+    if getattr(pipe, "tokenizer", None) is None:
+        return None
+    import functools
 
-    def count(text: str) -> int:
-        return prompts.windows_needed(len(prompts.content_ids(pipe, [text], tokenizer)[0]))
+    from sdfast import prompts
 
-    return count
+    tokenizers = [copy.deepcopy(t) for t in (pipe.tokenizer, getattr(pipe, "tokenizer_2", None)) if t is not None]
+    return functools.partial(prompts.tokenize, pipe, tokenizers=tokenizers)
 
 
 def _params(job: Job, seed: int) -> dict:

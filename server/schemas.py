@@ -3,7 +3,10 @@
 Every request model forbids unknown fields, so a client can never pass a model path, a file or any
 other engine argument the service does not expose. Range checks live here, before a request reaches
 the queue; each failure becomes a 422 whose message starts with the field's name (see
-``server.app``). The limits:
+``server.app``). The limits are a subset of the engine's (``sdfast.request``: ``MIN_SIDE``, ``MAX_SIDE``,
+``MAX_IMAGES``, ``MAX_GUIDANCE``, ``MAX_SEED``; the scheduler's step limit): each is one of the service's
+settings below (``SERVICE_*``), checked at import to be within the engine's, so a request these schemas
+accept always builds an ``sdfast.request.Txt2ImgRequest`` (``server.app``) without another error. The limits:
 
 - ``width``/``height``: multiples of 8 in [64, 2048] pixels (the VAE downsamples by 8; 2048 bounds memory);
 - ``num_inference_steps``: [1, 150];
@@ -28,12 +31,32 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-MIN_SIDE, MAX_SIDE = 64, 2048
-MAX_STEPS = 150
-MAX_IMAGES = 8
-MAX_GUIDANCE = 30.0
-MAX_PROMPT_CHARS = 1000
-MAX_SEED = 2**32 - 1
+from sdfast import request as engine_limits
+
+# The service's own settings: each tightens one of the engine's limits (``sdfast.request``).
+SERVICE_MIN_SIDE, SERVICE_MAX_SIDE = 64, 2048  # 2048 bounds a request's memory; 64: below it SD draws nothing useful
+SERVICE_MAX_STEPS = 150  # the schedulers take up to 999 (LCM 50, checked by the service against the model's)
+SERVICE_MAX_IMAGES = 8  # per request; the worker's --max-batch bounds one engine call too
+SERVICE_MAX_GUIDANCE = 30.0  # SD is used at 1-20
+SERVICE_MAX_SEED = 2**32 - 1  # a 32-bit seed, as most SD front ends take
+
+
+def _within(name: str, service: float, lowest: float, highest: float) -> float:
+    """``service`` when it lies in the engine's [lowest, highest]; else ``ValueError`` at import: a looser service
+    limit would let a request through the schema that the engine then refuses."""
+    if not lowest <= service <= highest:
+        raise ValueError(f"server.schemas: {name} = {service} is outside the engine's [{lowest}, {highest}] "
+                         "(sdfast.request); a service limit may only tighten the engine's")
+    return service
+
+
+MIN_SIDE = _within("SERVICE_MIN_SIDE", SERVICE_MIN_SIDE, engine_limits.MIN_SIDE, engine_limits.MAX_SIDE)
+MAX_SIDE = _within("SERVICE_MAX_SIDE", SERVICE_MAX_SIDE, MIN_SIDE, engine_limits.MAX_SIDE)
+MAX_STEPS = SERVICE_MAX_STEPS  # the engine's bound is the scheduler's: ``server.app`` checks it before queueing
+MAX_IMAGES = _within("SERVICE_MAX_IMAGES", SERVICE_MAX_IMAGES, 1, engine_limits.MAX_IMAGES)
+MAX_GUIDANCE = _within("SERVICE_MAX_GUIDANCE", SERVICE_MAX_GUIDANCE, 0.0, engine_limits.MAX_GUIDANCE)
+MAX_SEED = _within("SERVICE_MAX_SEED", SERVICE_MAX_SEED, 0, engine_limits.MAX_SEED)
+MAX_PROMPT_CHARS = 1000  # the engine takes any length (in 77-token windows); this bounds a request's work
 MAX_INT_DIGITS = 20  # every integer field's range is far below 10**20
 # Why the prompt limit exists, quoted in the 422 message.
 PROMPT_LIMIT_WHY = (

@@ -3,7 +3,8 @@
 HTTP handlers run on the event loop; they never touch the engine. They ``submit`` a ``Job`` and
 wait on its ``future``. The worker thread takes the oldest live job, adds every later queued job
 with the same ``BatchKey`` while the batch stays within ``max_batch`` images, and runs them as one
-``engine.txt2img`` call with a list of prompts and one seed per image. The engine draws image
+``engine.run`` call: the jobs' built requests concatenated (``Txt2ImgRequest.concat``: a list of prompts, one
+seed per image, the token ids the service computed). The engine draws image
 ``i``'s noise from its own seeded CPU generator, so each job's images are the ones it would get
 alone (up to batch-size-dependent float rounding: at most 1/255 on the CPU).
 
@@ -15,7 +16,7 @@ exception fails that batch with ``GenerationFailed`` (500). The thread itself ne
 
 A job leaves the queue when the worker takes it, when its handler cancels it (client gone,
 deadline passed: ``Worker.cancel``), or when the worker finds it past its deadline. A running batch
-stops at the next denoising step (``Engine.txt2img(should_stop=...)``) once every job in it was
+stops at the next denoising step (``Engine.run(should_stop=...)``) once every job in it was
 cancelled or is past its deadline: the queue does not wait for images nobody will receive.
 """
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from sdfast.errors import GenerationCancelled
+from sdfast.request import Txt2ImgRequest
 
 log = logging.getLogger("sdfast.server")
 
@@ -111,16 +113,14 @@ class JobResult:
 
 @dataclass(eq=False)
 class Job:
-    """One request: ``prompt`` for each of ``seeds`` (one image per seed)."""
+    """One HTTP request: its built ``sdfast.request.Txt2ImgRequest`` (one prompt per image, each image's seed,
+    the size resolved, the texts tokenized when the engine has tokenizers), handed to the engine as it is
+    (concatenated with the other requests of its batch: ``Txt2ImgRequest.concat``).
 
-    prompt: str
-    negative_prompt: str | None
-    seeds: list[int]
-    width: int
-    height: int
-    num_inference_steps: int
-    guidance_scale: float
-    scheduler: str | None
+    ``text_windows``: 77-token windows of the prompt and of the negative prompt (``PromptTokens.windows``).
+    """
+
+    request: Txt2ImgRequest
     timeout_s: float
     text_windows: tuple[int, int] = (1, 1)
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
@@ -128,8 +128,41 @@ class Job:
     abandoned: bool = False  # set by ``Worker.cancel``: nobody waits for the images any more
 
     @property
+    def prompt(self) -> str:
+        return self.request.prompts[0]
+
+    @property
+    def negative_prompt(self) -> str | None:
+        negatives = self.request.negative_prompts
+        return None if negatives is None else negatives[0]
+
+    @property
+    def seeds(self) -> list[int]:
+        return list(self.request.seeds)
+
+    @property
+    def width(self) -> int:
+        return self.request.width
+
+    @property
+    def height(self) -> int:
+        return self.request.height
+
+    @property
+    def num_inference_steps(self) -> int:
+        return self.request.num_inference_steps
+
+    @property
+    def guidance_scale(self) -> float:
+        return self.request.guidance_scale
+
+    @property
+    def scheduler(self) -> str | None:
+        return self.request.scheduler
+
+    @property
     def n(self) -> int:
-        return len(self.seeds)
+        return self.request.num_images
 
     @property
     def deadline(self) -> float:
@@ -351,9 +384,7 @@ class Worker:
         """The engine call of ``batch``: (outcome, error or None, images, start time, seconds). It stops at the
         next denoising step once every job of the batch is dead (``GenerationCancelled``: outcome "cancelled")."""
         key = batch[0].key
-        prompts = [job.prompt for job in batch for _ in job.seeds]
         seeds = [s for job in batch for s in job.seeds]
-        negative = [job.negative_prompt for job in batch for _ in job.seeds] if key.has_negative else None
 
         def should_stop() -> bool:
             now = time.monotonic()
@@ -364,11 +395,8 @@ class Worker:
         outcome = "ok"
         images = None
         try:
-            images = self.engine.txt2img(
-                prompts, negative_prompt=negative, num_inference_steps=key.num_inference_steps,
-                guidance_scale=key.guidance_scale, height=key.height, width=key.width, seed=seeds,
-                num_images_per_prompt=1, scheduler=key.scheduler, should_stop=should_stop,
-            )
+            request = Txt2ImgRequest.concat([job.request for job in batch])
+            images = self.engine.run(request, should_stop=should_stop)
             if len(images) != len(seeds):
                 raise RuntimeError(f"the engine returned {len(images)} images for {len(seeds)} seeds")
         except GenerationCancelled as e:

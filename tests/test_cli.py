@@ -85,6 +85,24 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys, monkeypatch, args, messa
     assert not (tmp_path / "x.png").exists()
 
 
+def test_txt2img_validates_its_request_once_and_the_engine_runs_that_request(tmp_path, monkeypatch):
+    """Issue 30, item 5: the CLI checked its arguments and then ``Engine.txt2img`` checked them again. Now it
+    builds one ``Txt2ImgRequest`` (one validation, before the load) and ``Engine.run`` takes it as it is."""
+    import sdfast.request
+    from sdfast.engine import Engine
+
+    checks, runs = [], []
+    check = sdfast.request.check_request
+    monkeypatch.setattr(sdfast.request, "check_request", lambda **kw: checks.append(kw) or check(**kw))
+    run = Engine.run
+    monkeypatch.setattr(Engine, "run", lambda self, request, **kw: runs.append(request) or run(self, request, **kw))
+    args = ["txt2img", "a cat", "--steps", "1", "--seed", "3", "--negative", "blur", "--out", str(tmp_path / "x.png")]
+    assert main(args) == 0
+    assert len(checks) == 1 and len(runs) == 1
+    assert runs[0].prompts == ("a cat",) and runs[0].negative_prompts == ("blur",) and runs[0].seeds == (3,)
+    assert runs[0].height is None and runs[0].num_inference_steps == 1  # the model's native size, resolved by run
+
+
 def test_out_folder_gets_sdfast_png_inside(tmp_path):
     assert main(["txt2img", "a cat", "--steps", "1", "--out", str(tmp_path / "new") + "/"]) == 0
     (tmp_path / "old").mkdir()
@@ -160,7 +178,7 @@ def test_a_non_finite_image_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
     class Engine:
         device, dtype = "cpu", "torch.float32"
 
-        def txt2img(self, *a, **k):
+        def run(self, *a, **k):  # the CLI hands its built request to Engine.run
             raise NonFiniteOutputError("the decoded image holds NaN or Inf values")
 
     monkeypatch.setattr(sdfast, "load", lambda *a, **k: Engine())

@@ -25,7 +25,8 @@ def seed_color(seed: int, prompt: str) -> tuple[int, int, int]:
 
 
 class FakeEngine:
-    """Stands in for ``sdfast.Engine``: records each call, paints one flat image per seed.
+    """Stands in for ``sdfast.Engine``: records each call (``run``'s request as the dict of its fields in ``calls``,
+    and itself in ``requests``), paints one flat image per seed.
 
     ``gate``: each call blocks until it is set (``started`` is set when a call begins).
     ``failures``: exceptions to raise, one per call, in order (None: succeed).
@@ -51,14 +52,25 @@ class FakeEngine:
         self.hold = hold
         self.held: list[weakref.ref] = []
         self.calls: list[dict] = []
+        self.requests: list = []  # the built requests, as run received them
         self.started = threading.Event()
 
-    def txt2img(self, prompt, *, negative_prompt=None, num_inference_steps=30, guidance_scale=7.5, height=None,
-                width=None, seed=None, num_images_per_prompt=1, scheduler=None, should_stop=None):
-        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-        self.calls.append(dict(prompts=prompts, negative_prompt=negative_prompt, seeds=list(seed),
-                               steps=num_inference_steps, guidance_scale=guidance_scale, width=width,
-                               height=height, num_images_per_prompt=num_images_per_prompt, scheduler=scheduler))
+    def txt2img(self, prompt, *, should_stop=None, **kwargs):
+        from sdfast.request import Txt2ImgRequest
+
+        return self.run(Txt2ImgRequest.build(prompt, **kwargs), should_stop=should_stop)
+
+    def run(self, request, *, should_stop=None, progress=False):
+        """``Engine.run``: the worker hands it the batch's built request."""
+        prompts = list(request.prompts)
+        negative_prompt = None if request.negative_prompts is None else list(request.negative_prompts)
+        seed, width, height = list(request.seeds), request.width, request.height
+        num_inference_steps = request.num_inference_steps
+        self.requests.append(request)
+        self.calls.append(dict(prompts=prompts, negative_prompt=negative_prompt, seeds=seed,
+                               steps=num_inference_steps, guidance_scale=request.guidance_scale, width=width,
+                               height=height, num_images_per_prompt=request.num_images_per_prompt,
+                               scheduler=request.scheduler))
         self.started.set()
         if self.gate is not None:
             assert self.gate.wait(30), "test gate never opened"

@@ -139,7 +139,7 @@ def test_unexpected_exception_answers_500_with_a_request_id(caplog):
             raise OSError("disk full at /var/secret/tmp")
 
     engine = FakeEngine()
-    engine.txt2img = lambda prompt, **kw: [BrokenImage() for _ in kw["seed"]]
+    engine.run = lambda request, **kw: [BrokenImage() for _ in request.seeds]
     with caplog.at_level(logging.ERROR, logger="sdfast.server"):
         with serving(create_app(engine, api_key="")) as url, _client(url) as c:
             r = c.post("/v1/txt2img", json=REQ)

@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from sdfast.request import Txt2ImgRequest
 from server.worker import (
     Cancelled,
     DeadlineExceeded,
@@ -25,9 +26,10 @@ from .helpers import FakeEngine, seed_color, wait_for
 
 def job(prompt="a cat", seeds=(1,), *, width=64, height=64, steps=2, guidance=7.5, scheduler=None,
         negative=None, timeout_s=30.0, windows=(1, 1)) -> Job:
-    return Job(prompt=prompt, negative_prompt=negative, seeds=list(seeds), width=width, height=height,
-               num_inference_steps=steps, guidance_scale=guidance, scheduler=scheduler, timeout_s=timeout_s,
-               text_windows=windows)
+    request = Txt2ImgRequest.build(
+        [prompt] * len(seeds), negative_prompt=None if negative is None else [negative] * len(seeds), seed=list(seeds),
+        width=width, height=height, num_inference_steps=steps, guidance_scale=guidance, scheduler=scheduler)
+    return Job(request=request, timeout_s=timeout_s, text_windows=windows)
 
 
 @pytest.fixture
@@ -169,7 +171,7 @@ class ChainedOOMEngine(FakeEngine):
     """Runs out of memory while handling an earlier out-of-memory error (as a fallback path does):
     the tensor lives only in a frame of the first error's traceback, reachable via ``__context__``."""
 
-    def txt2img(self, prompt, **kw):
+    def run(self, request, **kw):
         def first_try():
             held = torch.ones(1 << 16)
             self.held.append(weakref.ref(held))

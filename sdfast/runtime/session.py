@@ -1,0 +1,111 @@
+"""What happens around one pipeline call: the one place that knows the order of sdfast's per-call steps.
+
+``Engine.run`` opens a ``CallSession`` for each call; the optimizer's patched ``pipe.check_inputs`` calls
+``before_denoising`` (so a user's own ``pipe(...)`` on an optimized pipeline gets it too). In call order:
+
+1. ``CallSession.before_text_encoders``: the text encoders' CUDA-graph check (their weights or hooks may have
+   changed since the last call), before the engine encodes the prompt itself (``sdfast.prompts``).
+2. ``CallSession.call`` (a context manager around ``pipe(...)``): the scheduler goes in, with its timesteps kept
+   on the host when the UNet runs in CUDA graphs (``runtime.host_timesteps``: no GPU->host sync per step) and
+   released otherwise; a forward hook on the VAE decoder records a one-element "all finite" flag on the device
+   (no wait for the decoder); a mark of the graph cache is taken.
+3. ``before_denoising`` (from ``check_inputs``, inside the pipeline call): the time-embedding pack is refreshed
+   first (``passes.time_embedding``: a changed parameter repacks, so the graph check sees its new storage at
+   once and one capture follows, not two), then every CUDA graph is checked.
+4. On ``torch.OutOfMemoryError`` (or a host allocation failure) the graphs captured since the mark are dropped,
+   so a call that could not complete frees their buffers, and a host ``MemoryError`` is raised as
+   ``torch.OutOfMemoryError`` (one error type for the service to answer 503).
+5. ``check_finite``: after the pixels and the flags came back, ``NonFiniteOutputError`` instead of a black image.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ..errors import NonFiniteOutputError
+from . import host_timesteps
+
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
+
+
+def graphs_of(pipe):
+    """The pipeline's CUDA-graph cache (``runtime.cuda_graphs.GraphCache``), or None (not optimized, or without
+    CUDA graphs)."""
+    return getattr(getattr(pipe, "_sdfast", None), "graphs", None)
+
+
+def before_denoising(pipe, graphs) -> None:
+    """At the start of every pipeline call (the optimizer's ``check_inputs``): the time-embedding refresh, then
+    the check of every graph of ``graphs``."""
+    from ..passes import time_embedding
+
+    time_embedding.refresh(pipe.unet)  # a repack first, so that the graph check sees its storage at once
+    graphs.check()
+
+
+def _is_oom(e: BaseException) -> bool:
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+
+
+class CallSession:
+    """The per-call steps around one ``pipe(...)`` of ``pipe`` (see the module docstring)."""
+
+    def __init__(self, pipe):
+        self.pipe = pipe
+        self.graphs = graphs_of(pipe)
+
+    @property
+    def graphed(self) -> bool:
+        """Whether the pipeline runs in CUDA graphs (then prompt and negative prompt share one encoder batch)."""
+        return self.graphs is not None
+
+    def before_text_encoders(self) -> None:
+        """The text encoders' graph check, before the engine runs them (the pipeline's own check of all graphs
+        comes after the encoders ran)."""
+        if self.graphs is not None:
+            self.graphs.check(names=TEXT_ENCODERS)
+
+    @contextlib.contextmanager
+    def call(self, scheduler, *, what: str):
+        """Around ``pipe(...)``: sets ``scheduler``, collects the VAE decoder's finite flags into the list it
+        yields, and on running out of memory drops the graphs captured inside and raises
+        ``torch.OutOfMemoryError`` (``what``, e.g. "2 image(s) of 512x512 on cuda:0", words a host one)."""
+        pipe, graphs = self.pipe, self.graphs
+        pipe.scheduler = scheduler
+        if graphs is not None:  # the graph runner uploads a host timestep by value: no per-step sync (PNDM)
+            host_timesteps.keep_on_host(scheduler)
+        else:  # an eager UNet would copy it to the GPU with a sync at every step
+            host_timesteps.release(scheduler)
+        finite: list[torch.Tensor] = []
+        hook = pipe.vae.decoder.register_forward_hook(  # a flag on the device: no wait for the decoder here
+            lambda module, args, output: finite.append(torch.isfinite(output).all())
+        )
+        mark = graphs.mark() if graphs is not None else None
+        try:
+            yield finite
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+            if not _is_oom(e):
+                raise
+            if graphs is not None:  # graphs captured for a call that could not complete: free their buffers
+                graphs.drop_since(mark)
+            if not isinstance(e, torch.OutOfMemoryError):  # host memory: the same error type as CUDA's
+                raise torch.OutOfMemoryError(
+                    f"out of host memory for {what} ({e}); ask for fewer or smaller images") from e
+            raise
+        finally:
+            hook.remove()
+
+    def check_finite(self, all_finite: bool, guidance_scale: float) -> None:
+        """Raise ``NonFiniteOutputError`` unless the images (and the decoder's flags) were all finite."""
+        if all_finite:
+            return
+        dtype = self.pipe.unet.dtype
+        raise NonFiniteOutputError(
+            "the pipeline produced NaN/Inf values; no image is returned. "
+            + ("Likely an fp16 overflow or a broken kernel: try dtype=torch.float32, optimize=False, or report it"
+               if dtype in (torch.float16, torch.bfloat16) else f"It runs in {dtype} already: check guidance_scale "
+               f"({guidance_scale:g}) and the weights, try optimize=False, or report it")
+        )
