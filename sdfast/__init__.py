@@ -28,7 +28,7 @@ __all__ = [
 _LAZY = {
     "Engine": ".engine", "PromptTruncatedWarning": ".engine",
     "OptimizeConfig": ".config", "KernelPolicy": ".config", "KERNEL_DTYPES": ".config",
-    "SCHEDULERS": ".schedulers",
+    "SCHEDULERS": ".schedulers", "Txt2ImgRequest": ".request",
     "W8A8Config": ".passes.quantize", "NothingQuantizedWarning": ".passes.quantize", "W4A16Config": ".passes.quantize", "Int8OutlierConfig": ".passes.quantize",
     "Sparse24Config": ".passes.sparsity",
 }
