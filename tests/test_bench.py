@@ -86,9 +86,10 @@ def test_sdfast_row_config_comes_from_the_pipeline(tiny_run):
     _, _, out = tiny_run
     r = {r["system"]: r for r in _rows(out)["rows"]}["sdfast"]
     assert r["error"] is None
-    from sdfast import OptimizeConfig
+    from sdfast import KernelPolicy, OptimizeConfig
 
-    assert {k: r["config"][k] for k in OptimizeConfig().as_dict()} == OptimizeConfig().as_dict()
+    expected = OptimizeConfig(kernels=KernelPolicy.from_env()).as_dict()  # the policy optimize resolved
+    assert {k: r["config"][k] for k in expected} == expected
     assert r["config"]["optimize"] is True and "counts" in r["info"]
     assert r["psnr_db"] == "inf" or r["psnr_db"] >= 35  # the engine's parity bar, against stock's image
 
