@@ -95,7 +95,8 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @dataclass(frozen=True)
 class OptimizeConfig:
-    """What ``sdfast.optimize`` changes. Defaults are the fast, image-preserving choices.
+    """What ``sdfast.optimize`` changes. Defaults are the fast, image-preserving choices (what each saved on the
+    H200: the README's "What each flag saved" table).
 
     attention: route every diffusers ``Attention`` through sdfast's dispatching processor (the fastest
         exact backend per shape, measured at warm-up). Numerics: fp32 softmax accumulation in every backend;
@@ -103,44 +104,42 @@ class OptimizeConfig:
     fuse_qkv: fuse Q/K/V (self-attention) and K/V (cross-attention) projections into one GEMM each: the
         separate weights become views of one packed weight, and the projections run as one batched GEMM
         (``sdfast.passes.attention.split_projection``) whose Q, K and V come back contiguous, as separate GEMMs
-        give them. Speed: SD1.5 5.63 -> 5.52 ms per UNet step, SDXL 29.36 -> 29.26 ms (H200, run 13: 48 and
-        210 fewer GEMM launches per step). Numerics: the same products and fp32 accumulation (bit-identical
-        to the separate GEMMs at the UNets' bias-free shapes on the H200; with a bias, rounding-level).
+        give them. Speed: 48 (SD1.5) and 210 (SDXL) fewer GEMM launches per UNet step. Numerics: the same
+        products and fp32 accumulation (bit-identical to the separate GEMMs at the UNets' bias-free shapes on
+        sm_90; with a bias, rounding-level).
     fuse_norms: GroupNorm(+time-embedding bias)(+SiLU), LayerNorm(+residual) and GEGLU run as single
         Triton kernels (fp32 statistics). Speed: one pass over memory instead of three to five. On sm_90 a GEGLU
         over a plain ``nn.Linear`` may run projection and activation as one TMA GEMM where that measured faster
-        (SDXL 28.6 -> 27.9 ms per UNet step, H200 run 15); its a * gelu(g) is taken from the fp32 accumulators
+        (SDXL's levels); its a * gelu(g) is taken from the fp32 accumulators
         (stock rounds the 2N-wide product to fp16 first), with erf from a fit of relative error < 1.2e-7
-        (``kernels.gelu``: an epilogue 9-16 % faster than with libdevice's erf, run 18). The ResNet blocks' 3x3 convolutions at small latent
-        sizes may run as im2col plus one cuBLAS GEMM where that measured faster than cuDNN (SD1.5 5.43 -> 5.30 ms per
-        UNet step, H200 run 16; the same products with fp32 accumulation, summed in another order).
+        (``kernels.gelu``: a faster epilogue than libdevice's erf). The ResNet blocks' 3x3 convolutions at small
+        latent sizes may run as im2col plus one cuBLAS GEMM where that measured faster than cuDNN (the same
+        products with fp32 accumulation, summed in another order; ``KernelPolicy.conv3x3``).
     batch_temb: with fuse_norms, the UNet's ResNet blocks' time-embedding projections (SiLU, a tiny GEMM and
         conv1's bias add per block: 22 of each per SD1.5 step, 17 per SDXL step) run as one SiLU, one bias add
         and one GEMM over weights packed at optimize time (``sdfast.passes.time_embedding``; the parameters
-        become views of the pack, so in-place updates are seen). Speed: SD1.5 5.92 -> 5.71 ms per UNet step, SDXL
-        29.4 -> 29.3 ms (H200, run 12).
+        become views of the pack, so in-place updates are seen). Speed: 44 (SD1.5) and 34 (SDXL) fewer
+        launches per UNet step.
         Numerics: the same products and sums; conv1's bias joins the projection's bias in fp16 first.
     channels_last: convolutions and norms run in NHWC with no layout round trips. Speed: cuDNN's
         fastest fp16 convolutions; on CPU it changes nothing numerically.
     upsample: diffusers' ``Upsample2D`` (UNet and VAE decoder up blocks) upsamples on sdfast's nearest-2x kernel
-        in the tensor's own layout. Speed: PyTorch's channels_last kernel for it ran at 1/6-1/9 of the H200's
-        memory bandwidth (SDXL's VAE decode: 3.0 ms in three calls). Numerics: identical (a copy). Inference
+        in the tensor's own layout. Speed: PyTorch's channels_last kernel for it runs far below the memory
+        bandwidth. Numerics: identical (a copy). Inference
         only (no backward through the kernel).
     skip_concat: the UNet up blocks' skip-connection concatenation (``torch.cat`` along the channels, before each
         ResNet block: 12 per SD1.5 step, 9 per SDXL step) runs on sdfast's channels_last kernel
-        (``sdfast.passes.skip_concat``). Speed: PyTorch's kernel for it ran at about 45 % of the H200's memory
-        bandwidth. Numerics: identical (a copy). Inference only.
+        (``sdfast.passes.skip_concat``). Speed: PyTorch's kernel for it runs at about half the memory bandwidth. Numerics: identical (a copy). Inference only.
     conv_bias: the convolutions outside the fused blocks (``conv_in``/``conv_out`` of the UNet and the VAE, the
         VAE's ``post_quant_conv``, the down- and upsamplers' convolutions) add their bias in one vectorized kernel
-        instead of PyTorch's broadcast add (``sdfast.passes.conv_bias``). Speed: that add ran at about 60 % of the
-        H200's memory bandwidth (SDXL's fp32 VAE decode: 1.35 ms in it). Numerics: the bias added in fp32 and
+        instead of PyTorch's broadcast add (``sdfast.passes.conv_bias``). Speed: that add runs well below the
+        memory bandwidth (most in the fp32 VAE decode). Numerics: the bias added in fp32 and
         rounded once (stock rounds the same sum in the output dtype).
     tma_linear: the UNet's linear layers with K <= 640 (SD1.5's 320- and 640-wide attention projections) and SD 1.x's
         1x1 ``proj_in``/``proj_out`` run on a TMA Triton GEMM where that measured faster than cuBLAS for the shape, at
         warm-up (``sdfast.passes.linear``); ``proj_out`` then takes its bias and the residual add in the GEMM's
-        epilogue. Speed: SD1.5 5.25 -> 5.18 ms per UNet step (A/B in one call, twice, H200 run 18 call D): 31 of its
-        GEMMs run the kernel (SD1.5's (8192, 320) x (320, 320) projections: 10.0 -> 7.7 µs each in the warm-up's
-        measurement) and 16 bias + residual passes are gone; SDXL keeps cuBLAS everywhere. Numerics: the same
+        epilogue. Speed: on SD1.5, 31 of its GEMMs run the kernel and 16 bias + residual passes are gone; SDXL
+        keeps cuBLAS everywhere (``KernelPolicy.linear``). Numerics: the same
         products with fp32 accumulation; bias and residual added in fp32, rounded once.
     cuda_graphs: the UNet step, the text encoder(s) and the VAE decoder replay CUDA graphs, one per input
         signature, over one shared memory pool. Speed: no launch overhead; costs one capture (about a
@@ -160,8 +159,8 @@ class OptimizeConfig:
         mantissa, fp32 accumulation and softmax) when the dispatcher measures that faster and within fp16's
         tolerance of fp32. Stock's fp32 VAE already runs its convolutions in TF32 (PyTorch's default
         ``torch.backends.cudnn.allow_tf32``); the upcast is for fp16's range, which TF32 keeps. Speed: SDXL's
-        1024² VAE attention runs on tensor cores, 2.27 ms instead of 13.6 ms in SDPA's fp32 kernels (H200, run 7).
-        Numerics: the SDXL image's PSNR against stock fp16 stayed at 60.3 dB.
+        1024² VAE attention runs on tensor cores instead of SDPA's fp32 kernels. Numerics: checked against fp32
+        per shape by the dispatcher.
     kernels: the :class:`KernelPolicy` (which kernel each measured choice may take); None: the one the ``SDFAST_*``
         switches ask for, read when ``optimize`` runs (``KernelPolicy.from_env``).
     """

@@ -119,8 +119,7 @@ class WeightsWatch:
     few flat comprehensions over those dicts (their ``_modules``, ``_parameters`` and ``_buffers`` read anew, in
     case one was replaced whole), with no recursion and no attribute probing: 0.46 ms for SD1.5's UNet on the dev
     CPU (0.83 ms as one generator pass over the modules; 3.3 ms walking ``named_modules`` and
-    probing every module for adapters). On the H200's host this check ran with the GPU idle at the start of
-    every image (``benchmarks/trace_e2e.py``, run 13).
+    probing every module for adapters). The check runs with the GPU idle at the start of every image.
     """
 
     def __init__(self, module: torch.nn.Module):

@@ -2,9 +2,8 @@
 
 diffusers' ``DiffusionPipeline._execution_device`` (read once at the start of each pipeline call) looks for
 group-offloading hooks in every submodule of every component, then for accelerate's ``_hf_hook``. Each look
-is a ``hasattr`` that fails through ``nn.Module.__getattr__``. On the H200 host that walk is the first
-20 ms of a 344 ms SD1.5 image and 73 ms of a 1.0 s SDXL one (``benchmarks/trace_e2e.py``, run 7), with the
-GPU idle.
+is a ``hasattr`` that fails through ``nn.Module.__getattr__``: tens of milliseconds of host time at the start
+of every image, with the GPU idle (``benchmarks/trace_e2e.py`` shows it).
 
 ``install(pipe)`` gives this one pipeline object a subclass of its own class (same name, module and
 behaviour) whose ``_execution_device`` caches stock's answer. The cache is keyed by each component's identity

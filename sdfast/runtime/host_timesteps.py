@@ -4,8 +4,8 @@ diffusers pipelines call ``scheduler.set_timesteps(n, device=cuda)``, so each st
 tensor. Schedulers that index host tables with it stall the host until the GPU is done: SD1.5's default
 ``PNDMScheduler._get_prev_sample`` reads ``alphas_cumprod[timestep]`` (a CPU tensor indexed by a GPU scalar)
 and tests ``prev_timestep >= 0``; every step the host then waits for the UNet, and the GPU idles while the
-host finishes the scheduler and launches the next step (H200, run 5: 26-32 ms of a 386 ms SD1.5 image, about
-0.5 ms per step; SDXL's Euler scheduler, without such a read, loses 1 ms in 30 steps).
+host finishes the scheduler and launches the next step (about half a millisecond per step on sm_90; the README's
+figures).
 
 ``keep_on_host(scheduler)`` wraps ``set_timesteps`` on that scheduler instance (not its class) to move
 ``scheduler.timesteps`` back to the CPU after the scheduler has set everything else up. The pipeline then
