@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from kernels.paths import cache_dir
+
 log = logging.getLogger("sdfast.kernels.csrc")
 
 CSRC = Path(__file__).resolve().parent
@@ -85,8 +87,7 @@ def load_extension(arch_list: tuple[str, ...] | None = None, verbose: bool = Fal
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("SDFAST_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "sdfast")
-    return Path(base) / "csrc"
+    return cache_dir() / "csrc"
 
 
 def compile_shared_library(source: Path, stem: str, arch_list: tuple[str, ...] | None = None,

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from kernels.paths import cache_dir
 from kernels.select.declare import Decision
 
 log = logging.getLogger("sdfast.kernels")
@@ -37,11 +38,6 @@ _saved: dict[tuple[str, str, str], Decision] | None = None  # read lazily from t
 _dirty = False
 _atexit_registered = False
 _persist = True  # read and write the saved-choices file (tests turn it off: persist(False))
-
-
-def cache_dir() -> Path:
-    """``$SDFAST_CACHE_DIR``, else ``~/.cache/sdfast``: where compiled libraries and saved choices live."""
-    return Path(os.environ.get("SDFAST_CACHE_DIR") or Path.home() / ".cache" / "sdfast")
 
 
 @functools.lru_cache(maxsize=None)
