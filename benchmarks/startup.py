@@ -1,6 +1,7 @@
 """Start-up time: a fresh process, ``sdfast.load`` and its first image, first ever and again on the same machine.
 
     python -m benchmarks.startup --out DIR [--models sd15,sdxl] [--steps 30] [--profile] [--caches DIR2]
+        [--wrap-second "py-spy record -o DIR/spy.txt --format raw --native --threads --"]
 
 For each model, two child processes run one after the other with the same cache directories (``TRITON_CACHE_DIR``
 and ``SDFAST_CACHE_DIR`` under ``<caches>/<model>``, empty before the first; ``--caches`` defaults to a new
@@ -11,7 +12,8 @@ seconds: from its spawn to ``load`` returning (``start_to_load``: interpreter, i
 first image after ``load`` returned (``first_image``: warm-up, graph capture and the steps themselves) and a second
 image at the same size (``warm_image``, the steady state), plus how many kernel choices it measured and read from
 the saved file. ``--profile`` writes a cProfile of the second process's first image to
-``DIR/<model>-second.pstats`` and its top functions to ``DIR/<model>-second.txt``. Rows go to ``DIR/startup.json``
+``DIR/<model>-second.pstats`` and its top functions to ``DIR/<model>-second.txt``; ``--wrap-second`` runs the
+second process under a command prefix (a sampling profiler that sees every thread and native frame). Rows go to ``DIR/startup.json``
 and ``DIR/startup.md``, with the GPU's name and the versions.
 """
 
@@ -60,9 +62,9 @@ print("STARTUP " + json.dumps(dict(start_to_load=t_load - spawned, first_image=f
 """
 
 
-def run_child(model: str, size: int, steps: int, env: dict, profile: str) -> dict:
+def run_child(model: str, size: int, steps: int, env: dict, profile: str, wrap: list[str] = ()) -> dict:
     spawned = time.time()
-    out = subprocess.run([sys.executable, "-c", CHILD, repr(spawned), model, str(size), str(steps), profile],
+    out = subprocess.run([*wrap, sys.executable, "-c", CHILD, repr(spawned), model, str(size), str(steps), profile],
                          env=env, capture_output=True, text=True, timeout=900)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("STARTUP ")), None)
     if out.returncode != 0 or line is None:
@@ -77,6 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--profile", action="store_true", help="cProfile the second process's first image")
     ap.add_argument("--caches", type=Path, default=None, help="where the per-model cache directories go")
+    ap.add_argument("--wrap-second", default="", help="a command prefix for the second process ({model} is replaced)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
@@ -86,8 +89,9 @@ def main(argv=None) -> int:
         env = dict(os.environ, TRITON_CACHE_DIR=str(caches / "triton"), SDFAST_CACHE_DIR=str(caches / "sdfast"))
         for run in ("first", "second"):
             profile = str(args.out / f"{name}-second") if (args.profile and run == "second") else "-"
+            wrap = args.wrap_second.replace("{model}", name).split() if run == "second" else []
             row = dict(model=model, size=size, steps=args.steps, run=run,
-                       date=time.strftime("%Y-%m-%d"), **run_child(model, size, args.steps, env, profile))
+                       date=time.strftime("%Y-%m-%d"), **run_child(model, size, args.steps, env, profile, wrap))
             rows.append(row)
             print(json.dumps(row), flush=True)
     (args.out / "startup.json").write_text(json.dumps(rows, indent=1))
