@@ -46,7 +46,7 @@ TOKENS_LINEAR: Slot[bool] = Slot(
     "tma_linear", "On a Transformer2DModel whose proj_in / proj_out run on kernels.gemm.linear_projection (written by "
     "sdfast.passes.linear); the channels_last token path (sdfast.passes.layout) then routes them through it.")
 
-ATTENTION: Slot[dict] = Slot(
+ATTENTION_STATE: Slot[dict] = Slot(
     "attention_state", "On each Attention module the attention pass converted: {'processor': the processor it "
     "replaced, 'fused': 'to_qkv' / 'to_kv' / None (the projections it fused, sdfast.passes.attention.qkv)}; "
     "qkv.fused_layer reads it to tell our fusion from diffusers' own.")
@@ -55,4 +55,4 @@ CROSS_KV: Slot[Any] = Slot(
     "the sdfast.runtime.cross_kv.CrossKV whose slots hold its K and V (written by the runtime, read by the attention "
     "processor instead of projecting at every step).")
 
-__all__ = ["ATTENTION", "BLOCK_TEMB", "CROSS_KV", "NORMS_FUSED", "Slot", "TEMB_PACK", "TOKENS_LINEAR"]
+__all__ = ["ATTENTION_STATE", "BLOCK_TEMB", "CROSS_KV", "NORMS_FUSED", "Slot", "TEMB_PACK", "TOKENS_LINEAR"]

@@ -36,7 +36,7 @@ from sdfast.passes.attention.backends import BACKEND_NAMES, key_padding_from_mas
 from sdfast.passes.attention.dispatch import ATTENTION, AttentionDispatcher, AttentionKey
 from sdfast.passes.attention.processor import SdfastAttnProcessor
 from sdfast.passes.attention.qkv import fuse, split_projection, unfuse
-from sdfast.passes.state import ATTENTION
+from sdfast.passes.state import ATTENTION_STATE
 
 log = logging.getLogger("sdfast.attention")
 
@@ -105,7 +105,7 @@ def apply(
     processor = SdfastAttnProcessor(dispatcher)
     new: Dict[str, object] = {}
     for name, m in module.named_modules():
-        if not isinstance(m, Attention) or ATTENTION.get(m) is not None:
+        if not isinstance(m, Attention) or ATTENTION_STATE.get(m) is not None:
             continue
         if isinstance(getattr(m, "processor", None), SdfastAttnProcessor):
             continue
@@ -115,7 +115,7 @@ def apply(
             log.debug("sdfast attention: %s skipped (processor %s)", name, type(m.processor).__name__)
             continue
         state = {"processor": m.processor, "fused": fuse(m) if fuse_projections else None}
-        ATTENTION.set(m, state)
+        ATTENTION_STATE.set(m, state)
         new[name] = processor
     if new:
         _set_processors(module, new)
@@ -133,7 +133,7 @@ def undo(module: nn.Module) -> int:
     old: Dict[str, object] = {}
     restored = 0
     for name, m in module.named_modules():
-        state = ATTENTION.get(m)
+        state = ATTENTION_STATE.get(m)
         if state is None:
             continue
         ours = isinstance(getattr(m, "processor", None), SdfastAttnProcessor)
@@ -141,7 +141,7 @@ def undo(module: nn.Module) -> int:
             old[name] = state["processor"]  # the separate layers stay valid views of the fused weight)
             if state["fused"] is not None:
                 unfuse(m, state["fused"])
-        ATTENTION.clear(m)
+        ATTENTION_STATE.clear(m)
         restored += 1
     if old:
         _set_processors(module, old)

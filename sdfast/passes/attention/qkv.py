@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from sdfast.passes._modules import runs_as_its_class
-from sdfast.passes.state import ATTENTION
+from sdfast.passes.state import ATTENTION_STATE
 
 log = logging.getLogger("sdfast.attention")
 
@@ -41,7 +41,7 @@ def fused_layer(attn: nn.Module, name: str) -> Optional[nn.Module]:
     parts = (attn.to_k, attn.to_v) if name == "to_kv" else (attn.to_q, attn.to_k, attn.to_v)
     if not all(runs_as_its_class(p, nn.Linear) for p in parts):
         return None  # a wrapped, hooked (calibration, user hooks) or re-bound projection must run itself
-    state = ATTENTION.get(attn)
+    state = ATTENTION_STATE.get(attn)
     if state is None or state.get("fused") != name:
         return fused  # fused by diffusers (``fuse_projections``): its own copy, as stock uses it
     row = 0

@@ -119,3 +119,14 @@ def test_fp32_vae_gets_its_own_tf32_dispatcher():
         else:  # the VAE's dispatcher has the UNet's options: the same choice keys (decisions shared)
             vae_d = next(iter(pipe.vae.attn_processors.values())).dispatcher
             assert state.vae_dispatcher is None and vae_d.options == next(iter(unet_dispatchers)).options
+
+
+def test_the_package_exports_the_attention_choice_not_the_pass_state_slot():
+    """``sdfast.passes.attention.ATTENTION`` is the kernel choice (kernels.select); the pass's per-module state is
+    ``sdfast.passes.state.ATTENTION_STATE`` (the two once shared a name and the slot shadowed the choice)."""
+    from kernels import select
+    from sdfast.passes import attention
+    from sdfast.passes.state import ATTENTION_STATE, Slot
+
+    assert isinstance(attention.ATTENTION, select.Choice) and attention.ATTENTION.name == "attention"
+    assert isinstance(ATTENTION_STATE, Slot)
