@@ -8,10 +8,11 @@ and ``SDFAST_CACHE_DIR`` under ``<caches>/<model>``, empty before the first; ``-
 temporary directory): the first one compiles every
 kernel and measures every kernel choice (the first start ever on a machine); the second finds the compiled
 kernels and the saved kernel choices (``kernels.select``) and should measure nothing. Each child reports, in
-seconds: from its spawn to ``load`` returning (``start_to_load``: interpreter, imports, weights, ``optimize``), the
+seconds: from its spawn to ``load`` returning (``start_to_load``: interpreter, imports, weights, ``optimize``; ``load``:
+the ``sdfast.load`` call alone), the
 first image after ``load`` returned (``first_image``: warm-up, graph capture and the steps themselves) and a second
-image at the same size (``warm_image``, the steady state), plus how many kernel choices it measured and read from
-the saved file. ``--profile`` writes a cProfile of the second process's first image to
+image at the same size (``warm_image``, the steady state), how many kernel choices it measured and read from
+the saved file, and the graph runtime's set-up seconds per graphed module (``setup``: dry run, warm-ups, capture). ``--profile`` writes a cProfile of the second process's first image to
 ``DIR/<model>-second.pstats`` and its top functions to ``DIR/<model>-second.txt``; ``--wrap-second`` runs the
 second process under a command prefix (a sampling profiler that sees every thread and native frame). Rows go to ``DIR/startup.json``
 and ``DIR/startup.md``, with the GPU's name and the versions.
@@ -36,6 +37,7 @@ spawned = float(sys.argv[1]); model, size, steps, profile = sys.argv[2], int(sys
 import torch
 import sdfast
 from kernels import select
+t_imported = time.time()
 engine = sdfast.load(model)
 t_load = time.time()
 prof = cProfile.Profile() if profile != "-" else None
@@ -56,7 +58,10 @@ engine.txt2img("a photo of a cat", **kw)
 torch.cuda.synchronize()
 warm = time.perf_counter() - t0
 sources = [d.source for d in select.decisions()]
-print("STARTUP " + json.dumps(dict(start_to_load=t_load - spawned, first_image=first, warm_image=warm,
+graphs = getattr(getattr(engine.pipe, "_sdfast", None), "graphs", None)
+setup = {name: {k: round(v, 4) for k, v in r.stats.setup_s.items()} for name, r in graphs.runners.items()} if graphs else {}
+print("STARTUP " + json.dumps(dict(start_to_load=t_load - spawned, load=t_load - t_imported, setup=setup,
+      first_image=first, warm_image=warm,
       measured=sources.count("measured"), saved=sources.count("saved"), gpu=torch.cuda.get_device_name(),
       torch=torch.__version__)))
 """
@@ -70,6 +75,12 @@ def run_child(model: str, size: int, steps: int, env: dict, profile: str, wrap: 
     if out.returncode != 0 or line is None:
         raise RuntimeError(f"startup child for {model} failed (rc {out.returncode}):\n{out.stderr[-4000:]}")
     return json.loads(line[len("STARTUP "):])
+
+
+def _setup(row: dict) -> str:
+    """``unet 0.31/0.12x1/0.05; vae ...``: each graphed module's dry run, warm-ups (seconds x passes), capture."""
+    return "; ".join(f"{name} {p.get('dry_run', 0):.2f}/{p.get('warmup', 0):.2f}x{p.get('warmups', 0)}/"
+                     f"{p.get('capture', 0):.2f}" for name, p in row.get("setup", {}).items())
 
 
 def main(argv=None) -> int:
@@ -95,10 +106,12 @@ def main(argv=None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
     (args.out / "startup.json").write_text(json.dumps(rows, indent=1))
-    lines = ["| model | run | start -> load returns (s) | first image (s) | warm image (s) | choices measured | "
-             "choices read |", "| --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['model']} {r['size']}² | {r['run']} | {r['start_to_load']:.2f} | {r['first_image']:.2f} | "
-              f"{r['warm_image']:.3f} | {r['measured']} | {r['saved']} |" for r in rows]
+    lines = ["| model | run | start -> load returns (s) | of which load (s) | first image (s) | warm image (s) | "
+             "choices measured | choices read | graph set-up in the first image (s: dry run, warm-ups, capture) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['model']} {r['size']}² | {r['run']} | {r['start_to_load']:.2f} | {r['load']:.2f} | "
+              f"{r['first_image']:.2f} | {r['warm_image']:.3f} | {r['measured']} | {r['saved']} | {_setup(r)} |"
+              for r in rows]
     (args.out / "startup.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

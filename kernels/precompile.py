@@ -72,19 +72,56 @@ class _Session:
 
 
 def _compile(jit, specialization_data: str, device: int):
-    """In a pool thread: compile one launch's specialization into ``jit``'s kernel cache, then build its launcher
-    (a C module, cached on disk, which the first real launch would otherwise build on the launching thread)."""
+    """In a pool thread: compile one launch's specialization into ``jit``'s kernel cache (or read it from Triton's
+    disk cache), then load it: its binary onto the device and its launcher (a C module, built once and cached on
+    disk). Triton does that loading lazily, at the kernel's first launch, on the launching thread; here the
+    loads of all of a pass's kernels overlap."""
     import torch
 
     if torch.cuda.is_available():
         torch.cuda.set_device(device)  # Triton compiles for the current device's target
     kernel = jit.preload(specialization_data)
-    src = getattr(kernel, "src", None)
-    if src is not None:
-        from triton.runtime.driver import driver
-
-        driver.active.launcher_cls(src, kernel.metadata)
+    if hasattr(kernel, "_init_handles"):  # a CompiledKernel: what its first ``run`` would do, done now
+        kernel._init_handles()
     return kernel
+
+
+_key_thread: threading.Thread | None = None
+
+
+def _triton_key():
+    """Triton's compiler key function (a digest of its compiler sources and of libtriton, about 400 MB), or None
+    where this Triton has none."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        try:
+            from triton.compiler.compiler import triton_key
+        except ImportError:
+            return None
+    return triton_key
+
+
+def prefetch_compiler_key() -> None:
+    """Start computing Triton's compiler key on a background thread, once per process. Every Triton compile and
+    every disk-cache lookup needs it, so the process's first kernel launch pays for hashing libtriton
+    (0.8 s on a dev CPU) unless this ran before. ``sdfast.load`` calls it before it reads the weights, which the
+    hashing overlaps (hashlib and file reads release the GIL); the result is Triton's own ``lru_cache``."""
+    global _key_thread
+    key = _triton_key()
+    if key is None or _key_thread is not None:
+        return
+    _key_thread = threading.Thread(target=key, name="sdfast-triton-key", daemon=True)
+    _key_thread.start()
+
+
+def _compiler_key_ready() -> None:
+    """Have the compiler key computed before a pool's threads need it (else each would hash libtriton at once)."""
+    if _key_thread is not None:
+        _key_thread.join()
+    key = _triton_key()
+    if key is not None:
+        key()
 
 
 def default_workers() -> int:
@@ -120,6 +157,7 @@ def dry_run(fn, args: tuple = (), kwargs: dict | None = None, *, workers: int | 
 
 
 def _run_session(triton, fn, args, kwargs, workers: int, label: str) -> None:
+    _compiler_key_ready()
     session = _Session(workers)
     previous = triton.knobs.runtime.jit_cache_hook
     t0 = time.perf_counter()

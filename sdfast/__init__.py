@@ -130,6 +130,10 @@ def load(model, *, device=None, dtype=None, seed: int = 0, optimize: "bool | Opt
     if optimize and isinstance(dtype, torch.dtype) and dtype not in KERNEL_DTYPES:
         raise TypeError(f"dtype: the fused kernels take float16, bfloat16 or float32, not {dtype}; "
                         "pass optimize=False for the stock pipeline in that dtype")
+    if optimize and torch.cuda.is_available():
+        from kernels import precompile
+
+        precompile.prefetch_compiler_key()  # hashes libtriton while the weights load
     pipe = load_pipeline(model, device=device, dtype=dtype, seed=seed)
     if optimize:
         from .optimizer import optimize as _optimize

@@ -20,9 +20,9 @@ candidate cannot run (``problem``). The rules, in order, at a call:
 
 from kernels.select.declare import Choice, Decision
 from kernels.select.rules import decide, measuring_blocked, pinned, pins, set_pins, signature
-from kernels.select.store import cache_dir, clear, decisions, persist, load, saved_path, save
+from kernels.select.store import cache_dir, clear, decisions, load, measured_count, persist, saved_path, save
 from kernels.select.timer import fastest, gpu_time_us
 
 __all__ = ["Choice", "Decision", "cache_dir", "clear", "decide", "decisions", "fastest", "gpu_time_us",
-           "load", "measuring_blocked", "persist", "pinned", "pins", "save", "saved_path", "set_pins",
+           "load", "measured_count", "measuring_blocked", "persist", "pinned", "pins", "save", "saved_path", "set_pins",
            "signature"]

@@ -38,6 +38,7 @@ _saved: dict[tuple[str, str, str], Decision] | None = None  # read lazily from t
 _dirty = False
 _atexit_registered = False
 _persist = True  # read and write the saved-choices file (tests turn it off: persist(False))
+_measured = 0  # decisions measured in this process (see measured_count)
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,15 +146,22 @@ def lookup(choice: str, device: str, key: tuple) -> Decision | None:
 def record(decision: Decision, key: tuple, save: bool) -> Decision:
     """Keep ``decision`` (for ``key``) for the process; with ``save`` (and a CUDA device), mark it for the saved
     file."""
-    global _dirty, _atexit_registered
+    global _dirty, _atexit_registered, _measured
     with _lock:
         _memory[(decision.choice, decision.device, key)] = decision
+        _measured += decision.source == "measured"
         if save and decision.source == "measured" and decision.device not in ("cpu", "meta"):
             _dirty = True
             if not _atexit_registered:
                 atexit.register(_save_at_exit)
                 _atexit_registered = True
     return decision
+
+
+def measured_count() -> int:
+    """How many decisions this process has measured so far (never decreases): a caller that compares it before and
+    after a pass knows whether the pass timed candidates (the graph runtime's warm-up does)."""
+    return _measured
 
 
 def decisions(choice: str | None = None) -> list[Decision]:

@@ -9,7 +9,8 @@ hook).
 
 A new signature is first run once in compile-only mode (``kernels.precompile.dry_run``, ``parallel_compile``:
 its Triton kernels compile on all cores), then warmed up eagerly on a side stream (cuDNN/cuBLAS handles, the
-attention dispatcher's measurements happen there) and captured. Graphs share the engine's memory pool: their
+kernel choices' measurements happen there: once, or ``warmup_iters`` times while a warm-up still measured a
+choice) and captured; ``stats.setup_s`` has the seconds each phase took. Graphs share the engine's memory pool: their
 intermediates reuse one planned workspace, safe because graphs replay one at a time and outputs are
 copied out at once. At most ``max_graphs`` are kept (least recently used dropped). With a ``conditioning``
 (``runtime.cross_kv.CrossKV``: the UNet's cross-attention K/V), each signature has a second, small graph that
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from itertools import chain
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -210,6 +212,25 @@ class GraphStats:
     eager_calls: int = 0
     conditioning_runs: int = 0  # replays of the cross-attention K/V projection graph
     failures: list = field(default_factory=list)
+    # Seconds spent making graphs, by phase ("dry_run", "warmup", "capture"), summed over signatures; "warmups"
+    # counts the warm-up passes run.
+    setup_s: dict = field(default_factory=dict)
+
+
+class _Phases:
+    """Adds the wall time since the previous call (the side stream drained) to ``totals[name]``."""
+
+    def __init__(self, totals: dict, stream):
+        self.totals, self.stream = totals, stream
+        self.t = time.perf_counter()
+
+    def __call__(self, name: str) -> None:
+        self.stream.synchronize()
+        now = time.perf_counter()
+        self.totals[name] = self.totals.get(name, 0.0) + now - self.t
+        if name == "warmup":
+            self.totals["warmups"] = self.totals.get("warmups", 0) + 1
+        self.t = now
 
 
 class GraphedForward:
@@ -314,11 +335,20 @@ class GraphedForward:
         side = self.stream if self.stream is not None else torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         try:
+            phase = _Phases(self.stats.setup_s, side)
             with torch.cuda.stream(side):
                 if self.parallel_compile:  # the Triton kernels of this signature compile on all cores first
                     precompile.dry_run(self.eager, s_args, s_kwargs, label=self.name)
+                    phase("dry_run")
                 for _ in range(self.warmup_iters):
+                    # A warm-up that timed no kernel choice ran exactly what the capture will run (every kernel
+                    # loaded, every lazy handle made): another one would repeat it. One that measured ran the
+                    # candidates too, so the winners run once more on their own before the capture.
+                    measured = select.measured_count()
                     self.eager(*s_args, **s_kwargs)
+                    phase("warmup")
+                    if select.measured_count() == measured:
+                        break
             torch.cuda.current_stream().wait_stream(side)
             pre, reading = None, contextlib.nullcontext()
             if pre_index >= 0:
@@ -327,6 +357,7 @@ class GraphedForward:
             graph = torch.cuda.CUDAGraph()
             with reading, torch.cuda.graph(graph, pool=self.pool):
                 out = self.eager(*s_args, **s_kwargs)
+            phase("capture")
         except torch.cuda.OutOfMemoryError:
             # Transient: nothing is cached, so the next call at this signature tries again.
             torch.cuda.synchronize()

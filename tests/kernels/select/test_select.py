@@ -39,6 +39,20 @@ def test_measured_once_per_key_with_the_margin(timed):
     assert second.key == repr(("other",))
 
 
+def test_measured_count_counts_measurements_only(timed):
+    _, times = timed
+    times.update(lib=100.0, fast=95.0, faster=80.0)
+    before = select.measured_count()
+    _decide()
+    assert select.measured_count() == before + 1
+    _decide()  # the decision made before: nothing timed
+    with select.pinned({"test_choice": "fast"}):
+        _decide(key=("pinned",))
+    assert select.measured_count() == before + 1
+    _decide(key=("other",))
+    assert select.measured_count() == before + 2
+
+
 def test_problems_drop_candidates_logged_once_and_one_left_is_the_decision(timed, caplog):
     caplog.set_level(logging.INFO, logger="sdfast.kernels")
     calls, _ = timed
