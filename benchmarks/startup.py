@@ -5,18 +5,17 @@
 
 For each model, two child processes run one after the other with the same cache directories (``TRITON_CACHE_DIR``
 and ``SDFAST_CACHE_DIR`` under ``<caches>/<model>``, empty before the first; ``--caches`` defaults to a new
-temporary directory): the first one compiles every kernel and measures every kernel choice (the first start ever on
-a machine); the second finds the compiled kernels, the saved kernel choices (``kernels.select``) and the warm-start
-kernel list (``kernels.preload``), and should measure nothing. Each child reports, in seconds: from its spawn to
-``load`` returning (``start_to_load``: interpreter, imports, weights, ``optimize``; ``load``: the ``sdfast.load``
-call alone), the first image after ``load`` returned (``first_image``: warm-up, graph capture and the steps
-themselves) and a second image at the same size (``warm_image``, the steady state); how many kernel choices it
-measured and read from the saved file; the warm start's report (``warm_start``: the Triton kernels preloaded while
-``load`` read the weights) and the graph runtime's set-up seconds per graphed module (``setup``: dry run, warm-ups,
-capture). ``--profile`` writes a cProfile of the second process's first image to ``DIR/<model>-second.pstats`` and
-its top functions to ``DIR/<model>-second.txt``; ``--wrap-second`` runs the second process under a command prefix
-(a sampling profiler that sees every thread and native frame). Rows go to ``DIR/startup.json`` and
-``DIR/startup.md``, with the GPU's name and the versions.
+temporary directory): the first one compiles every
+kernel and measures every kernel choice (the first start ever on a machine); the second finds the compiled
+kernels and the saved kernel choices (``kernels.select``) and should measure nothing. Each child reports, in
+seconds: from its spawn to ``load`` returning (``start_to_load``: interpreter, imports, weights, ``optimize``; ``load``:
+the ``sdfast.load`` call alone), the
+first image after ``load`` returned (``first_image``: warm-up, graph capture and the steps themselves) and a second
+image at the same size (``warm_image``, the steady state), how many kernel choices it measured and read from
+the saved file, and the graph runtime's set-up seconds per graphed module (``setup``: dry run, warm-ups, capture). ``--profile`` writes a cProfile of the second process's first image to
+``DIR/<model>-second.pstats`` and its top functions to ``DIR/<model>-second.txt``; ``--wrap-second`` runs the
+second process under a command prefix (a sampling profiler that sees every thread and native frame). Rows go to ``DIR/startup.json``
+and ``DIR/startup.md``, with the GPU's name and the versions.
 """
 
 from __future__ import annotations
@@ -59,12 +58,9 @@ engine.txt2img("a photo of a cat", **kw)
 torch.cuda.synchronize()
 warm = time.perf_counter() - t0
 sources = [d.source for d in select.decisions()]
-from kernels import preload
-warm_start = preload.wait()
 graphs = getattr(getattr(engine.pipe, "_sdfast", None), "graphs", None)
 setup = {name: {k: round(v, 4) for k, v in r.stats.setup_s.items()} for name, r in graphs.runners.items()} if graphs else {}
 print("STARTUP " + json.dumps(dict(start_to_load=t_load - spawned, load=t_load - t_imported, setup=setup,
-      warm_start=warm_start,
       first_image=first, warm_image=warm,
       measured=sources.count("measured"), saved=sources.count("saved"), gpu=torch.cuda.get_device_name(),
       torch=torch.__version__)))
@@ -110,13 +106,11 @@ def main(argv=None) -> int:
             rows.append(row)
             print(json.dumps(row), flush=True)
     (args.out / "startup.json").write_text(json.dumps(rows, indent=1))
-    lines = [("| model | run | start -> load returns (s) | of which load (s) | first image (s) | warm image (s) | "
-              "choices measured | choices read | kernels preloaded during load (s) | "
-              "graph set-up in the first image (s: dry run, warm-ups, capture) |"),
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| model | run | start -> load returns (s) | of which load (s) | first image (s) | warm image (s) | "
+             "choices measured | choices read | graph set-up in the first image (s: dry run, warm-ups, capture) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['model']} {r['size']}² | {r['run']} | {r['start_to_load']:.2f} | {r['load']:.2f} | "
-              f"{r['first_image']:.2f} | {r['warm_image']:.3f} | {r['measured']} | {r['saved']} | "
-              f"{r['warm_start'].get('kernels', 0)} ({r['warm_start'].get('seconds', 0):.2f}) | {_setup(r)} |"
+              f"{r['first_image']:.2f} | {r['warm_image']:.3f} | {r['measured']} | {r['saved']} | {_setup(r)} |"
               for r in rows]
     (args.out / "startup.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

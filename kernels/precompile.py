@@ -83,15 +83,15 @@ def _compile(jit, specialization_data: str, device: int):
     kernel = jit.preload(specialization_data)
     if hasattr(kernel, "_init_handles"):  # a CompiledKernel: what its first ``run`` would do, done now
         kernel._init_handles()
-    from kernels import preload  # (preload -> select -> rules -> precompile: imported here, not at the top)
-
-    preload.record(jit, specialization_data)  # for the next process's warm start
     return kernel
 
 
+_key_thread: threading.Thread | None = None
+
+
 def _triton_key():
-    """Triton's compiler key function (a digest of its compiler sources and of libtriton, about 400 MB; cached by
-    Triton for the process), or None where this Triton has none."""
+    """Triton's compiler key function (a digest of its compiler sources and of libtriton, about 400 MB), or None
+    where this Triton has none."""
     try:
         from triton.runtime.cache import triton_key
     except ImportError:
@@ -102,9 +102,23 @@ def _triton_key():
     return triton_key
 
 
-def compiler_key() -> None:
-    """Compute Triton's compiler key on this thread, once per process (Triton caches it): every compile and disk-cache
-    lookup needs it, and threads that each met it first would each hash libtriton."""
+def prefetch_compiler_key() -> None:
+    """Start computing Triton's compiler key on a background thread, once per process. Every Triton compile and
+    every disk-cache lookup needs it, so the process's first kernel launch pays for hashing libtriton
+    (0.8 s on a dev CPU) unless this ran before. ``sdfast.load`` calls it before it reads the weights, which the
+    hashing overlaps (hashlib and file reads release the GIL); the result is Triton's own ``lru_cache``."""
+    global _key_thread
+    key = _triton_key()
+    if key is None or _key_thread is not None:
+        return
+    _key_thread = threading.Thread(target=key, name="sdfast-triton-key", daemon=True)
+    _key_thread.start()
+
+
+def _compiler_key_ready() -> None:
+    """Have the compiler key computed before a pool's threads need it (else each would hash libtriton at once)."""
+    if _key_thread is not None:
+        _key_thread.join()
     key = _triton_key()
     if key is not None:
         key()
@@ -143,7 +157,7 @@ def dry_run(fn, args: tuple = (), kwargs: dict | None = None, *, workers: int | 
 
 
 def _run_session(triton, fn, args, kwargs, workers: int, label: str) -> None:
-    compiler_key()  # before the pool's threads need it
+    _compiler_key_ready()
     session = _Session(workers)
     previous = triton.knobs.runtime.jit_cache_hook
     t0 = time.perf_counter()

@@ -14,7 +14,6 @@ A file that cannot be read or parsed is logged and ignored (everything is measur
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import hashlib
 import json
@@ -94,37 +93,12 @@ def file_key(device: torch.device | str = "cuda") -> dict:
             "sdfast": sdfast_version, "sources": _source_digest()}
 
 
-def keyed_path(folder: str, device: torch.device | str = "cuda", **extra: str) -> Path:
-    """``<cache dir>/<folder>/<gpu>-<digest>.json``, the digest over :func:`file_key` and ``extra``: a file that a
-    changed GPU, driver, version or source never reads."""
-    key = dict(file_key(device), **extra)
-    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    slug = "".join(c if c.isalnum() else "-" for c in key["gpu"]).strip("-").lower()
-    return cache_dir() / folder / f"{slug}-{digest}.json"
-
-
 def saved_path(device: torch.device | str = "cuda") -> Path:
     """The saved-choices file of ``device`` (see the module's docstring)."""
-    return keyed_path("choices", device)
-
-
-def write_json(path: Path, data: object) -> None:
-    """Write ``data`` to ``path`` atomically (a temporary file in its folder, then a rename). Raises OSError."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
-def persisting() -> bool:
-    """Whether this process reads and writes the files under the cache directory (see :func:`persist`)."""
-    return _persist
+    key = file_key(device)
+    digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    slug = "".join(c if c.isalnum() else "-" for c in key["gpu"]).strip("-").lower()
+    return cache_dir() / "choices" / f"{slug}-{digest}.json"
 
 
 def load(path: Path | None = None) -> int:
@@ -232,10 +206,16 @@ def save(path: Path | None = None) -> Path | None:
                 if d.device == current and d.source in ("measured", "saved"):
                     rows[(d.choice, d.key)] = d
         target = path or saved_path()
-        write_json(target, {"key": file_key(), "decisions": [
-            {k: v for k, v in d.as_dict().items() if k not in ("source", "reasons")} for d in rows.values()]})
+        target.parent.mkdir(parents=True, exist_ok=True)
+        data = {"key": file_key(), "decisions": [
+            {k: v for k, v in d.as_dict().items() if k not in ("source", "reasons")} for d in rows.values()]}
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, target)
+        written = target
         _dirty = False
-        return target
+        return written
 
 
 def _save_at_exit() -> None:

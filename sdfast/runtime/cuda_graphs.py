@@ -38,7 +38,7 @@ from torch.nn.modules import module as nn_module
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
-from kernels import precompile, preload, select
+from kernels import precompile, select
 from sdfast.runtime.cross_kv import CrossKV, SeenContext
 
 log = logging.getLogger("sdfast.runtime")
@@ -374,11 +374,10 @@ class GraphedForward:
         self.born[key] = self.clock()
         self.stats.captures += 1
         log.info("sdfast: captured a CUDA graph of %s (%d cached)", self.name, len(self.graphs))
-        try:  # the warm-up of this signature is done: what it measured and compiled is saved for the next process
+        try:  # the warm-up of this signature is done: what it measured is saved for the next process
             select.save()
-            preload.save(device)
         except OSError as e:
-            log.warning("sdfast: could not save the kernel choices or the warm-start kernel list: %s", e)
+            log.warning("sdfast: could not save the kernel choices: %s", e)
         while len(self.graphs) > self.max_graphs:
             old, _ = self.graphs.popitem(last=False)
             self.born.pop(old, None)

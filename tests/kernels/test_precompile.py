@@ -79,13 +79,21 @@ def test_the_pool_loads_each_kernel_it_compiled():
     assert len(kernels) == 2 and all(k.loaded_on not in (None, threading.get_ident()) for k in kernels)
 
 
-def test_the_compiler_key_is_computed_once_on_the_callers_thread_before_the_pool_starts(monkeypatch):
+def test_the_compiler_key_is_computed_once_before_the_pool_starts(monkeypatch):
     calls = []
     key = lambda: calls.append(threading.get_ident())  # noqa: E731 - stands for triton_key (lru_cached there)
     monkeypatch.setattr(precompile, "_triton_key", lambda: key)
+    monkeypatch.setattr(precompile, "_key_thread", None)
+    precompile.prefetch_compiler_key()
+    prefetch = precompile._key_thread
+    precompile.prefetch_compiler_key()  # once per process
+    assert precompile._key_thread is prefetch
+    prefetch.join()
+    assert calls == [prefetch.ident]
     jit = FakeJit()
     precompile.dry_run(lambda: _launch(jit, "a"), workers=2)
-    assert calls == [threading.get_ident()] and jit.preloaded
+    assert calls[1:] == [threading.get_ident()]  # the caller's thread, before the pool's threads ran
+    assert jit.preloaded
 
 
 def test_the_pass_never_raises_and_failed_compiles_are_logged(caplog):

@@ -70,34 +70,3 @@ def test_autotuned_flash_attention_compiles_every_config_in_the_dry_run(compiles
     assert compiles == [], f"compiled after the dry run: {compiles}"
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
     torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=2e-3)
-
-
-def test_a_new_process_preloads_what_a_dry_run_compiled(compiles, tmp_path, monkeypatch, fresh_choices):
-    """The warm start (``kernels.preload``): the specializations a dry run compiled are saved; a "new process" (the
-    kernels' in-memory caches emptied) preloads them from the file, loaded onto the GPU, and its real call compiles
-    nothing and is right."""
-    from kernels import preload
-    from kernels.select import store
-
-    monkeypatch.setenv("SDFAST_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(store, "_persist", True)
-    monkeypatch.setattr(preload, "_seen", {})
-    monkeypatch.setattr(preload, "_dirty", False)
-    monkeypatch.setattr(preload, "_report", {})
-    x = torch.randn(2, 160, 9, 7, device="cuda").bfloat16()  # a dtype and shape no other test here compiles
-    w, b = torch.randn(160, device="cuda").bfloat16(), torch.randn(160, device="cuda").bfloat16()
-    precompile.dry_run(lambda: group_norm(x, 32, w, b, activation="silu"))
-    assert preload._seen and preload.save("cuda") is not None
-    jits = {id(j): j for j in (preload._resolve(e["module"], e["qualname"]) for e in preload._seen.values())}
-    for jit in jits.values():
-        for kernel_cache, *_ in jit.device_caches.values():
-            kernel_cache.clear()  # as in a new process
-    monkeypatch.setattr(preload, "_seen", {})
-    preload._warm(torch.device("cuda", torch.cuda.current_device()), workers=4)
-    assert preload._report["kernels"] >= 1 and preload._report["failed"] == 0
-    loaded = [k for j in jits.values() for cache, *_ in j.device_caches.values() for k in cache.values()]
-    assert loaded and all(k.module is not None for k in loaded)  # on the GPU already, launcher too
-    out = group_norm(x, 32, w, b, activation="silu")
-    assert compiles == [], f"compiled after the warm start: {compiles}"
-    ref = group_norm_ref(x.float(), 32, w.float(), b.float(), activation="silu")
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
