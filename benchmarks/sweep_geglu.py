@@ -34,7 +34,8 @@ def run() -> list[dict]:
     import triton
     from triton.testing import do_bench_cudagraph
 
-    from kernels.norm.geglu import _geglu_kernel, geglu_config, geglu_ref
+    from kernels.geglu.ref import geglu_ref
+    from kernels.geglu.triton_elementwise import _geglu_kernel, geglu_config
 
     rows_out = []
     for model, m, two_d in SHAPES:

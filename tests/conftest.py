@@ -15,8 +15,8 @@ if not HAS_CUDA:
     # cannot leave compiled-mode kernels behind for the tests after it ("0 active drivers" on the CPU).
     import kernels.attention  # noqa: F401,E402
     import kernels.elementwise  # noqa: F401,E402
+    import kernels.geglu  # noqa: F401,E402
     import kernels.gemm.fp8_static  # noqa: F401,E402
-    import kernels.gemm.geglu_tma  # noqa: F401,E402
     import kernels.gemm.int8_outlier  # noqa: F401,E402
     import kernels.gemm.linear_tma  # noqa: F401,E402
     import kernels.sparse24.kernel  # noqa: F401,E402

@@ -87,7 +87,8 @@ def _make(case: dict, device="cuda", dtype=None):
     import torch.nn.functional as F
 
     from benchmarks.ops import group_norm
-    from kernels.norm import geglu, layer_norm
+    from kernels.geglu import geglu
+    from kernels.norm import layer_norm
 
     dtype = dtype or torch.float16
     g = torch.Generator(device=device).manual_seed(0)

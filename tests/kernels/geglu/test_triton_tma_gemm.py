@@ -1,17 +1,13 @@
-"""kernels.gemm.geglu_tma (TMA GEMM with the GEGLU epilogue) against its fp32 reference on the CPU under
+"""kernels.geglu.triton_tma_gemm (TMA GEMM with the GEGLU epilogue) against its fp32 reference on the CPU under
 TRITON_INTERPRET=1 (where each program runs one tile: the persistent tile walk runs in the GPU file): partial tiles
-in M, N and K, bias or none, SD's real K and N with few rows, both product variants; what it refuses; and kernels.gemm.geglu_projection's choice (forced, measured once, never inside a
-dry run, logged fallbacks). The GPU file runs every config at the real SD shapes."""
-
-import logging
+in M, N and K, bias or none, SD's real K and N with few rows, both product variants; what it refuses. The choice
+between it and cuBLAS is test_projection.py's; the GPU file runs every config at the real SD shapes."""
 
 import pytest
 import torch
 
-from kernels import precompile
-from kernels.select import rules
-from kernels.gemm import geglu_projection as gp
-from kernels.gemm.geglu_tma import TileConfig, geglu_linear, geglu_linear_ref, unsupported
+from kernels.geglu.ref import geglu_linear_ref
+from kernels.geglu.triton_tma_gemm import TileConfig, geglu_linear, unsupported
 from kernels.testing import assert_close_rule, poison
 
 SMALL = TileConfig(32, 32, 32, 1, 4, group_m=2)
@@ -84,97 +80,3 @@ def test_refuses_tensor_subclasses():
     x, w, b = _inputs(8, 32, 16)
     assert "subclass" in unsupported(x, w.as_subclass(Wrapped), b)
     assert unsupported(x, torch.nn.Parameter(w), b) is None
-
-
-@pytest.fixture
-def clean_choices(monkeypatch, fresh_choices):
-    """No geglu decision before the test; returns a function giving the (winner, source) of each since."""
-    monkeypatch.setitem(gp.TUNING, "configs", (SMALL,))
-    return lambda: [(d.winner, d.source) for d in fresh_choices("geglu")]
-
-
-def _measured(monkeypatch, times, timed):
-    """geglu_projection as on a GPU (its decision measured on the CPU), the timer answering ``times``; ``timed``
-    collects the candidates of each measurement."""
-    real = rules.decide
-    monkeypatch.setattr(rules, "gpu_time_us", lambda c: timed.append(list(c)) or {n: times[n] for n in c})
-    monkeypatch.setattr(gp.select, "decide", lambda *a, **k: real(*a, **k, measure_cpu=True))
-
-
-def test_forced_tma_path_runs_the_kernel(clean_choices, monkeypatch):
-    monkeypatch.setitem(rules._pins, "geglu", str(SMALL))
-    calls = []
-    real = gp.geglu_linear
-    monkeypatch.setattr(gp, "geglu_linear", lambda *a, **k: calls.append(1) or real(*a, **k))
-    x, w, b = _inputs(20, 64, 48)
-    _check(gp.geglu_projection(x, w, b), x, w, b, "forced TMA")
-    assert calls and clean_choices() == [(str(SMALL), "pinned")]
-
-
-def test_cpu_without_force_runs_cublas_path_and_keeps_nothing(clean_choices, monkeypatch):
-    monkeypatch.setattr(gp, "geglu_linear", lambda *a, **k: pytest.fail("the TMA kernel must not run"))
-    x, w, b = _inputs(20, 64, 48)
-    _check(gp.geglu_projection(x, w, b), x, w, b, "cuBLAS path")
-    assert clean_choices() == []  # nothing measured on the CPU: a later CUDA call would measure
-
-
-def test_measured_once_per_signature(clean_choices, monkeypatch):
-    measured = []
-    _measured(monkeypatch, {"cublas": 1.0, str(SMALL): 2.0}, measured)  # cuBLAS measured faster
-    monkeypatch.setattr(gp, "geglu_linear", lambda *a, **k: None)
-    monkeypatch.setattr(gp, "unsupported", lambda *a: None)
-    x, w, b = _inputs(20, 64, 48)
-    for _ in range(3):
-        gp.geglu_projection(x, w, b)
-    gp.geglu_projection(x[:10], w, b)
-    assert measured == [["cublas", str(SMALL)]] * 2 and clean_choices() == [("cublas", "measured")] * 2
-
-
-def test_dry_run_compiles_every_config_and_keeps_nothing(clean_choices, monkeypatch):
-    monkeypatch.setattr(precompile, "active", lambda: True)
-    _measured(monkeypatch, {}, [])  # the timer would fail: nothing may be timed in a dry run
-    configs = (SMALL, TileConfig(16, 32, 32, 1, 4))
-    monkeypatch.setitem(gp.TUNING, "configs", configs)
-    monkeypatch.setattr(gp, "unsupported", lambda *a: None)
-    launched = []
-    monkeypatch.setattr(gp, "geglu_linear", lambda x, w, b, c: launched.append(c))
-    x, w, b = _inputs(20, 64, 48)
-    _check(gp.geglu_projection(x, w, b), x, w, b, "dry run")
-    assert launched == list(configs) and clean_choices() == []
-
-
-def test_a_misaligned_view_with_a_cached_tma_choice_runs_cublas_logged(clean_choices, monkeypatch, caplog):
-    """Two views with one shape and strides share a choice; the one off a 16-byte boundary must not reach TMA."""
-    caplog.set_level(logging.INFO, logger="sdfast.kernels")
-    monkeypatch.setitem(rules._pins, "geglu", str(SMALL))
-    buf = torch.randn(20, 72).half()
-    _, w, b = _inputs(20, 64, 48)
-    ran = []
-    real = gp.geglu_linear
-    monkeypatch.setattr(gp, "geglu_linear", lambda *a, **k: ran.append(1) or real(*a, **k))
-    aligned, offset = buf[:, :64], buf[:, 4:68]  # offset: 8 bytes past the start
-    _check(gp.geglu_projection(aligned, w, b), aligned, w, b, "aligned view")
-    _check(gp.geglu_projection(offset, w, b), offset, w, b, "misaligned view")
-    assert len(ran) == 1 and len(clean_choices()) == 1 and "not 16-byte aligned" in caplog.text
-
-
-def test_torch_compile_traces_the_two_kernel_path(clean_choices, monkeypatch):
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    monkeypatch.setitem(rules._pins, "geglu", str(SMALL))
-    monkeypatch.setattr(gp, "geglu_linear", lambda *a, **k: pytest.fail("not traceable"))
-    x, w, b = _inputs(20, 64, 48)
-    _check(gp.geglu_projection(x, w, b), x, w, b, "compiling")
-    assert clean_choices() == []
-
-
-def test_unsupported_and_disabled_fall_back_logged(clean_choices, monkeypatch, caplog):
-    caplog.set_level(logging.INFO, logger="sdfast.kernels")
-    x, w, b = _inputs(20, 36, 48)  # K = 36
-    _check(gp.geglu_projection(x, w, b), x, w, b, "K=36")
-    assert "geglu" in caplog.text and "multiples of 8" in caplog.text
-    assert clean_choices() == [("cublas", "only")]
-    monkeypatch.setitem(rules._pins, "geglu", "cublas")  # the policy's switch (KernelPolicy.geglu)
-    monkeypatch.setattr(gp, "geglu_linear", lambda *a, **k: pytest.fail("pinned to cuBLAS"))
-    x, w, b = _inputs(20, 64, 48)
-    gp.geglu_projection(x, w, b)
-    assert clean_choices()[-1] == ("cublas", "pinned")
