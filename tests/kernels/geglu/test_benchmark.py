@@ -1,6 +1,6 @@
-"""The GEGLU benchmark module (``benchmarks.ops.geglu``) on the CPU: its one CLI has a subcommand per script it
-replaced (``sweep_geglu.py`` -> ``sweep``, ``sweep_geglu_tma.py`` -> ``tma``) plus ``bench``, the kernel suite's
-``norm`` section still runs exactly its GEGLU cases, and the TMA sweep reads the choice from the public report."""
+"""The GEGLU benchmark module (``benchmarks.ops.geglu``) on the CPU: its one CLI has the subcommands ``bench``,
+``sweep`` (the activation kernel's configs) and ``tma`` (the TMA GEMM's configs), the kernel suite's ``norm`` section
+still runs exactly its GEGLU cases, and the TMA sweep reads the choice from the public report."""
 
 from __future__ import annotations
 
