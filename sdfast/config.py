@@ -112,7 +112,7 @@ class OptimizeConfig:
         over a plain ``nn.Linear`` may run projection and activation as one TMA GEMM where that measured faster
         (SDXL's levels); its a * gelu(g) is taken from the fp32 accumulators
         (stock rounds the 2N-wide product to fp16 first), with erf from a fit of relative error < 1.2e-7
-        (``kernels.gelu``: a faster epilogue than libdevice's erf). The ResNet blocks' 3x3 convolutions at small
+        (``kernels.geglu.gelu``: a faster epilogue than libdevice's erf). The ResNet blocks' 3x3 convolutions at small
         latent sizes may run as im2col plus one cuBLAS GEMM where that measured faster than cuDNN (the same
         products with fp32 accumulation, summed in another order; ``KernelPolicy.conv3x3``).
     batch_temb: with fuse_norms, the UNet's ResNet blocks' time-embedding projections (SiLU, a tiny GEMM and

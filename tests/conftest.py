@@ -13,16 +13,18 @@ if not HAS_CUDA:
     # Triton picks interpreter or compiler when a kernel is decorated, i.e. at import: import every kernel
     # module now, so a test that sets TRITON_INTERPRET=0 for a while (the benchmark's, to run the references)
     # cannot leave compiled-mode kernels behind for the tests after it ("0 active drivers" on the CPU).
-    import kernels.attention  # noqa: F401,E402
+    import kernels.attention.flash_attention  # noqa: F401,E402
+    import kernels.conv.im2col  # noqa: F401,E402
     import kernels.elementwise  # noqa: F401,E402
+    import kernels.geglu  # noqa: F401,E402
     import kernels.gemm.fp8_static  # noqa: F401,E402
-    import kernels.gemm.geglu_tma  # noqa: F401,E402
     import kernels.gemm.int8_outlier  # noqa: F401,E402
     import kernels.gemm.linear_tma  # noqa: F401,E402
     import kernels.sparse24.kernel  # noqa: F401,E402
     import kernels.sparse24.sparsegpt_block  # noqa: F401,E402
     import kernels.gemm.w4a16  # noqa: F401,E402
     import kernels.gemm.w8a8  # noqa: F401,E402
+    import kernels.group_norm  # noqa: F401,E402
     import kernels.norm  # noqa: F401,E402
 
 

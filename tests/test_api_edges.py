@@ -230,7 +230,7 @@ def test_kernel_choices_are_not_logged_on_a_cpu_without_the_interpreter(monkeypa
 
     from kernels import dispatch
     from kernels.conv import conv3x3 as c3
-    from kernels.gemm import geglu_projection as gp
+    from kernels.geglu import projection as gp
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(dispatch, "_logged", set())

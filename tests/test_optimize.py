@@ -78,8 +78,8 @@ def test_norm_pass_uses_fused_kernels(unet_inputs, monkeypatch):
 def test_norm_pass_runs_geglu_in_the_tma_gemm_and_keeps_output(unet_inputs, monkeypatch):
     """With the TMA GEGLU GEMM chosen (forced: on the GPU it is measured), each GEGLU is one kernel call and the
     UNet's output is stock's."""
-    from kernels.gemm import geglu_projection as gp
-    from kernels.gemm.geglu_tma import TileConfig
+    from kernels.geglu import projection as gp
+    from kernels.geglu.triton_tma_gemm import TileConfig
 
     from kernels.select import rules
 

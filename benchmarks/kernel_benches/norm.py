@@ -1,7 +1,8 @@
 """Norm-family kernels at every GroupNorm / LayerNorm / GEGLU shape SD actually runs (fp16; GPU only).
 
-The GroupNorm cases are ``benchmarks.ops.group_norm``'s (``bench_cases`` / ``make_bench_case``; also run alone
-there as ``python -m benchmarks.ops.group_norm bench``); the timing machinery is this module's.
+The GroupNorm cases are ``benchmarks.ops.group_norm``'s and the GEGLU cases ``benchmarks.ops.geglu``'s
+(``bench_cases`` / ``make_bench_case``; also run alone there as ``python -m benchmarks.ops.<op> bench``); the timing
+machinery is this module's.
 
 ``run(quick=False) -> list[dict]`` (GPU only; nothing runs at import). Shapes come from
 ``benchmarks.sd_shapes`` (derived with forward hooks from the diffusers configs): SD1.5 UNet 512²
@@ -54,7 +55,7 @@ LEAD_COLUMNS = ("op", "shape", "layout", "dtype", "kernel_us", "kernel_frac_of_c
 def cases(quick: bool = False) -> list[dict]:
     """Benchmark cases, most important first (the compile budget is spent in this order)."""
     from benchmarks import sd_shapes
-    from benchmarks.ops import group_norm
+    from benchmarks.ops import geglu, group_norm
 
     out = group_norm.bench_cases(quick)
     ln_models: dict = {}
@@ -63,8 +64,7 @@ def cases(quick: bool = False) -> list[dict]:
     for shape in sd_shapes.unique_layer_norm_shapes():
         for op in ("layer_norm", "add_layer_norm"):
             out.append(dict(op=op, shape=shape, layout="rows", eps=1e-5, model="+".join(ln_models[shape])))
-    for model, shape in sd_shapes.GEGLU_SITES:
-        out.append(dict(op="geglu", shape=shape, layout="rows", eps=0.0, model=model))
+    out += geglu.bench_cases(quick)
     return sort_cases(out)
 
 
@@ -86,8 +86,8 @@ def _make(case: dict, device="cuda", dtype=None):
     import torch
     import torch.nn.functional as F
 
-    from benchmarks.ops import group_norm
-    from kernels.norm import geglu, layer_norm
+    from benchmarks.ops import geglu, group_norm
+    from kernels.norm import layer_norm
 
     dtype = dtype or torch.float16
     g = torch.Generator(device=device).manual_seed(0)
@@ -99,6 +99,8 @@ def _make(case: dict, device="cuda", dtype=None):
 
     if op in group_norm.BENCH_OPS:
         return group_norm.make_bench_case(case, device, dtype)
+    if op in geglu.BENCH_OPS:
+        return geglu.make_bench_case(case, device, dtype)
 
     if op in ("layer_norm", "add_layer_norm"):
         D = shape[-1]
@@ -124,17 +126,6 @@ def _make(case: dict, device="cuda", dtype=None):
 
         return ours, eager, 2 * n * e, ""
 
-    if op == "geglu":
-        h = rnd(*shape)
-
-        def ours():
-            return geglu(h)
-
-        def eager():
-            a, gate = h.chunk(2, dim=-1)
-            return a * F.gelu(gate)
-
-        return ours, eager, (h.numel() + h.numel() // 2) * e, ""
     raise ValueError(f"unknown op {op!r}")
 
 

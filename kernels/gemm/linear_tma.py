@@ -3,7 +3,7 @@
 SD1.5's 320-wide projections at 64x64 latents ((8192, 320) x (320, 320), 21 per step) leave cuBLAS's tensor pipe
 mostly idle (Nsight Compute, sm_90; ``benchmarks/results/h200-2026-12-01-run18/``): with K = 320 every tile is five K
 steps, so a tile's load latency and epilogue, not its MMAs, set the time.
-This kernel is the GEGLU TMA GEMM's (:mod:`kernels.gemm.geglu_tma`) main loop with a plain epilogue, launched
+This kernel is the GEGLU TMA GEMM's (:mod:`kernels.geglu.triton_tma_gemm`) main loop with a plain epilogue, launched
 either persistent (one program per SM walking tiles in grouped order) or one program per tile, whichever the
 caller measured faster; smaller tiles than cuBLAS picks give more programs per SM, so one's loads overlap
 another's MMAs and stores. The residual (optional) is read by TMA and added in fp32 before the one rounding, which

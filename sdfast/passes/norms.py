@@ -27,9 +27,9 @@ from torch import nn
 
 from kernels.conv.conv3x3 import conv3x3
 from kernels.elementwise import bias_residual_add
-from kernels.gemm.geglu_projection import geglu_projection
+from kernels.geglu import geglu, geglu_projection
 from kernels.group_norm import group_norm
-from kernels.norm import geglu, layer_norm
+from kernels.norm import layer_norm
 from sdfast.passes._modules import rebind_forward, runs_as_its_class
 from sdfast.passes.state import BLOCK_TEMB, NORMS_FUSED
 
@@ -236,7 +236,7 @@ def _ff_out_projection(ff: nn.Module, a: torch.Tensor) -> nn.Linear | None:
 def fused_geglu_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """diffusers ``GEGLU.forward``. A plain ``nn.Linear`` projection (no hooks, no autograd) runs with the activation
     on the faster of the TMA GEMM with a GEGLU epilogue and cuBLAS + the GEGLU kernel, measured per shape
-    (``kernels.gemm.geglu_projection``); any other projection (quantized, 2:4, LoRA layers) runs, then
+    (``kernels.geglu.projection``); any other projection (quantized, 2:4, LoRA layers) runs, then
     ``a * gelu(g)`` as one kernel."""
     proj = self.proj
     if runs_as_its_class(proj, nn.Linear) and not torch.is_grad_enabled() and not torch.is_autocast_enabled(

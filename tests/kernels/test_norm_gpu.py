@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks import sd_shapes
+from kernels.geglu import geglu, geglu_ref
 from kernels.group_norm import group_norm, group_norm_ref
-from kernels.norm import geglu, geglu_ref, layer_norm, layer_norm_ref
+from kernels.norm import layer_norm, layer_norm_ref
 from kernels.testing import assert_close_rule
 
 pytestmark = pytest.mark.gpu

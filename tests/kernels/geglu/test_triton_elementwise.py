@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import kernels.dispatch as dispatch
-from kernels.norm import geglu, geglu_ref
-from kernels.norm.geglu import geglu_config
+from kernels.geglu import geglu, geglu_ref
+from kernels.geglu.triton_elementwise import geglu_config
 from kernels.testing import assert_close_rule
 
 # bf16 runs in the GPU tests: the interpreter rounds fp32 -> bf16 toward zero, not to nearest.

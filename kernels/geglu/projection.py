@@ -1,8 +1,9 @@
 """diffusers' ``GEGLU`` (projection, then ``a * gelu(g)``) on the faster of two paths, chosen per call signature.
 
-* the TMA GEMM with the activation in its epilogue (:mod:`kernels.gemm.geglu_tma`; sm_90+, fp16/bf16), in the
+* the TMA GEMM with the activation in its epilogue (:mod:`kernels.geglu.triton_tma_gemm`; sm_90+, fp16/bf16), in the
   tile config that measured fastest for the shape;
-* cuBLAS (``F.linear``) for the 2N-wide projection, then :func:`kernels.norm.geglu` (one memory pass).
+* cuBLAS (``F.linear``) for the 2N-wide projection, then :func:`kernels.geglu.geglu` (``triton_elementwise``; one
+  memory pass).
 
 The choice is the kernel-choice service's ``geglu`` (:mod:`kernels.select`): candidates "cublas" (the default, kept
 on a tie) and one per TMA tile config in ``TUNING["configs"]`` (named by the config's ``str``). The kernel policy
@@ -16,8 +17,8 @@ import torch.nn.functional as F
 
 from kernels import select
 from kernels.dispatch import log_fallback
-from kernels.gemm.geglu_tma import CONFIGS, TileConfig, geglu_linear, misaligned, shape_problem, unsupported
-from kernels.norm.geglu import geglu
+from kernels.geglu.triton_elementwise import geglu
+from kernels.geglu.triton_tma_gemm import CONFIGS, TileConfig, geglu_linear, misaligned, shape_problem, unsupported
 
 TUNING = {
     "configs": CONFIGS,  # the TMA candidates measured per signature

@@ -13,7 +13,7 @@ TMA load and go through one (BLOCK_M, 2 BLOCK_N) product, so the x tile is read 
 step). The grid is persistent: at most one program per SM, each walking tiles in the grouped order of the
 Triton matmul tutorial (neighbouring tiles share ``x`` rows in L2). Methods: Shazeer 2020, "GLU Variants Improve Transformer"; Triton tutorial 09 (persistent TMA matmul).
 
-Requirements (else :func:`unsupported` says why and the caller runs cuBLAS plus ``kernels.norm.geglu``):
+Requirements (else :func:`unsupported` says why and the caller runs cuBLAS plus ``kernels.geglu.geglu``):
 CUDA, sm_90 or newer, fp16/bf16, ``x`` rows and the weight contiguous in K, K and N multiples of 8 (TMA's
 16-byte strides), 16-byte aligned base pointers.
 """
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from kernels.gelu import gelu_erf
+from kernels.geglu.gelu import gelu_erf
 from kernels.gemm._common import aligned16, device_index, grouped_tile, misaligned, num_sms, tma_operands_problem
 
 
@@ -48,7 +48,7 @@ class TileConfig:
 
 
 # The candidates geglu_projection measures per shape (each compiles once, on a cold cache, during warm-up).
-# Winners of benchmarks/sweep_geglu_tma.py on sm_90 (benchmarks/results/h200-2026-11-30-run15/ and
+# Winners of `python -m benchmarks.ops.geglu tma` on sm_90 (benchmarks/results/h200-2026-11-30-run15/ and
 # h200-2026-12-01-run18/): the persistent 128x128 tiles at SDXL's levels 1 and 2; one program per 128x64 tile of
 # 4 warps (several per SM, so one's epilogue overlaps another's main loop) at SD1.5's levels 0, 1 and 2. At SD1.5's
 # mid block cuBLAS + the GEGLU kernel stays faster.
@@ -59,21 +59,6 @@ CONFIGS = (
     TileConfig(128, 64, 64, 3, 4, single_dot=True, persistent=False),
     TileConfig(128, 64, 64, 3, 4, persistent=False),
 )
-
-
-# --------------------------------------------------------------------------------------------
-# reference
-# --------------------------------------------------------------------------------------------
-def geglu_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                     upcast: bool = True) -> torch.Tensor:
-    """Plain PyTorch: ``a * gelu(g)`` with ``a, g = (x @ weight^T + bias).chunk(2, -1)``.
-
-    x: (..., K); weight: (2N, K); bias: (2N,) or None. With ``upcast`` the math runs in fp32, else in ``x.dtype``
-    (the "torch low precision" baseline of the tests' tolerance rule). Returns (..., N) in ``x.dtype``."""
-    ct = torch.float32 if upcast else x.dtype
-    y = torch.nn.functional.linear(x.to(ct), weight.to(ct), None if bias is None else bias.to(ct))
-    a, g = y.chunk(2, dim=-1)
-    return (a * torch.nn.functional.gelu(g)).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,4 +214,4 @@ def geglu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out.reshape(*x.shape[:-1], N)
 
 
-__all__ = ["CONFIGS", "TileConfig", "geglu_linear", "geglu_linear_ref", "misaligned", "shape_problem", "unsupported"]
+__all__ = ["CONFIGS", "TileConfig", "geglu_linear", "misaligned", "shape_problem", "unsupported"]

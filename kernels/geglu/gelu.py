@@ -18,7 +18,6 @@ measured faster with it on sm_90 (README; ``benchmarks/results/h200-2026-12-01-r
 
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

@@ -1,38 +1,23 @@
-"""GEGLU activation: ``h (..., 2D) -> h[..., :D] * gelu(h[..., D:])`` with the exact (erf) GELU.
+"""GEGLU activation kernel: ``h (..., 2D) -> h[..., :D] * gelu(h[..., D:])`` with the exact (erf) GELU.
 
 This is the activation half of diffusers' ``GEGLU`` (``hidden, gate = proj(x).chunk(2, -1);
-hidden * F.gelu(gate)``) as one memory pass: read 2D, write D per row, math in fp32. The version
-fused into the projection GEMM's epilogue lives in ``kernels.gemm``.
+hidden * F.gelu(gate)``) as one memory pass: read 2D, write D per row, math in fp32; its launch config
+(:func:`geglu_config`) and the ``torch.ops.sdfast.geglu`` custom op. The reference is ``kernels.geglu.ref``; the
+version fused into the projection GEMM's epilogue is ``kernels.geglu.triton_tma_gemm``.
 Method: Shazeer 2020, "GLU Variants Improve Transformer"; GELU: Hendrycks & Gimpel 2016.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from kernels.dispatch import use_triton
-from kernels.gelu import gelu_erf
+from kernels.geglu.gelu import gelu_erf
+from kernels.geglu.ref import geglu_ref
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
-
-# --------------------------------------------------------------------------------------------
-# reference
-# --------------------------------------------------------------------------------------------
-def geglu_ref(h: torch.Tensor, *, upcast: bool = True) -> torch.Tensor:
-    """Plain-PyTorch GEGLU: h (..., 2D) -> (..., D) = ``a * gelu(g)``, ``a, g = h.chunk(2, -1)``.
-
-    With ``upcast`` the math runs in fp32 and the result is cast to h.dtype.
-    """
-    dt = h.dtype
-    hidden, gate = h.chunk(2, dim=-1)
-    if upcast:
-        cdt = torch.promote_types(dt, torch.float32)
-        hidden, gate = hidden.to(cdt), gate.to(cdt)
-    return (hidden * F.gelu(gate)).to(dt)
 
 
 # --------------------------------------------------------------------------------------------
@@ -66,7 +51,7 @@ def geglu_config(M: int, D: int) -> dict:
     e.g. 1280 -> 256, 5120 -> 1024), else the padded width; rows fill a 1024-element tile; 2 warps.
 
     Over one UNet step's GEGLU calls this measured within 2 % of the best config per shape and faster than
-    4096-element tiles of 4 warps (``benchmarks/sweep_geglu.py`` on sm_90; ``benchmarks/results/h200-2026-11-30-run13/``)."""
+    4096-element tiles of 4 warps (``python -m benchmarks.ops.geglu sweep`` on sm_90; ``benchmarks/results/h200-2026-11-30-run13/``)."""
     block_d = 1024
     while block_d > 64 and D % block_d:
         block_d //= 2
@@ -135,4 +120,4 @@ def geglu(h: torch.Tensor) -> torch.Tensor:
     return torch.ops.sdfast.geglu(h)
 
 
-__all__ = ["geglu", "geglu_ref", "geglu_config"]
+__all__ = ["geglu", "geglu_config"]

@@ -1,11 +1,11 @@
-"""The exact-GELU device function of the epilogues (``kernels.gelu.gelu_erf``) against erf in fp64."""
+"""The exact-GELU device function of the epilogues (``kernels.geglu.gelu.gelu_erf``) against erf in fp64."""
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
-from kernels.gelu import gelu_erf, gelu_erf_ref
+from kernels.geglu.gelu import gelu_erf, gelu_erf_ref
 
 
 def _exact(x: torch.Tensor) -> torch.Tensor:

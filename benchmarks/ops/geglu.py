@@ -1,0 +1,290 @@
+"""GEGLU benchmarks, one CLI (GPU only; nothing runs at import):
+
+    python -m benchmarks.ops.geglu bench [--quick] [--no-compile] [--out DIR]
+    python -m benchmarks.ops.geglu sweep [--out DIR]
+    python -m benchmarks.ops.geglu tma [--out DIR] [--extra] [--per-tile]
+
+``bench``: the activation kernel (:func:`kernels.geglu.geglu`) at every GEGLU input SD runs
+(``benchmarks.sd_shapes.GEGLU_SITES``; fp16), against eager PyTorch (diffusers' ``a * F.gelu(g)``) and
+``torch.compile`` of it. These are the ``geglu`` rows of the ``norm`` section of ``benchmarks.bench_kernels`` (same
+timing machinery: ``benchmarks.kernel_benches.norm``, whose docstring lists the columns), written here to
+``geglu_bench.json`` / ``.md`` in ``--out``.
+
+``sweep``: the activation kernel's tile configs. For each (M rows, 2D input columns) of the UNets' feed-forwards
+(batch 2, CFG, fp16; ``GEGLU_SITES``) and each config (ROWS x BLOCK_D tile, warps), the kernel
+``kernels.geglu.triton_elementwise._geglu_kernel`` is timed in a CUDA graph (``triton.testing.do_bench_cudagraph``,
+median; calls back to back, as in the UNet's graph, where the input was just written by the projection GEMM) and
+checked against ``geglu_ref``. ``frac`` is the achieved bytes per second (2D read + D written per row) over the
+measured copy ceiling (``CEILING_TBS``). The current choice (``geglu_config``) is marked. Writes ``DIR/geglu.json``
+and prints, per shape, the best five and the current one.
+
+``tma``: the TMA GEGLU GEMM's tile configs against cuBLAS + the activation kernel. For each feed-forward projection
+of the two UNets (``TMA_SHAPES``; fp16, batch 2 with CFG: M tokens, K in, weight (2N, K)): ``cublas`` (``F.linear``
+then ``kernels.geglu.geglu``), ``cublas_gemm`` (the projection alone, for scale) and every
+``kernels.geglu.triton_tma_gemm.CONFIGS`` entry (with ``--extra``, also the larger tiles of :func:`extra_configs`;
+with ``--per-tile``, the per-tile grids of :func:`per_tile_configs`), each timed in a CUDA graph
+(``do_bench_cudagraph``, median) and checked against ``geglu_linear_ref`` (max abs error). Also what
+``geglu_projection``'s measured choice picks (``measured_choice``, from ``kernels.select.decisions()``). Writes
+``DIR/geglu_tma.json`` (with the GPU, versions and date) and ``DIR/geglu_tma.md``; prints one line per shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+BENCH_OPS = ("geglu",)
+CEILING_TBS = 4.05
+# (model, layer, M, K, N, count per UNet step): the feed-forward projections (weight (2N, K)) of one UNet step
+TMA_SHAPES = (("sd15", "l0", 8192, 320, 1280, 5), ("sd15", "l1", 2048, 640, 2560, 5),
+              ("sd15", "l2", 512, 1280, 5120, 5), ("sd15", "mid", 128, 1280, 5120, 1),
+              ("sdxl", "l1", 8192, 640, 2560, 10), ("sdxl", "l2", 2048, 1280, 5120, 60))
+
+
+# --------------------------------------------------------------------------------------------
+# bench: the activation kernel against eager and torch.compile
+# --------------------------------------------------------------------------------------------
+def bench_cases(quick: bool = False) -> list[dict]:
+    """The GEGLU cases of the kernel suite (plain picklable descriptions), in the suite's order (the same with
+    ``quick``)."""
+    from benchmarks import sd_shapes
+
+    return [dict(op="geglu", shape=shape, layout="rows", eps=0.0, model=model)
+            for model, shape in sd_shapes.GEGLU_SITES]
+
+
+def make_bench_case(case: dict, device="cuda", dtype=None):
+    """(sdfast_fn, eager_fn, bytes, config) for one GEGLU case, with seeded random inputs."""
+    import torch
+    import torch.nn.functional as F
+
+    from kernels.geglu import geglu
+
+    if case["op"] not in BENCH_OPS:
+        raise ValueError(f"unknown op {case['op']!r}")
+    dtype = dtype or torch.float16
+    g = torch.Generator(device=device).manual_seed(0)
+    h = torch.randn(*case["shape"], device=device, dtype=dtype, generator=g)
+    e = h.element_size()
+
+    def ours():
+        return geglu(h)
+
+    def eager():
+        a, gate = h.chunk(2, dim=-1)
+        return a * F.gelu(gate)
+
+    return ours, eager, (h.numel() + h.numel() // 2) * e, ""
+
+
+def bench(args) -> int:
+    """The ``bench`` subcommand: the kernel suite's machinery (``benchmarks.kernel_benches.norm.run``) on the
+    GEGLU cases only."""
+    from benchmarks.kernel_benches import norm
+    from benchmarks.report import env_metadata, markdown_table, write_json
+
+    rows = norm.run(args.quick, compile=False if args.no_compile else None, cases_fn=bench_cases)
+    cols = [c for c in norm.LEAD_COLUMNS if any(r.get(c) is not None for r in rows)]
+    md = ["# GEGLU activation (fp16)", "", markdown_table(rows, cols)]
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_json(args.out / "geglu_bench.json", {"env": env_metadata(), "rows": rows})
+        (args.out / "geglu_bench.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# sweep: the activation kernel's tile configs
+# --------------------------------------------------------------------------------------------
+def sweep_shapes() -> list[tuple[str, int, int]]:
+    """(model, M, 2D): the GEGLU inputs of one UNet step (tokens x 2 images), from ``sd_shapes.GEGLU_SITES``."""
+    from benchmarks import sd_shapes
+
+    return [(model.removesuffix("-unet"), b * t, two_d) for model, (b, t, two_d) in sd_shapes.GEGLU_SITES]
+
+
+def sweep_configs():
+    """The activation kernel's launch configs tried: tiles of 1024 to 16384 elements, 2 to 8 warps."""
+    for block_d, rows, warps in itertools.product((256, 512, 1024, 2048), (1, 2, 4, 8, 16, 32), (2, 4, 8)):
+        if 1024 <= block_d * rows <= 16384:
+            yield {"ROWS": rows, "BLOCK_D": block_d, "num_warps": warps}
+
+
+def sweep_rows() -> list[dict]:
+    import torch
+    import triton
+    from triton.testing import do_bench_cudagraph
+
+    from kernels.geglu.ref import geglu_ref
+    from kernels.geglu.triton_elementwise import _geglu_kernel, geglu_config
+
+    rows_out = []
+    for model, m, two_d in sweep_shapes():
+        d = two_d // 2
+        h = torch.randn(m, two_d, device="cuda", dtype=torch.float16)
+        ref = geglu_ref(h)
+        out = torch.empty(m, d, device="cuda", dtype=torch.float16)
+        current = geglu_config(m, d)
+        for cfg in sweep_configs():
+            if d % cfg["BLOCK_D"]:
+                continue
+            grid = (triton.cdiv(m, cfg["ROWS"]), triton.cdiv(d, cfg["BLOCK_D"]))
+
+            def call(cfg=cfg, grid=grid, h=h, out=out, m=m, d=d):
+                _geglu_kernel[grid](h, out, m, d, h.stride(0), ROWS=cfg["ROWS"], BLOCK_D=cfg["BLOCK_D"],
+                                    num_warps=cfg["num_warps"])
+
+            out.fill_(float("nan"))
+            call()
+            err = float((out.float() - ref.float()).abs().max())
+            us = do_bench_cudagraph(call, rep=50) * 1e3
+            gbs = m * (two_d + d) * 2 / us / 1e3
+            rows_out.append(dict(model=model, M=m, two_D=two_d, **cfg, us=round(us, 2),
+                                 frac=round(gbs / (CEILING_TBS * 1e3), 3), max_err=err, current=cfg == current))
+    return rows_out
+
+
+def sweep(args) -> int:
+    """The ``sweep`` subcommand."""
+    rows = sweep_rows()
+    for key in dict.fromkeys((r["model"], r["M"], r["two_D"]) for r in rows):
+        mine = sorted((r for r in rows if (r["model"], r["M"], r["two_D"]) == key), key=lambda r: r["us"])
+        print(f"{key}: " + "; ".join(f"{r['ROWS']}x{r['BLOCK_D']} w{r['num_warps']} {r['us']} us {r['frac']}"
+                                     + (" (current)" if r["current"] else "") for r in mine[:5]))
+        print("   current: " + "; ".join(f"{r['ROWS']}x{r['BLOCK_D']} w{r['num_warps']} {r['us']} us {r['frac']}"
+                                         for r in mine if r["current"])
+              + f"; worst err {max(r['max_err'] for r in mine):.2e}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "geglu.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# tma: the TMA GEGLU GEMM's tile configs against cuBLAS + the activation kernel
+# --------------------------------------------------------------------------------------------
+def extra_configs():
+    """Tiles beyond the measured candidates: 16 warps (four warpgroups) for 256-row tiles, and BLOCK_K 128."""
+    from kernels.geglu.triton_tma_gemm import TileConfig
+
+    return (TileConfig(256, 128, 64, 3, 16, single_dot=True), TileConfig(256, 128, 64, 2, 16, single_dot=True),
+            TileConfig(128, 128, 128, 2, 8, single_dot=True), TileConfig(256, 128, 64, 3, 16, group_m=4))
+
+
+def per_tile_configs():
+    """One program per tile (several per SM, so one's epilogue can overlap another's main loop), as the linear GEMM's
+    small-K winners run."""
+    from kernels.geglu.triton_tma_gemm import TileConfig
+
+    return tuple(TileConfig(bm, bn, 64, st, w, group_m=8, single_dot=sd, persistent=False)
+                 for bm, bn, st, w in ((128, 64, 3, 4), (64, 64, 4, 4), (128, 128, 3, 8), (64, 128, 3, 4))
+                 for sd in (False, True))
+
+
+def _time(fn) -> float:
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=40) * 1e3
+
+
+def measured_choice(x, w, b) -> str | None:
+    """The candidate ``geglu_projection``'s choice runs for these operands, decided afresh (earlier and saved
+    decisions of the choice forgotten first); None when nothing was decided (the CPU, a capture)."""
+    from kernels import select
+    from kernels.geglu import projection as gp
+
+    select.clear(gp.CHOICE.name)
+    gp.geglu_projection(x, w, b)
+    made = select.decisions(gp.CHOICE.name)
+    return made[-1].winner if made else None
+
+
+def tma_rows(extra: bool = False, per_tile: bool = False) -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+
+    from kernels.geglu import projection as gp
+    from kernels.geglu.ref import geglu_linear_ref
+    from kernels.geglu.triton_tma_gemm import CONFIGS, geglu_linear
+
+    rows = []
+    for model, name, m, k, n, count in TMA_SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=g)
+        w = (torch.randn(2 * n, k, device="cuda", generator=g) / k**0.5).half()
+        b = (torch.randn(2 * n, device="cuda", generator=g) * 0.1).half()
+        ref = geglu_linear_ref(x, w, b).float()
+        row = dict(model=model, layer=name, M=m, K=k, N=n, count=count)
+        row["cublas_us"] = _time(lambda: gp.cublas_geglu(x, w, b))
+        row["cublas_gemm_us"] = _time(lambda: F.linear(x, w, b))
+        row["cublas_err"] = float((gp.cublas_geglu(x, w, b).float() - ref).abs().max())
+        row["configs"] = {}
+        for c in CONFIGS + (extra_configs() if extra else ()) + (per_tile_configs() if per_tile else ()):
+            try:
+                err = float((geglu_linear(x, w, b, c).float() - ref).abs().max())
+                row["configs"][str(c)] = dict(us=_time(lambda c=c: geglu_linear(x, w, b, c)), err=err)
+            except Exception as e:  # noqa: BLE001 - recorded: a config that does not compile here
+                row["configs"][str(c)] = dict(us=None, error=f"{type(e).__name__}: {str(e)[:200]}")
+        row["measured_choice"] = measured_choice(x, w, b)
+        ok = {cfg: r["us"] for cfg, r in row["configs"].items() if r.get("us")}
+        row["best_tma"] = min(ok, key=ok.get) if ok else None
+        row["best_tma_us"] = ok[row["best_tma"]] if ok else None
+        rows.append(row)
+        print(f"{model} {name} M={m} K={k} N={n}: cuBLAS+GEGLU {row['cublas_us']:.1f} us (GEMM {row['cublas_gemm_us']:.1f}),"
+              f" best TMA {row['best_tma_us'] and round(row['best_tma_us'], 1)} us {row['best_tma']}, choice "
+              f"{row['measured_choice']}, err tma {min((r.get('err', 9) for r in row['configs'].values()), default=None)}"
+              f" cublas {row['cublas_err']:.2e}", flush=True)
+    return rows
+
+
+def tma_markdown(rows: list[dict]) -> str:
+    out = ["| model | layer | M | K | N | cuBLAS + GEGLU µs | cuBLAS GEMM µs | best TMA µs | TMA / cuBLAS+GEGLU | config | x per step |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        t = r["best_tma_us"]
+        tma, ratio = ("—", "—") if t is None else (f"{t:.1f}", f"{t / r['cublas_us']:.2f}")
+        out.append(f"| {r['model']} | {r['layer']} | {r['M']} | {r['K']} | {r['N']} | {r['cublas_us']:.1f} | "
+                   f"{r['cublas_gemm_us']:.1f} | {tma} | {ratio} | {r['best_tma']} | {r['count']} |")
+    return "\n".join(out) + "\n"
+
+
+def tma(args) -> int:
+    """The ``tma`` subcommand."""
+    rows = tma_rows(args.extra, args.per_tile)
+    print(tma_markdown(rows))
+    if args.out:
+        from benchmarks.report import write_sweep
+
+        write_sweep(args.out, "geglu_tma", rows, tma_markdown(rows))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.ops.geglu", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("bench", help="the activation kernel against eager and torch.compile at SD's shapes")
+    p.add_argument("--quick", action="store_true", help="no torch.compile column")
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    p.add_argument("--out", type=Path, default=None, help="write geglu_bench.json/.md here")
+    p.set_defaults(fn=bench)
+    p = sub.add_parser("sweep", help="the activation kernel's tile configs at SD's shapes")
+    p.add_argument("--out", type=Path, default=None, help="write geglu.json here")
+    p.set_defaults(fn=sweep)
+    p = sub.add_parser("tma", help="the TMA GEGLU GEMM's tile configs against cuBLAS + the activation kernel")
+    p.add_argument("--out", type=Path, default=None, help="write geglu_tma.json/.md here")
+    p.add_argument("--extra", action="store_true", help="also time the tiles of extra_configs()")
+    p.add_argument("--per-tile", action="store_true", help="also time the per-tile grids of per_tile_configs()")
+    p.set_defaults(fn=tma)
+    args = ap.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
