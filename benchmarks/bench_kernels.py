@@ -1,8 +1,9 @@
-"""Kernel micro-benchmarks: runs the sections under ``benchmarks/kernel_benches/`` and writes one table.
+"""Kernel micro-benchmarks: runs the kernel suite's sections and writes one table.
 
-Each section is a module ``benchmarks.kernel_benches.<name>`` exposing ``run(quick=False) -> list[dict]``
-(rows: whatever the section measures, e.g. op, shape, dtype, backend, µs, GB/s or TFLOP/s, and the
-ceiling it is compared with). Sections are imported lazily, one at a time; a section that is missing
+Each section is a module exposing ``run(quick=False) -> list[dict]``: an op's benchmark module under
+``benchmarks/ops/`` (``attention``, ``sparse``: ``benchmarks.ops.sparse24``) or ``benchmarks.kernel_benches.<name>``
+(see ``SECTIONS``). Rows: whatever the section measures, e.g. op, shape, dtype, backend, µs, GB/s or TFLOP/s,
+and the ceiling it is compared with. Sections are imported lazily, one at a time; a section that is missing
 or raises gives one row with ``error`` filled and the others still run.
 
     python -m benchmarks.bench_kernels --out benchmarks/results/h200
@@ -24,23 +25,34 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-SECTIONS = ("norm", "attention", "gemm", "quant", "sparse")
-PACKAGE = "benchmarks.kernel_benches"
+SECTIONS = {  # section -> its module, in the order the suite runs them
+    "norm": "benchmarks.kernel_benches.norm",
+    "attention": "benchmarks.ops.attention",
+    "gemm": "benchmarks.kernel_benches.gemm",
+    "quant": "benchmarks.kernel_benches.quant",
+    "sparse": "benchmarks.ops.sparse24",
+}
+PACKAGE = "benchmarks.kernel_benches"  # where a section not in SECTIONS is looked for
 MAX_COLUMNS = 12  # printed per section; the CSV/JSON keep every key
 
 
+def section_module(name: str) -> str:
+    """The module that runs section ``name``: ``SECTIONS[name]``, else ``benchmarks.kernel_benches.<name>``."""
+    return SECTIONS.get(name, f"{PACKAGE}.{name}")
+
+
 def run_section(name: str, *, quick: bool = False) -> list[dict]:
-    """Import ``benchmarks.kernel_benches.<name>`` and return its rows, each tagged ``section=name``.
+    """Import the section's module (``section_module``) and return its rows, each tagged ``section=name``.
 
     Never raises for a broken section: a missing module, a failing ``run`` or a result that is not a
     list of dicts gives ``[{"section": name, "error": "..."}]``.
     """
     t0 = time.perf_counter()
     try:
-        module = importlib.import_module(f"{PACKAGE}.{name}")
+        module = importlib.import_module(section_module(name))
         rows = module.run(quick=quick)
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-            raise TypeError(f"{PACKAGE}.{name}.run() must return a list of dicts, got {type(rows).__name__}")
+            raise TypeError(f"{module.__name__}.run() must return a list of dicts, got {type(rows).__name__}")
     except Exception as e:  # one row per broken section; the others run
         print(f"[kernels/{name}] failed:\n{traceback.format_exc()}", file=sys.stderr)
         return [{"section": name, "error": f"{type(e).__name__}: {e}"[:500], "section_s": time.perf_counter() - t0}]

@@ -358,26 +358,6 @@ def test_trace_e2e_gaps_and_frames():
     assert "GPU busy 0.0 ms" in text and "| 0.02 | 0.02 | outer > inner |" in text
 
 
-def test_cusparselt_sweep_summary_picks_the_fastest_checked_setting():
-    from benchmarks import sweep_cusparselt as sweep
-
-    shapes = sweep._shapes("ff")
-    assert ("sdxl", "l2.ff_geglu", 2048, 1280, 10240) in shapes  # GEGLU weights have 2N rows
-    assert all("ff" in name for _, name, *_ in shapes) and len(sweep._shapes("all")) > len(shapes)
-    base = dict(model="sdxl", layer="l2.ff_geglu", M=2048, K=1280, N=10240)
-    setting = dict(backend="cusparselt", split_k=1, split_k_mode=-1, b_layout="xT_copy", transpose_result=False)
-    rows = [
-        dict(base, dtype="fp16", backend="dense cuBLAS", us=80.0),
-        dict(base, dtype="fp16", **setting, alg_id=0, us=61.0, speedup_vs_dense_same_dtype=80 / 61, speedup_vs_fp16_cublas=80 / 61),
-        dict(base, dtype="fp16", **setting, alg_id=1, us=70.0, speedup_vs_dense_same_dtype=80 / 70, speedup_vs_fp16_cublas=80 / 70),
-        dict(base, dtype="fp16", **setting, alg_id=2, error="RuntimeError: wrong result: max rel err 0.5"),
-        dict(base, dtype="fp8", backend="cusparselt", error="RuntimeError: operation not supported"),
-    ]
-    md = sweep._summary(rows)
-    assert "| 80.0 | 61.0 | 1.31x | alg 0," in md
-    assert "errors: RuntimeError: operation not supported" in md
-
-
 def test_profile_step_also_profiles_the_vae_decoder(tmp_path):
     import json
 

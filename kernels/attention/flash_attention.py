@@ -424,7 +424,7 @@ def flash_attention_configs(head_dim: int, elem_size: int = 2, device: Optional[
     if not split_dv:
         if d0 + d1 <= 128:  # 40, 64, 80
             # (128, 64, 4 warps, 2 stages) replaced (128, 128, 8, 3), which was the fastest of these candidates at
-            # none of SD1.5/SDXL/SD2.1's attention shapes (benchmarks/sweep_attention.py; results in
+            # none of SD1.5/SDXL/SD2.1's attention shapes (``benchmarks.ops.attention sweep``; results in
             # benchmarks/results/h200-2026-11-30-run12).
             cands = [(128, 64, None, 4, 3), (128, 64, None, 4, 2), (64, 64, None, 4, 3), (128, 32, None, 4, 4)]
         else:  # 160, 256: wide accumulators, more warps per row tile
@@ -552,7 +552,7 @@ def _stride_align(elem_size: int, *tensors: torch.Tensor) -> int:
 def kernel_arguments(q, k, v, out, key_padding_mask, scale, upcast_softmax):
     """``(args, consts, grid)`` for one launch of ``_flash_attn_fwd_kernel``: its runtime arguments, the constexprs
     that are not a config's, and ``grid(meta)`` for a config's meta-parameters (BLOCK_M, DV0, DV1). What ``_launch``
-    passes; ``benchmarks/sweep_attention.py`` launches chosen configs with them.
+    passes; ``benchmarks.ops.attention sweep`` launches chosen configs with them.
 
     q: (B, H, Lq, D), k and v: (B, H, Lk, D), out: (B, H, Lq, D), any strides, one of ``SUPPORTED_DTYPES``;
     key_padding_mask: None or a (B or 1, Lk) bool tensor (True = keep); scale: the softmax scale (> 0);

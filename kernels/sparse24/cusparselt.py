@@ -2,7 +2,7 @@
 direct calls, and torch's ``SparseSemiStructuredTensor`` of a weight.
 
 Why torch's default 2:4 path (``F.linear`` with a ``SparseSemiStructuredTensor`` weight) is slower than dense,
-and what the direct calls here do instead (``benchmarks/kernel_benches/sparse.py`` measures each point):
+and what the direct calls here do instead (``python -m benchmarks.ops.sparse24 bench`` measures each point):
 
 1. Host overhead: every ``torch._cslt_sparse_mm`` call rebuilds all cuSPARSELt descriptors and the
    matmul plan (``cusparseLtMatmulPlanInit``) and allocates a workspace; the PyTorch PR that caches

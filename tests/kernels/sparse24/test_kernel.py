@@ -1,5 +1,5 @@
 """CPU tests of kernels/sparse24/kernel.py: the Triton sparse24_linear kernel (interpreter) against its
-reference, its launch configs, and the benchmark module's shapes."""
+reference and its launch configs (the benchmark module's shapes: test_benchmark.py)."""
 
 import logging
 
@@ -102,20 +102,3 @@ def test_a_config_that_does_not_compile_falls_back_to_the_next(monkeypatch, capl
     with pytest.raises(torch.OutOfMemoryError):  # an OOM is raised as is, and no config is blamed
         k24.sparse24_linear(x, values, meta)
     assert len(k24._FAILED_CONFIGS) == 1
-
-
-def test_benchmark_module_shapes_and_cpu_guard():
-    from benchmarks.kernel_benches import sparse as bench
-
-    shapes = {(r["model"], r["M"], r["K"], r["N"]) for r in bench._shapes(quick=False)}
-    for want in [("sd15", 8192, 320, 2560), ("sd15", 8192, 1280, 320), ("sd15", 2048, 640, 5120), ("sd15", 512, 1280, 10240),
-                 ("sd15", 128, 5120, 1280), ("sd15", 154, 768, 320), ("sdxl", 8192, 640, 5120), ("sdxl", 2048, 1280, 10240),
-                 ("sdxl", 2048, 5120, 1280), ("sdxl", 154, 2048, 1280)]:
-        assert want in shapes, want
-    assert {r["M"] for r in bench._shapes(quick=False) if r["model"] == "sdxl"} == {8192, 2048, 154}
-    row = bench._row({"gpu": "x"}, bench="b", backend="dense", us_graph=1.0, extra=2)
-    assert list(row)[:12] == list(bench._LEAD) and list(row)[-1] == "gpu"
-    if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="CUDA"):
-            bench.run(quick=True)
-

@@ -2,7 +2,7 @@
 math attention, every attention backend the dispatcher can pick, CUDA-graph capture, and the
 attention pass on real-config SD1.5 / SDXL UNets (random weights, fp16, batch 2) against stock.
 
-Run on the GPU machine: ``python -m pytest -m gpu tests/kernels/test_attention_gpu.py -q``
+Run on the GPU machine: ``python -m pytest -m gpu tests/kernels/attention/test_attention_gpu.py -q``
 (needs diffusers: it travels as a wheel). Skipped without CUDA.
 """
 

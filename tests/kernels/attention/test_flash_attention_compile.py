@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # In a subprocess without TRITON_INTERPRET (conftest sets it here; @triton.jit then gives interpreter
 # functions that cannot be compiled).

@@ -4,7 +4,7 @@ Branches covered: head_dim chunking (40 = 32+16 masked, 64 = 64, 80 = 64+16, 160
 512 = split output columns, 4 = below the 16-column minimum), full and partial key tiles, the
 key-padding mask (incl. fully padded rows), the upcast (split-P) flag, fp32 / fp16, strided
 (B, L, H, D) views, odd strides (no vectorization hint), and input validation. bf16 is tested on the
-GPU only (tests/kernels/test_attention_gpu.py): Triton 3.6's interpreter computes tl.dot on bf16
+GPU only (tests/kernels/attention/test_attention_gpu.py): Triton 3.6's interpreter computes tl.dot on bf16
 operands as raw 16-bit integers.
 """
 
