@@ -13,7 +13,7 @@ the ``sdfast.load`` call alone), the
 first image after ``load`` returned (``first_image``: warm-up, graph capture and the steps themselves) and a second
 image at the same size (``warm_image``, the steady state), how many kernel choices it measured and read from
 the saved file, and the graph runtime's set-up seconds per graphed module (``setup``: dry run, warm-ups, capture). ``--profile`` writes a cProfile of the second process's first image to
-``DIR/<model>-second.pstats`` and its top functions to ``DIR/<model>-second.txt``; ``--wrap-second`` runs the
+``DIR/<model>-second.pstats`` and its top functions (by cumulative, then by own time) to ``DIR/<model>-second.txt``; ``--wrap-second`` runs the
 second process under a command prefix (a sampling profiler that sees every thread and native frame). Rows go to ``DIR/startup.json``
 and ``DIR/startup.md``, with the GPU's name and the versions.
 """
@@ -52,6 +52,7 @@ if prof:
     prof.dump_stats(profile + ".pstats")
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(60)
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(40)
     open(profile + ".txt", "w").write(buf.getvalue())
 t0 = time.perf_counter()
 engine.txt2img("a photo of a cat", **kw)
