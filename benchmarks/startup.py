@@ -1,6 +1,6 @@
 """Start-up time: a fresh process, ``sdfast.load`` and its first image, first ever and again on the same machine.
 
-    python -m benchmarks.startup --out DIR [--models sd15,sdxl] [--steps 30] [--profile] [--caches DIR2]
+    python -m benchmarks.startup --out DIR [--models sd15,sdxl] [--steps 30] [--profile] [--caches DIR2] [--first-calls]
         [--wrap-second "py-spy record -o DIR/spy.txt --format raw --native --threads --"]
 
 For each model, two child processes run one after the other with the same cache directories (``TRITON_CACHE_DIR``
@@ -14,7 +14,8 @@ first image after ``load`` returned (``first_image``: warm-up, graph capture and
 image at the same size (``warm_image``, the steady state), how many kernel choices it measured and read from
 the saved file, and the graph runtime's set-up seconds per graphed module (``setup``: dry run, warm-ups, capture). ``--profile`` writes a cProfile of the second process's first image to
 ``DIR/<model>-second.pstats`` and its top functions (by cumulative, then by own time) to ``DIR/<model>-second.txt``; ``--wrap-second`` runs the
-second process under a command prefix (a sampling profiler that sees every thread and native frame). Rows go to ``DIR/startup.json``
+second process under a command prefix (a sampling profiler that sees every thread and native frame); ``--first-calls`` times the first cuBLAS, cuDNN,
+SDPA, graph capture and replay calls of a bare process (``first_calls.md``). Rows go to ``DIR/startup.json``
 and ``DIR/startup.md``, with the GPU's name and the versions.
 """
 
@@ -68,6 +69,59 @@ print("STARTUP " + json.dumps(dict(start_to_load=t_load - spawned, load=t_load -
 """
 
 
+FIRST_CALLS = r"""
+import json, time, torch
+def t(label, fn, rows):
+    torch.cuda.synchronize(); t0 = time.perf_counter(); fn(); torch.cuda.synchronize()
+    rows.append((label, round(time.perf_counter() - t0, 4)))
+rows = []
+t("CUDA context", lambda: torch.zeros(1, device="cuda"), rows)
+a = torch.randn(2048, 320, device="cuda", dtype=torch.float16); w = torch.randn(320, 320, device="cuda", dtype=torch.float16)
+t("first fp16 matmul (cuBLAS)", lambda: a @ w, rows)
+t("second matmul shape", lambda: a @ torch.randn(320, 1280, device="cuda", dtype=torch.float16), rows)
+x = torch.randn(2, 320, 64, 64, device="cuda", dtype=torch.float16).to(memory_format=torch.channels_last)
+k = torch.randn(320, 320, 3, 3, device="cuda", dtype=torch.float16).to(memory_format=torch.channels_last)
+t("first conv2d 3x3 (cuDNN)", lambda: torch.nn.functional.conv2d(x, k, padding=1), rows)
+t("same conv again", lambda: torch.nn.functional.conv2d(x, k, padding=1), rows)
+x2 = torch.randn(2, 640, 32, 32, device="cuda", dtype=torch.float16).to(memory_format=torch.channels_last)
+k2 = torch.randn(640, 640, 3, 3, device="cuda", dtype=torch.float16).to(memory_format=torch.channels_last)
+t("second conv2d shape", lambda: torch.nn.functional.conv2d(x2, k2, padding=1), rows)
+k3 = torch.randn(640, 320, 1, 1, device="cuda", dtype=torch.float16).to(memory_format=torch.channels_last)
+t("first conv2d 1x1", lambda: torch.nn.functional.conv2d(x, k3), rows)
+q = torch.randn(2, 8, 4096, 40, device="cuda", dtype=torch.float16)
+t("first SDPA", lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q), rows)
+t("first layer_norm", lambda: torch.nn.functional.layer_norm(a, (320,)), rows)
+t("first group_norm (torch)", lambda: torch.nn.functional.group_norm(x, 32), rows)
+t("first gelu", lambda: torch.nn.functional.gelu(a), rows)
+s = torch.cuda.Stream(); s.wait_stream(torch.cuda.current_stream())
+def side():
+    with torch.cuda.stream(s):
+        a @ w
+t("first matmul on a new stream", side, rows)
+g = torch.cuda.CUDAGraph()
+def capture():
+    with torch.cuda.graph(g):
+        torch.nn.functional.conv2d(x, k, padding=1)
+t("first graph capture", capture, rows)
+t("first replay", g.replay, rows)
+t("second replay", g.replay, rows)
+print("FIRSTCALLS " + json.dumps(rows))
+"""
+
+
+def first_calls(out: Path) -> list:
+    """Seconds of the first CUDA library calls of a fresh process (cuBLAS, cuDNN, kernels loaded lazily, graphs):
+    what no kernel cache of ours can save."""
+    run = subprocess.run([sys.executable, "-c", FIRST_CALLS], capture_output=True, text=True, timeout=300, check=False)
+    line = next((ln for ln in run.stdout.splitlines() if ln.startswith("FIRSTCALLS ")), None)
+    if line is None:
+        raise RuntimeError(f"first-calls child failed (rc {run.returncode}):\n{run.stderr[-4000:]}")
+    rows = json.loads(line[len("FIRSTCALLS "):])
+    (out / "first_calls.md").write_text("| first call in a fresh process | s |\n| --- | --- |\n" +
+                                        "".join(f"| {label} | {sec:.4f} |\n" for label, sec in rows))
+    return rows
+
+
 def run_child(model: str, size: int, steps: int, env: dict, profile: str, wrap: list[str] = ()) -> dict:
     spawned = time.time()
     out = subprocess.run([*wrap, sys.executable, "-c", CHILD, repr(spawned), model, str(size), str(steps), profile],
@@ -92,10 +146,15 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="cProfile the second process's first image")
     ap.add_argument("--caches", type=Path, default=None, help="where the per-model cache directories go")
     ap.add_argument("--wrap-second", default="", help="a command prefix for the second process ({model} is replaced)")
+    ap.add_argument("--first-calls", action="store_true",
+                    help="also time the first CUDA library calls of a fresh process (first_calls.md)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.first_calls:
+        for label, sec in first_calls(args.out):
+            print(f"{label}: {sec:.4f} s", flush=True)
     rows = []
-    for name in args.models.split(","):
+    for name in filter(None, args.models.split(",")):
         model, size = MODELS[name]
         caches = (args.caches or Path(tempfile.mkdtemp(prefix="sdfast-startup-"))) / name
         env = dict(os.environ, TRITON_CACHE_DIR=str(caches / "triton"), SDFAST_CACHE_DIR=str(caches / "sdfast"))
