@@ -60,11 +60,9 @@ engine.txt2img("a photo of a cat", **kw)
 torch.cuda.synchronize()
 warm = time.perf_counter() - t0
 sources = [d.source for d in select.decisions()]
-from sdfast.runtime import warm_start
 graphs = getattr(getattr(engine.pipe, "_sdfast", None), "graphs", None)
 setup = {name: {k: round(v, 4) for k, v in r.stats.setup_s.items()} for name, r in graphs.runners.items()} if graphs else {}
 print("STARTUP " + json.dumps(dict(start_to_load=t_load - spawned, load=t_load - t_imported, setup=setup,
-      warm_start=warm_start.wait(),
       first_image=first, warm_image=warm,
       measured=sources.count("measured"), saved=sources.count("saved"), gpu=torch.cuda.get_device_name(),
       torch=torch.__version__)))
