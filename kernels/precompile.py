@@ -104,8 +104,8 @@ def _triton_key():
 
 def prefetch_compiler_key() -> None:
     """Start computing Triton's compiler key on a background thread, once per process. Every Triton compile and
-    every disk-cache lookup needs it, so the process's first kernel launch pays for hashing libtriton
-    (0.8 s on a dev CPU) unless this ran before. ``sdfast.load`` calls it before it reads the weights, which the
+    every disk-cache lookup needs it, so the process's first kernel launch pays for hashing libtriton (about
+    400 MB) unless this ran before. ``sdfast.load`` calls it before it reads the weights, which the
     hashing overlaps (hashlib and file reads release the GIL); the result is Triton's own ``lru_cache``."""
     global _key_thread
     key = _triton_key()
