@@ -42,6 +42,12 @@ def _pair(arch: str):
 
 
 @pytest.fixture(scope="module")
+def xl():
+    """(stock, fast) tiny-xl engines, shared by the SDXL cases (each leaves them as it found them)."""
+    return _pair("tiny-xl")
+
+
+@pytest.fixture(scope="module")
 def tiny():
     """(stock, fast, warm-up image): every case runs on a warmed-up optimized engine."""
     stock, fast = _pair("tiny")
@@ -101,6 +107,8 @@ def test_batch_of_prompts_with_num_images_per_prompt_matches_stock(tiny):
     a = fast.txt2img(prompts, **kw)
     assert len(a) == 4 and [im.info["seed"] for im in a] == [str(100 + i) for i in range(4)]
     assert _diff(a, stock.txt2img(prompts, **kw)) <= TOL
+    # image k of the batch is the image its prompt and seed give alone
+    assert _diff(a[3], fast.txt2img(prompts[1], **dict(KW, seed=103))) <= 1
 
 
 @pytest.mark.parametrize("n_prompts, per_prompt", [(1, 8), (8, 1), (3, 2)])
@@ -405,8 +413,8 @@ def test_sd2_like_v_prediction_upcast_attention_matches_stock():
         assert _diff(a, stock.txt2img(prompt, seed=16, **KW)) <= TOL, prompt[:20]
 
 
-def test_sdxl_like_two_encoders_pooled_time_ids_matches_stock():
-    stock, fast = _pair("tiny-xl")
+def test_sdxl_like_two_encoders_pooled_time_ids_matches_stock(xl):
+    stock, fast = xl
     calls, hook = _unet_calls(fast)
     try:
         a = fast.txt2img("a cat", seed=17, **KW)
@@ -433,11 +441,11 @@ def test_schedulers_built_from_an_architecture_take_its_published_config(arch):
     assert (ddim.clip_sample, ddim.set_alpha_to_one, pndm.skip_prk_steps) == (False, False, True)
 
 
-def test_sdxl_like_ddim_matches_stock_step_by_step():
+def test_sdxl_like_ddim_matches_stock_step_by_step(xl):
     # With DDIM's clip_sample (the class default, which tiny-xl's Euler config used to leave on) every step
     # grew the fp32 rounding difference of the optimized kernels about 2x (1e-5 -> 3e-4 in 6 steps), and the
     # image differed; SDXL fp16 on the GPU ended 16-19 dB from stock.
-    stock, fast = _pair("tiny-xl")
+    stock, fast = xl
     seen = {}
     for tag, engine in (("stock", stock), ("fast", fast)):
         sched, outputs = engine.scheduler_for("ddim"), seen.setdefault(tag, [])
@@ -647,10 +655,10 @@ def test_a_graphed_pipeline_encodes_prompt_and_negative_prompt_in_one_text_encod
     assert _diff(img, ref) <= 1
 
 
-def test_a_graphed_sdxl_pipeline_batches_both_encoders_with_pooled_embeddings(monkeypatch):
+def test_a_graphed_sdxl_pipeline_batches_both_encoders_with_pooled_embeddings(xl, monkeypatch):
     """SDXL: each of the two text encoders runs once, on prompt + negative prompt (2 prompts x 2 images: one batch of
     4 each), and the images are the ones diffusers' own encoding gives, up to the batched encoders' rounding."""
-    _, fast = _pair("tiny-xl")
+    _, fast = xl
     kw = dict(KW, num_images_per_prompt=2)
     ref = fast.txt2img(["a cat", "a dog"], negative_prompt="blurry", seed=5, **kw)
     batches = {"text_encoder": [], "text_encoder_2": []}
