@@ -11,15 +11,15 @@ from sdfast.cli import main
 
 def test_txt2img_writes_png(tmp_path, capsys):
     out = tmp_path / "img.png"
-    assert main(["txt2img", "a photo of a cat", "--steps", "2", "--size", "72x48", "--seed", "1", "--out", str(out)]) == 0
-    assert Image.open(out).size == (72, 48)
+    assert main(["txt2img", "a photo of a cat", "--steps", "1", "--size", "40x24", "--seed", "1", "--out", str(out)]) == 0
+    assert Image.open(out).size == (40, 24)
     captured = capsys.readouterr()
     assert f"saved {out}" in captured.out
     assert "random weights" in captured.err
 
 
 def test_n_images_get_numbered_paths(tmp_path):
-    assert main(["txt2img", "a cat", "--steps", "1", "--n", "2", "--out", str(tmp_path / "x.png")]) == 0
+    assert main(["txt2img", "a cat", "--steps", "1", "--n", "2", "--size", "32x32", "--out", str(tmp_path / "x.png")]) == 0
     assert (tmp_path / "x_0.png").is_file() and (tmp_path / "x_1.png").is_file()
 
 
@@ -28,13 +28,13 @@ def test_png_carries_the_generation_parameters(tmp_path):
     import json
 
     out = tmp_path / "x.png"
-    args = ["txt2img", "a cat", "--steps", "2", "--n", "2", "--seed", "7", "--negative", "blur", "--guidance", "5",
-            "--scheduler", "ddim", "--size", "64x48", "--out", str(out)]
+    args = ["txt2img", "a cat", "--steps", "1", "--n", "2", "--seed", "7", "--negative", "blur", "--guidance", "5",
+            "--scheduler", "ddim", "--size", "40x24", "--out", str(out)]
     assert main(args) == 0
     for i in range(2):
         params = json.loads(Image.open(tmp_path / f"x_{i}.png").text["sdfast"])
-        assert params == {"prompt": "a cat", "negative_prompt": "blur", "seed": 7 + i, "steps": 2, "guidance_scale": 5.0,
-                          "scheduler": "ddim", "width": 64, "height": 48, "model": "random:tiny"}
+        assert params == {"prompt": "a cat", "negative_prompt": "blur", "seed": 7 + i, "steps": 1, "guidance_scale": 5.0,
+                          "scheduler": "ddim", "width": 40, "height": 24, "model": "random:tiny"}
 
 
 @pytest.mark.parametrize(
@@ -104,15 +104,15 @@ def test_txt2img_validates_its_request_once_and_the_engine_runs_that_request(tmp
 
 
 def test_out_folder_gets_sdfast_png_inside(tmp_path):
-    assert main(["txt2img", "a cat", "--steps", "1", "--out", str(tmp_path / "new") + "/"]) == 0
+    assert main(["txt2img", "a cat", "--steps", "1", "--size", "32x32", "--out", str(tmp_path / "new") + "/"]) == 0
     (tmp_path / "old").mkdir()
-    assert main(["txt2img", "a cat", "--steps", "1", "--out", str(tmp_path / "old")]) == 0
+    assert main(["txt2img", "a cat", "--steps", "1", "--size", "32x32", "--out", str(tmp_path / "old")]) == 0
     assert (tmp_path / "new" / "sdfast.png").is_file() and (tmp_path / "old" / "sdfast.png").is_file()
 
 
 def test_out_without_extension_gets_png_for_one_and_many(tmp_path):
-    assert main(["txt2img", "a cat", "--steps", "1", "--out", str(tmp_path / "one")]) == 0
-    assert main(["txt2img", "a cat", "--steps", "1", "--n", "2", "--out", str(tmp_path / "many")]) == 0
+    assert main(["txt2img", "a cat", "--steps", "1", "--size", "32x32", "--out", str(tmp_path / "one")]) == 0
+    assert main(["txt2img", "a cat", "--steps", "1", "--n", "2", "--size", "32x32", "--out", str(tmp_path / "many")]) == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["many_0.png", "many_1.png", "one.png"]
 
 

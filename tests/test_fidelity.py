@@ -13,7 +13,7 @@ from benchmarks import fidelity
 def tiny_fp16_reference():
     stock = sdfast.load("random:tiny", device="cpu", dtype=torch.float16, optimize=False)
     stock.pipe.set_progress_bar_config(disable=True)
-    return fidelity.reference(stock, prompt="a photo of a cat", guidance_scale=7.5, height=64, width=64)
+    return fidelity.reference(stock, prompt="a photo of a cat", guidance_scale=7.5, height=32, width=32)
 
 
 def _optimized():
@@ -46,6 +46,6 @@ def test_wrong_group_norm_kernel_fails(tiny_fp16_reference, monkeypatch):
 def test_fp32_engine_has_no_ratio():
     stock = sdfast.load("random:tiny", device="cpu", dtype=torch.float32, optimize=False)
     stock.pipe.set_progress_bar_config(disable=True)
-    ref = fidelity.reference(stock, prompt="a cat", guidance_scale=1.0, height=64, width=64)
+    ref = fidelity.reference(stock, prompt="a cat", guidance_scale=1.0, height=32, width=32)
     row = fidelity.compare(stock, ref)
     assert row["fp32_check"] == "n/a" and row["err_fp32_step_ratio"] is None and row["err_fp32_step"] == 0

@@ -49,7 +49,7 @@ def test_objects_without_set_timesteps_are_left_alone():
 def test_engine_keeps_the_timesteps_on_device_without_graphs(tiny_engine):
     """On the CPU there are no CUDA graphs: the engine leaves (or puts back) the class's set_timesteps."""
     host_timesteps.keep_on_host(tiny_engine.pipe.scheduler)
-    tiny_engine.txt2img("a cat", num_inference_steps=2, seed=0, height=64, width=64)
+    tiny_engine.txt2img("a cat", num_inference_steps=2, seed=0, height=32, width=32)
     assert "set_timesteps" not in tiny_engine.pipe.scheduler.__dict__
 
 

@@ -42,8 +42,8 @@ def test_unknown_random_architecture_lists_known():
 def test_folder_round_trip(tmp_path, tiny_engine):
     tiny_engine.pipe.save_pretrained(tmp_path / "tiny")
     loaded = sdfast.load(str(tmp_path / "tiny"))
-    a = tiny_engine.txt2img("a cat", seed=3, num_inference_steps=2)
-    b = loaded.txt2img("a cat", seed=3, num_inference_steps=2)
+    a = tiny_engine.txt2img("a cat", seed=3, num_inference_steps=2, height=32, width=32)
+    b = loaded.txt2img("a cat", seed=3, num_inference_steps=2, height=32, width=32)
     assert a[0].tobytes() == b[0].tobytes()
 
 

@@ -8,16 +8,22 @@ import sdfast
 from sdfast.errors import InvalidRequestError
 
 
+# random:tiny's smallest useful size (latents 4x4: the UNet's two down blocks halve it once); a test about
+# something other than the size runs there (one 32x32 image costs about 2/3 of a 64x64 one in the interpreter)
+SMALL = dict(height=32, width=32)
+
+
 def _px(img):
     return np.asarray(img).astype(np.int16)
 
 
 def test_same_pixels_as_diffusers(tiny_engine):
-    images = tiny_engine.txt2img("a photo of a cat", seed=7, num_inference_steps=3, guidance_scale=5.0)
+    images = tiny_engine.txt2img("a photo of a cat", seed=7, num_inference_steps=2, guidance_scale=5.0)
     stock = tiny_engine.pipe(
-        "a photo of a cat", num_inference_steps=3, guidance_scale=5.0,
+        "a photo of a cat", num_inference_steps=2, guidance_scale=5.0,
         generator=[torch.Generator("cpu").manual_seed(7)],
     ).images
+    assert images[0].size == (64, 64)  # the default size
     assert np.array_equal(_px(images[0]), _px(stock[0]))
 
 
@@ -40,29 +46,26 @@ def test_pixels_are_diffusers_numpy_to_pil_bit_for_bit(dtype):
 
 
 def test_seed_determinism(tiny_engine):
-    a = tiny_engine.txt2img("a cat", seed=1, num_inference_steps=2)[0]
-    b = tiny_engine.txt2img("a cat", seed=1, num_inference_steps=2)[0]
-    c = tiny_engine.txt2img("a cat", seed=2, num_inference_steps=2)[0]
+    a = tiny_engine.txt2img("a cat", seed=1, num_inference_steps=2, **SMALL)[0]
+    b = tiny_engine.txt2img("a cat", seed=1, num_inference_steps=2, **SMALL)[0]
+    c = tiny_engine.txt2img("a cat", seed=2, num_inference_steps=2, **SMALL)[0]
     assert np.array_equal(_px(a), _px(b))
     assert np.abs(_px(a) - _px(c)).max() > 10
 
 
-def test_batch_image_k_equals_alone_with_its_seed(tiny_engine):
-    batch = tiny_engine.txt2img(["a cat", "a dog"], seed=10, num_inference_steps=2, num_images_per_prompt=2)
-    assert len(batch) == 4 and [im.info["seed"] for im in batch] == ["10", "11", "12", "13"]
-    alone = tiny_engine.txt2img("a dog", seed=13, num_inference_steps=2)[0]
-    assert np.abs(_px(batch[3]) - _px(alone)).max() <= 1
+# A batch's image k equals that image generated alone with its seed: tests/test_user_cases.py::
+# test_batch_of_prompts_with_num_images_per_prompt_matches_stock (the same 2 prompts x 2 images batch).
 
 
 def test_size_and_scheduler(tiny_engine):
-    img = tiny_engine.txt2img("a cat", seed=0, num_inference_steps=2, width=72, height=48, scheduler="euler_a")[0]
-    assert img.size == (72, 48)
+    img = tiny_engine.txt2img("a cat", seed=0, num_inference_steps=2, width=40, height=24, scheduler="euler_a")[0]
+    assert img.size == (40, 24)
 
 
 @pytest.mark.parametrize("name", sorted(sdfast.SCHEDULERS))
 def test_every_scheduler_runs(tiny_engine, name):
-    img = tiny_engine.txt2img("a cat", seed=0, num_inference_steps=2, scheduler=name)[0]
-    assert np.isfinite(_px(img)).all() and img.size == (64, 64)
+    img = tiny_engine.txt2img("a cat", seed=0, num_inference_steps=2, scheduler=name, **SMALL)[0]
+    assert np.isfinite(_px(img)).all() and img.size == (32, 32)
 
 
 @pytest.mark.parametrize(
@@ -94,8 +97,8 @@ def test_unknown_scheduler_lists_known(tiny_engine):
 
 
 def test_module_level_txt2img_keeps_one_engine():
-    a = sdfast.txt2img("a cat", model="random:tiny", seed=0, num_inference_steps=1)
+    a = sdfast.txt2img("a cat", model="random:tiny", seed=0, num_inference_steps=1, **SMALL)
     n = len(sdfast._ENGINES)
-    b = sdfast.txt2img("a cat", model="random:tiny", seed=0, num_inference_steps=1)
+    b = sdfast.txt2img("a cat", model="random:tiny", seed=0, num_inference_steps=1, **SMALL)
     assert len(sdfast._ENGINES) == n
     assert np.array_equal(_px(a[0]), _px(b[0]))

@@ -147,7 +147,7 @@ def test_gpu_long_prompt_chunked_and_negative_of_other_length_match_stock(sd15):
 
 
 def test_gpu_lora_load_fuse_unfuse_scale_unload_match_stock_and_memory_returns(sd15):
-    from tests.test_user_cases import _lora_state_dict
+    from tests.test_user_cases_models import _lora_state_dict
 
     stock, fast = sd15
     kw = dict(seed=8, num_inference_steps=4, height=384, width=384)

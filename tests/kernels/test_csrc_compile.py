@@ -2,6 +2,7 @@
 a PTX error is caught by the check, and the build helpers do nothing at import. Skipped without
 nvcc (CI's machine has nvcc 13.0)."""
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,11 +26,15 @@ def test_cu_compiles_for_sm80_and_sm90():
         assert rc == 0, f"{src} sm_{arch}: {err}"
 
 
-@needs_nvcc
 def test_check_compile_script_exit_status():
-    res = subprocess.run([sys.executable, str(CSRC / "check_compile.py"), "--arch", "8.0"], capture_output=True, text=True)
+    """The script's report and exit status; ``--nvcc`` stands in a compiler that always succeeds or always fails
+    (the real compiles are test_cu_compiles_for_sm80_and_sm90's, through the same ``compile_sources``)."""
+    script = [sys.executable, str(CSRC / "check_compile.py"), "--arch", "8.0", "--nvcc"]
+    res = subprocess.run([*script, shutil.which("true")], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
-    assert "ok   gemm_cp_async.cu sm_80" in res.stdout
+    assert "ok   gemm_cp_async.cu sm_80" in res.stdout and "ok   cluster.cu sm_80" in res.stdout
+    res = subprocess.run([*script, shutil.which("false")], capture_output=True, text=True)
+    assert res.returncode == 1 and "FAIL gemm_cp_async.cu sm_80" in res.stdout
 
 
 @needs_nvcc
