@@ -11,6 +11,14 @@ def poison(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(float("nan"))
 
 
+def poison_allocator(nbytes: int, device: str = "cuda") -> None:
+    """Fill a freed block of the caching allocator with NaN so the next allocations of that size class
+    start as NaN (fp16/bf16/fp32 NaN bit patterns all come from 0xFF bytes)."""
+    t = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    t.fill_(0xFF)
+    del t
+
+
 def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.float() - b.float()).abs().max().item()
 

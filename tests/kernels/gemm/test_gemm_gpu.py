@@ -1,6 +1,7 @@
-"""GPU tests (marker ``gpu``): every GEMM kernel at the real SD1.5 / SDXL linear shapes
-(benchmarks/sd_shapes.py) against its fp32 reference, plus CUDA-graph capture and torch.compile
-of the custom op. Run on the GPU machine: ``pytest -m gpu tests/kernels/test_gemm_gpu.py``."""
+"""GPU tests (marker ``gpu``): every Triton GEMM kernel of kernels/gemm and the FP8 cuBLASLt path at the real
+SD1.5 / SDXL linear shapes (benchmarks/sd_shapes.py) against its fp32 reference, the static FP8 module in a CUDA
+graph and W4A16Linear's auto backend (the CUDA C++ kernel's own: tests/kernels/csrc/test_csrc_gpu.py). Run on the
+GPU machine: ``pytest -m gpu tests/kernels/gemm/test_gemm_gpu.py``."""
 
 import pytest
 import torch
@@ -98,43 +99,6 @@ def test_int8_outlier_sd_shapes(M, K, N, epi):
     ours = int8_outlier_linear(x, qw, ws)
     ref32 = int8_outlier_linear_ref(x.float(), qw, ws).float()
     assert_close_rule(ours, ref32, ref32.half(), 2e-2, f"int8 outlier M{M} K{K} N{rows}")
-
-
-# ------------------------------------------------------------------------------------------
-# CUDA C++ cp.async kernels (built on first use)
-# ------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def csrc():
-    from kernels.csrc import build
-
-    return build
-
-
-@pytest.mark.parametrize("M,K,N,epi", SHAPES, ids=IDS)
-def test_csrc_w4a16_sd_shapes(csrc, M, K, N, epi):
-    torch.manual_seed(0)
-    rows = 2 * N if epi == "geglu" else N
-    x = torch.randn(M, K, device=DEV, dtype=torch.float16)
-    w = torch.randn(rows, K, device=DEV) / K**0.5
-    b = torch.randn(rows, device=DEV).half()
-    qw, s, z = quantize_w4(w, 128, scale_dtype=torch.float16)
-    ours = csrc.gemm_w4a16(x, qw, s, z, b, group_size=128)
-    ref32 = w4a16_linear_ref(x.float(), qw, s, z, b.float(), group_size=128).float()
-    lowp = w4a16_linear_ref(x, qw, s, z, b, group_size=128, upcast=False)
-    assert_close_rule(ours, ref32, lowp, 2e-2, f"csrc w4a16 M{M} K{K} N{rows}")
-    triton_out = w4a16_linear(x, qw, s, z, b, group_size=128)
-    assert_close_rule(ours, ref32, triton_out, 2e-2, "csrc vs triton w4a16")
-
-
-def test_csrc_w4a16_edges_and_errors(csrc):
-    x = torch.randn(77, 96, device=DEV, dtype=torch.float16)  # K = 96: groups of 32, N tail
-    qw, s, z = quantize_w4(torch.randn(45, 96, device=DEV), 32, scale_dtype=torch.float16)
-    ours = csrc.gemm_w4a16(x, qw, s, z, group_size=32)
-    ref32 = w4a16_linear_ref(x.float(), qw, s, z, group_size=32).float()
-    assert_close_rule(ours, ref32, ref32.half(), 2e-2, "csrc w4a16 edge")
-    with pytest.raises(ValueError, match="K % 32"):
-        csrc.gemm_w4a16(torch.randn(4, 40, device=DEV).half(), *quantize_w4(torch.randn(8, 40, device=DEV), 16,
-                                                                             scale_dtype=torch.float16), group_size=16)
 
 
 # --------------------------------------------------------------------------------------------

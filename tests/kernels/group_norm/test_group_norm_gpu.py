@@ -1,32 +1,24 @@
-"""GPU tests of the norm family on the real SD shapes (``benchmarks.sd_shapes``): every GroupNorm
-shape of the SD1.5 UNet/VAE at 512² and the SDXL UNet at 1024² in both layouts, the ResNet-block
-fusion, LayerNorm (+ residual) and GEGLU at every transformer shape, bf16/fp32 spot checks, CUDA-graph
-capture and torch.compile. Outputs are allocated by the ops, so the caching allocator is first
-filled with NaN (``_poison_allocator``): an element a kernel forgets to write stays NaN."""
+"""GPU tests of GroupNorm on the real SD shapes (``benchmarks.sd_shapes``): every GroupNorm shape of the SD1.5
+UNet/VAE at 512² and the SDXL UNet at 1024² in both layouts, the ResNet-block fusion, bf16/fp32 spot checks, odd
+latent sides, torch.compile, and one CUDA graph that captures GroupNorm with LayerNorm and GEGLU (the three norm-family
+ops of a transformer block together). Outputs are allocated by the ops, so the caching allocator is first filled with
+NaN (``kernels.testing.poison_allocator``): an element a kernel forgets to write stays NaN. LayerNorm's own GPU tests:
+tests/kernels/norm/test_norm_gpu.py; GEGLU's: tests/kernels/geglu/test_triton_elementwise_gpu.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from benchmarks import sd_shapes
-from kernels.geglu import geglu, geglu_ref
+from kernels.geglu import geglu
 from kernels.group_norm import group_norm, group_norm_ref
-from kernels.norm import layer_norm, layer_norm_ref
-from kernels.testing import assert_close_rule
+from kernels.norm import layer_norm
+from kernels.testing import assert_close_rule, poison_allocator
 
 pytestmark = pytest.mark.gpu
 
 ATOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 5e-5}
-
-
-def _poison_allocator(nbytes: int) -> None:
-    """Fill a freed block of the caching allocator with NaN so the next allocations of that size class
-    start as NaN (fp16/bf16/fp32 NaN bit patterns all come from 0xFF bytes)."""
-    t = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    t.fill_(0xFF)
-    del t
 
 
 def _f32(t):
@@ -49,7 +41,7 @@ def _gn_inputs(shape, dtype, channels_last, *, cb=False, res=False):
 
 
 def _check_gn(x, w, b, cb, r, activation, return_sum, eps):
-    _poison_allocator(4 * x.numel() * x.element_size())
+    poison_allocator(4 * x.numel() * x.element_size())
     out = group_norm(x, 32, w, b, eps, channel_bias=cb, residual=r, activation=activation, return_sum=return_sum)
     ref32 = group_norm_ref(x.float(), 32, _f32(w), _f32(b), eps, channel_bias=_f32(cb), residual=_f32(r),
                            activation=activation, return_sum=return_sum)
@@ -96,49 +88,6 @@ def test_group_norm_odd_spatial(channels_last):
     """Latent sides that are not multiples of 8 (e.g. 520x600 images: 65x75 latents)."""
     x, w, b, cb, r = _gn_inputs((2, 320, 65, 75), torch.float16, channels_last, cb=True, res=True)
     _check_gn(x, w, b, cb, r, "silu", True, 1e-5)
-
-
-@pytest.mark.parametrize("shape", sd_shapes.unique_layer_norm_shapes() + [(2, 77, 768), (2, 77, 1280)],
-                         ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("residual", [False, True], ids=["plain", "add_sum"])
-def test_layer_norm_sd_shapes(shape, residual):
-    g = torch.Generator(device="cuda").manual_seed(0)
-    D = shape[-1]
-    x = (torch.randn(*shape, device="cuda", generator=g) * 2 + 0.5).half()
-    r = torch.randn(*shape, device="cuda", generator=g).half() if residual else None
-    w = (torch.rand(D, device="cuda", generator=g) + 0.5).half()
-    b = torch.randn(D, device="cuda", generator=g).half()
-    _poison_allocator(4 * x.numel() * 2)
-    out = layer_norm(x, w, b, residual=r, return_sum=residual)
-    ref32 = layer_norm_ref(x.float(), w.float(), b.float(), residual=_f32(r), return_sum=residual)
-    lowp = layer_norm_ref(x, w, b, residual=r, return_sum=residual, upcast=False)
-    if not residual:
-        out, ref32, lowp = (out,), (ref32,), (lowp,)
-    for o, r32, lp in zip(out, ref32, lowp):
-        assert_close_rule(o, r32, lp, atol=2e-3)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_layer_norm_other_dtypes_and_long_rows(dtype):
-    for D in (1280, 12000):
-        x = torch.randn(64, D, device="cuda").to(dtype)
-        r = torch.randn(64, D, device="cuda").to(dtype)
-        w, b = torch.rand(D, device="cuda").to(dtype), torch.randn(D, device="cuda").to(dtype)
-        y, s = layer_norm(x, w, b, residual=r, return_sum=True)
-        y32, s32 = layer_norm_ref(x.float(), w.float(), b.float(), residual=r.float(), return_sum=True)
-        yl, sl = layer_norm_ref(x, w, b, residual=r, return_sum=True, upcast=False)
-        assert_close_rule(y, y32, yl, atol=ATOL[dtype])
-        assert_close_rule(s, s32, sl, atol=ATOL[dtype])
-
-
-@pytest.mark.parametrize("shape", sd_shapes.unique_geglu_shapes(), ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_geglu_sd_shapes(shape, dtype):
-    h = (torch.randn(*shape, device="cuda") * 2).to(dtype)
-    _poison_allocator(h.numel() * h.element_size())
-    out = geglu(h)
-    hidden, gate = h.float().chunk(2, dim=-1)
-    assert_close_rule(out, hidden * F.gelu(gate), geglu_ref(h, upcast=False), atol=ATOL[dtype])
 
 
 def test_cuda_graph_capture():

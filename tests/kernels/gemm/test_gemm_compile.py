@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 # Run in a subprocess without TRITON_INTERPRET (conftest sets it for this process, and then
 # @triton.jit gives interpreter functions that cannot be compiled).
