@@ -15,7 +15,7 @@ run_file() {
   local f=$1; shift
   local name; name=$(basename "$f" .py)
   local par=""
-  case $name in test_gemm_gpu|test_norm_gpu|test_sparse24_gpu|test_attention_gpu) par=$xdist ;; esac
+  case $name in test_gemm_gpu|test_group_norm_gpu|test_sparse24_gpu|test_attention_gpu) par=$xdist ;; esac
   python3 -m pytest -m gpu -q -rfEs -p no:cacheprovider $par --junitxml "$out/junit-$name.xml" "$@" "$f" \
     > "$out/tests-$name.log" 2>&1
   echo "$name exit=$? $(tail -n 1 "$out/tests-$name.log")"

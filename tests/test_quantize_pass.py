@@ -2,7 +2,7 @@
 
 One configuration runs the Triton kernels in the interpreter end to end; the others run the kernels'
 references (TRITON_INTERPRET=0 -> the logged dispatch fallback) to keep CI fast: the kernels are
-checked against those references in tests/kernels/test_quant.py."""
+checked against those references in tests/kernels/gemm/test_quant.py."""
 
 import copy
 from dataclasses import dataclass

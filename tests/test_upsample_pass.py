@@ -26,7 +26,7 @@ def test_pass_counts_keeps_output_and_undoes():
         assert n == len(_upsamplers(vae)) + len(_upsamplers(unet)) > 0
         assert upsample.apply(vae) == 0  # already rebound
         ours = vae.decoder(z), unet(sample, 10, ctx).sample
-        # The upsampled values are identical (tests/kernels/test_upsample.py). On the CPU, F.interpolate turns
+        # The upsampled values are identical (tests/kernels/elementwise/test_upsample.py). On the CPU, F.interpolate turns
         # the VAE's channels_last mid-block output into NCHW, the kernel keeps channels_last (as CUDA's
         # F.interpolate does), and the conv after it then rounds differently.
         for o, s in zip(ours, stock):
