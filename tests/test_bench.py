@@ -330,7 +330,7 @@ def test_compressed_presets_run_and_report_their_layers(tmp_path, monkeypatch, c
 
 
 def test_device_time_splits_calls_at_the_flush_marker():
-    from benchmarks.kernel_benches.device_time import MARKER, split_by_marker
+    from benchmarks.ops._timing import MARKER, split_by_marker
 
     flush = f"void at::native::vectorized_elementwise_kernel<4, {MARKER}_kernel_cuda>"
     events = [  # (name, start µs, duration µs), deliberately out of order
