@@ -48,6 +48,7 @@ def test_sweep_writes_the_rows_and_the_table(tmp_path, monkeypatch, capsys):
     assert "| sd15 | 320 | 320 | 64x64 | 7 | 30.0 | 503 | 30.0 | 20.0 | gemm |" in md  # 15.1 GFLOP in 30 µs
     assert "| sd15 | 320 | 320 | 64x64 | 2 | 10.0 | 1510 | 10.0 | 12.0 | cudnn |" in md
     # the faster path per shape: 7 x (30 - 20) µs saved, none where cuDNN is faster
-    assert md.endswith("\n- sd15: the faster of cuDNN and im2col + cuBLAS at every shape would save 70 µs per UNet step\n")
+    assert md.endswith("\n- sd15: the faster of cuDNN and im2col + cuBLAS at every shape would save 70 µs per UNet "
+                       "step\n")
     assert json.loads((tmp_path / "conv.json").read_text())["rows"] == rows
     assert "would save 70 µs" in capsys.readouterr().out
