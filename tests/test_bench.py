@@ -389,7 +389,7 @@ def test_write_sweep_writes_rows_env_and_table(tmp_path):
 @pytest.mark.parametrize("epilogue", [None, "geglu"])
 def test_gemm_benchmark_candidates_run_on_cpu(epilogue):
     """The benchmark's backends (minus cuBLAS-only and CUDA C++ ones) give the product they claim."""
-    from benchmarks.kernel_benches import gemm as bench
+    from benchmarks.ops import gemm as bench
 
     shape = dict(model="t", layer="t", M=20, K=64, N=16, epilogue=epilogue, count=1)
     cands = bench._candidates(shape, "main", {}, device="cpu")
