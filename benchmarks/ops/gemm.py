@@ -36,14 +36,14 @@ A backend that fails on a shape gives a row whose ``note`` starts with ``error:`
 (``cublas_fp16`` always runs: the rows are compared with it). Each row is printed to stderr as it is
 measured, so a run cut short by a time limit still shows what it measured.
 
-``tma``: the TMA linear GEMM's tile configs against cuBLAS (the script ``sweep_linear_tma.py`` before). For each
-projection of the two UNets (``TMA_SHAPES``; fp16, batch 2 with CFG: M tokens, K in, N out, with its bias):
-``cublas`` (``F.linear``) and every config of :func:`tma_grid` of :func:`kernels.gemm.linear_tma.linear_tma`; for
-the 1x1 ``proj_out`` shapes also with the residual: ``cublas`` is then what the engine runs today (``F.linear``
-without bias, then ``bias_residual_add`` on the channels_last residual). Each timed in a CUDA graph
-(``triton.testing.do_bench_cudagraph``, median), checked against ``linear_ref`` (max abs error). ``--only``: the
-shapes whose model contains it. Writes ``DIR/linear_tma.json`` (GPU, versions, date) and ``DIR/linear_tma.md``
-(default ``DIR``: ``out/linear_tma``); prints one line per shape.
+``tma``: the TMA linear GEMM's tile configs against cuBLAS. For each projection of the two UNets (``TMA_SHAPES``;
+fp16, batch 2 with CFG: M tokens, K in, N out, with its bias): ``cublas`` (``F.linear``) and every config of
+:func:`tma_grid` of :func:`kernels.gemm.linear_tma.linear_tma`; for the 1x1 ``proj_out`` shapes also with the
+residual: ``cublas`` is then what the engine runs today (``F.linear`` without bias, then ``bias_residual_add`` on
+the channels_last residual). Each timed in a CUDA graph (``triton.testing.do_bench_cudagraph``, median), checked
+against ``linear_ref`` (max abs error). ``--only``: the shapes whose model contains it. Writes
+``DIR/linear_tma.json`` (GPU, versions, date) and ``DIR/linear_tma.md`` (default ``DIR``: ``out/linear_tma``);
+prints one line per shape.
 """
 
 from __future__ import annotations

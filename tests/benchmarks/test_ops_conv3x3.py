@@ -1,5 +1,5 @@
 """The 3x3 convolution benchmark module (``benchmarks.ops.conv3x3``) on the CPU: one CLI whose ``sweep`` subcommand is
-the script it replaced (``sweep_conv.py``: same ``--out`` / ``--models`` and ``conv.json`` / ``conv.md``), a bad
+the sweep script it replaced (same ``--out`` / ``--models`` and ``conv.json`` / ``conv.md``), a bad
 ``--models`` named, and the table's per-step saving."""
 
 from __future__ import annotations

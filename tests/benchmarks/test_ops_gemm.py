@@ -1,6 +1,6 @@
 """The GEMM benchmark module (``benchmarks.ops.gemm``) on the CPU: one CLI with the subcommands of the two scripts it
-replaced (the kernel suite's gemm section: ``bench``; ``sweep_linear_tma.py``: ``tma``, same ``--out`` / ``--only``
-and ``linear_tma.json`` / ``.md``), the suite still runs its ``gemm`` section from it, and the TMA sweep's shapes and
+replaced (the kernel suite's gemm section: ``bench``; the TMA linear sweep: ``tma``, same ``--out`` / ``--only`` and
+``linear_tma.json`` / ``.md``), the suite still runs its ``gemm`` section from it, and the TMA sweep's shapes and
 table. (The backends' CPU check is ``tests/test_bench.py::test_gemm_benchmark_candidates_run_on_cpu``.)"""
 
 from __future__ import annotations

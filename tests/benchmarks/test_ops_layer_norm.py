@@ -1,5 +1,5 @@
 """The LayerNorm benchmark module (``benchmarks.ops.layer_norm``) on the CPU: one CLI with the subcommands ``bench``
-(the kernel suite's LayerNorm cases) and ``tune`` (the script it replaced, ``tune_layer_norm.py``), and the suite's
+(the kernel suite's LayerNorm cases) and ``tune`` (the tuning script it replaced), and the suite's
 ``norm`` section still runs exactly its LayerNorm cases, beside GroupNorm's and GEGLU's."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The quantization benchmark module (``benchmarks.ops.quant``) on the CPU: one CLI whose ``bench`` subcommand is the
-kernel suite's quant section (``kernel_benches/quant.py`` before), the suite still runs its ``quant`` section from it,
+kernel suite's quant section, the suite still runs its ``quant`` section from it,
 and the methods it quantizes with."""
 
 from __future__ import annotations
