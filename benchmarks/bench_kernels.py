@@ -1,10 +1,12 @@
 """Kernel micro-benchmarks: runs the kernel suite's sections and writes one table.
 
-Each section is a module exposing ``run(quick=False) -> list[dict]``: an op's benchmark module under
-``benchmarks/ops/`` (``attention``, ``sparse``: ``benchmarks.ops.sparse24``) or ``benchmarks.kernel_benches.<name>``
-(see ``SECTIONS``). Rows: whatever the section measures, e.g. op, shape, dtype, backend, µs, GB/s or TFLOP/s,
-and the ceiling it is compared with. Sections are imported lazily, one at a time; a section that is missing
-or raises gives one row with ``error`` filled and the others still run.
+Each section is a module exposing ``run(quick=False) -> list[dict]`` (``SECTIONS``: section -> module): an op's
+benchmark module under ``benchmarks/ops/`` (``attention``, ``gemm``, ``quant``, ``sparse``:
+``benchmarks.ops.sparse24``), and for ``norm`` the machinery that runs GroupNorm's, LayerNorm's and GEGLU's ``bench``
+cases in one table (``benchmarks.ops._vs_eager``). Rows: whatever the section measures, e.g. op, shape, dtype,
+backend, µs, GB/s or TFLOP/s, and the ceiling it is compared with. Sections are imported lazily, one at a time; a
+section whose module is missing or raises gives one row with ``error`` filled and the others still run; a name that
+is not in ``SECTIONS`` is a usage error.
 
     python -m benchmarks.bench_kernels --out benchmarks/results/h200
     python -m benchmarks.bench_kernels --only norm,attention --quick
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import re
 import sys
 import time
 import traceback
@@ -26,19 +27,20 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SECTIONS = {  # section -> its module, in the order the suite runs them
-    "norm": "benchmarks.kernel_benches.norm",
+    "norm": "benchmarks.ops._vs_eager",  # the bench cases of benchmarks.ops.{group_norm,layer_norm,geglu}
     "attention": "benchmarks.ops.attention",
-    "gemm": "benchmarks.kernel_benches.gemm",
-    "quant": "benchmarks.kernel_benches.quant",
+    "gemm": "benchmarks.ops.gemm",
+    "quant": "benchmarks.ops.quant",
     "sparse": "benchmarks.ops.sparse24",
 }
-PACKAGE = "benchmarks.kernel_benches"  # where a section not in SECTIONS is looked for
 MAX_COLUMNS = 12  # printed per section; the CSV/JSON keep every key
 
 
 def section_module(name: str) -> str:
-    """The module that runs section ``name``: ``SECTIONS[name]``, else ``benchmarks.kernel_benches.<name>``."""
-    return SECTIONS.get(name, f"{PACKAGE}.{name}")
+    """The module that runs section ``name`` (``SECTIONS[name]``); KeyError naming it for an unknown section."""
+    if name not in SECTIONS:
+        raise KeyError(f"unknown kernel section {name!r}; one of {', '.join(SECTIONS)}")
+    return SECTIONS[name]
 
 
 def run_section(name: str, *, quick: bool = False) -> list[dict]:
@@ -92,9 +94,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="write kernels.csv/.json/.md here")
     args = p.parse_args(argv)
     names = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else list(SECTIONS)
-    bad = [n for n in names if not re.fullmatch(r"[A-Za-z_]\w*", n)]
-    if bad:
-        p.error(f"section names must be module names, got {bad}")
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        p.error(f"--only: unknown section(s) {', '.join(unknown)}; one of {', '.join(SECTIONS)}")
     env = env_metadata()
     t0 = time.perf_counter()
     rows: list[dict] = []

@@ -46,7 +46,7 @@ for stage in $stages; do
     hostwarm) run hostwarm python3 -m benchmarks.profile_warmup --warm --out "$RAW/hostwarm" ;;
     trace) run trace bash -c "python3 -m benchmarks.trace_e2e --out '$RAW/trace-sd15' \${TRACE_ARGS:-} && python3 -m benchmarks.trace_e2e --model random:sdxl --steps 30 --out '$RAW/trace-sdxl' \${TRACE_ARGS:-}" ;;
     tune) run tune python3 -m benchmarks.ops.group_norm tune --out "$RAW" --budget-s "${T_tune_budget:-200}" ${TUNE_ARGS:-} ;;
-    tuneln) run tuneln python3 -m benchmarks.tune_layer_norm --out "$RAW" ;;
+    tuneln) run tuneln python3 -m benchmarks.ops.layer_norm tune --out "$RAW" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

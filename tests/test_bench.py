@@ -245,12 +245,14 @@ def test_format_helpers():
 
 
 def test_bench_kernels_sections(tmp_path, monkeypatch, capsys):
-    fake = types.ModuleType("benchmarks.kernel_benches.fake_ok")
+    fake = types.ModuleType("benchmarks.ops.fake_ok")
     fake.run = lambda quick=False: [{"op": "group_norm", "shape": "(2, 320, 64, 64)", "us": 12.5, "quick": quick}]
-    bad = types.ModuleType("benchmarks.kernel_benches.fake_bad")
+    bad = types.ModuleType("benchmarks.ops.fake_bad")
     bad.run = lambda quick=False: 1 / 0
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     monkeypatch.setitem(sys.modules, bad.__name__, bad)
+    monkeypatch.setattr(bench_kernels, "SECTIONS", {"fake_ok": fake.__name__, "fake_bad": bad.__name__,
+                                                    "does_not_exist": "benchmarks.ops.does_not_exist"})
     assert bench_kernels.main(["--only", "fake_ok,fake_bad,does_not_exist", "--quick", "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     assert "### fake_ok" in text and "| group_norm | (2, 320, 64, 64) | 12.5 | yes |" in text
@@ -263,13 +265,17 @@ def test_bench_kernels_sections(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "kernels.csv").read_text().startswith("section,")
     # only broken sections: exit code 1
     assert bench_kernels.main(["--only", "fake_bad"]) == 1
+    # a name that is not a section: a usage error naming it
+    with pytest.raises(SystemExit) as e:
+        bench_kernels.main(["--only", "fake_ok,nope"])
+    assert e.value.code == 2 and "unknown section(s) nope" in capsys.readouterr().err
 
 
 def test_bench_kernels_keeps_finished_sections_when_killed(tmp_path, monkeypatch):
     """A stage time limit kills the process mid-section: what the finished sections measured is on disk."""
-    fake = types.ModuleType("benchmarks.kernel_benches.fake_done")
+    fake = types.ModuleType("benchmarks.ops.fake_done")
     fake.run = lambda quick=False: [{"op": "layer_norm", "us": 3.0}]
-    killed = types.ModuleType("benchmarks.kernel_benches.fake_killed")
+    killed = types.ModuleType("benchmarks.ops.fake_killed")
 
     def run(quick=False):
         raise SystemExit(124)  # as if `timeout` ended the process here
@@ -277,6 +283,7 @@ def test_bench_kernels_keeps_finished_sections_when_killed(tmp_path, monkeypatch
     killed.run = run
     monkeypatch.setitem(sys.modules, fake.__name__, fake)
     monkeypatch.setitem(sys.modules, killed.__name__, killed)
+    monkeypatch.setattr(bench_kernels, "SECTIONS", {"fake_done": fake.__name__, "fake_killed": killed.__name__})
     with pytest.raises(SystemExit):
         bench_kernels.main(["--only", "fake_done,fake_killed", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "kernels.json").read_text())["rows"]
@@ -330,7 +337,7 @@ def test_compressed_presets_run_and_report_their_layers(tmp_path, monkeypatch, c
 
 
 def test_device_time_splits_calls_at_the_flush_marker():
-    from benchmarks.kernel_benches.device_time import MARKER, split_by_marker
+    from benchmarks.ops._timing import MARKER, split_by_marker
 
     flush = f"void at::native::vectorized_elementwise_kernel<4, {MARKER}_kernel_cuda>"
     events = [  # (name, start µs, duration µs), deliberately out of order
@@ -382,7 +389,7 @@ def test_write_sweep_writes_rows_env_and_table(tmp_path):
 @pytest.mark.parametrize("epilogue", [None, "geglu"])
 def test_gemm_benchmark_candidates_run_on_cpu(epilogue):
     """The benchmark's backends (minus cuBLAS-only and CUDA C++ ones) give the product they claim."""
-    from benchmarks.kernel_benches import gemm as bench
+    from benchmarks.ops import gemm as bench
 
     shape = dict(model="t", layer="t", M=20, K=64, N=16, epilogue=epilogue, count=1)
     cands = bench._candidates(shape, "main", {}, device="cpu")

@@ -7,7 +7,7 @@
 ``bench``: the activation kernel (:func:`kernels.geglu.geglu`) at every GEGLU input SD runs
 (``benchmarks.sd_shapes.GEGLU_SITES``; fp16), against eager PyTorch (diffusers' ``a * F.gelu(g)``) and
 ``torch.compile`` of it. These are the ``geglu`` rows of the ``norm`` section of ``benchmarks.bench_kernels`` (same
-timing machinery: ``benchmarks.kernel_benches.norm``, whose docstring lists the columns), written here to
+timing machinery: ``benchmarks.ops._vs_eager``, whose docstring lists the columns), written here to
 ``geglu_bench.json`` / ``.md`` in ``--out``.
 
 ``sweep``: the activation kernel's tile configs. For each (M rows, 2D input columns) of the UNets' feed-forwards
@@ -84,13 +84,13 @@ def make_bench_case(case: dict, device="cuda", dtype=None):
 
 
 def bench(args) -> int:
-    """The ``bench`` subcommand: the kernel suite's machinery (``benchmarks.kernel_benches.norm.run``) on the
+    """The ``bench`` subcommand: the kernel suite's machinery (``benchmarks.ops._vs_eager.run``) on the
     GEGLU cases only."""
-    from benchmarks.kernel_benches import norm
+    from benchmarks.ops import _vs_eager
     from benchmarks.report import env_metadata, markdown_table, write_json
 
-    rows = norm.run(args.quick, compile=False if args.no_compile else None, cases_fn=bench_cases)
-    cols = [c for c in norm.LEAD_COLUMNS if any(r.get(c) is not None for r in rows)]
+    rows = _vs_eager.run(args.quick, compile=False if args.no_compile else None, cases_fn=bench_cases)
+    cols = [c for c in _vs_eager.LEAD_COLUMNS if any(r.get(c) is not None for r in rows)]
     md = ["# GEGLU activation (fp16)", "", markdown_table(rows, cols)]
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)

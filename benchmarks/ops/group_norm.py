@@ -8,7 +8,7 @@
 ``group_norm_silu`` / ``group_norm`` (the site's own pattern) and ``bias_res_group_norm_silu`` (the ResNet block's
 ``norm2(conv1 + temb)`` with the next block's residual add, returning the sum, on the UNet ResNet shapes of 32x32
 and up), against eager PyTorch and ``torch.compile`` of it. These are the GroupNorm rows of the ``norm`` section of
-``benchmarks.bench_kernels`` (same timing machinery: ``benchmarks.kernel_benches.norm``, whose docstring lists the
+``benchmarks.bench_kernels`` (same timing machinery: ``benchmarks.ops._vs_eager``, whose docstring lists the
 columns), written here to ``group_norm_bench.json`` / ``.md`` in ``--out``. Targets (issue 3): >= 0.70 of the copy
 ceiling on shapes of at least 8 MB; ``group_norm_silu`` (2, 320, 64, 64) fp16 <= 8 µs in both layouts, judged on
 the device time (``kernel_us``).
@@ -16,7 +16,7 @@ the device time (``kernel_us``).
 ``tune``: the Triton planner's knobs (``kernels.group_norm.plan.TUNING``). For each shape of ``TUNE_SHAPES``
 (fp16, GroupNorm+SiLU, 32 groups, NCHW and NHWC) it times the default plan, then walks the knobs one at a time
 (coordinate descent: each value of a knob with the others at the best so far) and keeps what is faster. Timing is
-GPU time from the profiler's trace, L2 flushed before each call (``kernel_benches.device_time``, the bench's
+GPU time from the profiler's trace, L2 flushed before each call (``benchmarks.ops._timing``, the bench's
 ``kernel_us``); ``copy`` times ``y.copy_(x)`` of the same tensor the same way, the floor for moving those bytes
 once. Rows go to ``DIR/tune_group_norm.json`` after every shape. The winning values are read from the rows and put
 into the planner by hand (with a test), never loaded at run time.
@@ -122,13 +122,13 @@ def make_bench_case(case: dict, device="cuda", dtype=None):
 
 
 def bench(args) -> int:
-    """The ``bench`` subcommand: the kernel suite's machinery (``benchmarks.kernel_benches.norm.run``) on the
+    """The ``bench`` subcommand: the kernel suite's machinery (``benchmarks.ops._vs_eager.run``) on the
     GroupNorm cases only."""
-    from benchmarks.kernel_benches import norm
+    from benchmarks.ops import _vs_eager
     from benchmarks.report import env_metadata, markdown_table, write_json
 
-    rows = norm.run(args.quick, compile=False if args.no_compile else None, cases_fn=bench_cases)
-    cols = [c for c in norm.LEAD_COLUMNS if any(r.get(c) is not None for r in rows)]
+    rows = _vs_eager.run(args.quick, compile=False if args.no_compile else None, cases_fn=bench_cases)
+    cols = [c for c in _vs_eager.LEAD_COLUMNS if any(r.get(c) is not None for r in rows)]
     md = ["# GroupNorm (fp16)", "", markdown_table(rows, cols)]
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
@@ -163,9 +163,7 @@ KNOBS = {
 
 
 def _device_us(fn) -> float:
-    from benchmarks.kernel_benches.device_time import (
-        device_time_us,  # GPU time, L2 flushed before each call
-    )
+    from benchmarks.ops._timing import device_time_us  # GPU time, L2 flushed before each call
 
     return device_time_us(fn)
 
@@ -290,7 +288,7 @@ def _graph_us(fn) -> float:
 def _cluster_case(shape, eps, silu, fused) -> dict:
     import torch
 
-    from benchmarks.kernel_benches.device_time import device_time_us
+    from benchmarks.ops._timing import device_time_us
     from kernels import select
     from kernels.group_norm import cluster as group_norm_cluster
     from kernels.group_norm import group_norm
@@ -336,7 +334,7 @@ def _sweep(shape, nchw: bool = False) -> list[dict]:
     itself each time, checked against the Triton kernels."""
     import torch
 
-    from benchmarks.kernel_benches.device_time import device_time_us
+    from benchmarks.ops._timing import device_time_us
     from kernels import select
     from kernels.group_norm import cluster as gc
     from kernels.group_norm import group_norm

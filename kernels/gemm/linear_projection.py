@@ -23,7 +23,7 @@ from kernels.gemm._common import aligned16, misaligned
 from kernels.gemm.linear_tma import CONFIGS as TILES
 from kernels.gemm.linear_tma import LinearTile, linear_tma, shape_problem, unsupported
 
-CONFIGS = TILES[:2]  # the per-tile winners of benchmarks/sweep_linear_tma.py (kernels.gemm.linear_tma.CONFIGS)
+CONFIGS = TILES[:2]  # the per-tile winners of benchmarks.ops.gemm's tma sweep (kernels.gemm.linear_tma.CONFIGS)
 
 TUNING = {
     "configs": CONFIGS,  # the TMA candidates measured per signature

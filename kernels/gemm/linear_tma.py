@@ -41,7 +41,7 @@ class LinearTile:
     persistent: bool = True
 
 
-# The sweep's winners where the kernel beat cuBLAS (benchmarks/sweep_linear_tma.py on sm_90: SD1.5's
+# The sweep's winners where the kernel beat cuBLAS (`python -m benchmarks.ops.gemm tma` on sm_90: SD1.5's
 # 320- and 640-wide projections): per-tile grids of 4 warps, measured per shape by linear_projection; and the
 # persistent 128x64 tile (never the fastest there), kept for the tests of the persistent walk.
 CONFIGS = (

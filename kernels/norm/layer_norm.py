@@ -198,9 +198,9 @@ def _p2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-# Tuning knobs (read at call time; benchmarks/tune_layer_norm.py times them on the GPU). At SD's shapes these defaults
-# have the lowest total of its configs (sm_90); holding a row as two power-of-two chunks (640 = 512 + 128, no idle
-# lanes) measured slower than one padded chunk, and was dropped.
+# Tuning knobs (read at call time; `python -m benchmarks.ops.layer_norm tune` times them on the GPU). At SD's shapes
+# these defaults have the lowest total of its configs (sm_90); holding a row as two power-of-two chunks
+# (640 = 512 + 128, no idle lanes) measured slower than one padded chunk, and was dropped.
 _TUNING = {
     "tile_elems": 4096,  # padded elements per program: ROWS = tile_elems // BLOCK_D
     "warps_per_4k": 4,  # warps per 4096 elements of tile (at least 4, at most 16)

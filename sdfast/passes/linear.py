@@ -5,7 +5,7 @@ SD 1.x's 1x1 ``proj_in`` / ``proj_out`` (which ``sdfast.passes.layout`` runs as 
 through :func:`kernels.gemm.linear_projection.linear_projection`: per call signature, the faster of cuBLAS and the
 TMA GEMM of :mod:`kernels.gemm.linear_tma`, measured at warm-up. ``proj_out`` then also takes its bias and the
 residual in the GEMM's epilogue. Larger K stays on cuBLAS without measuring (it won every such shape of
-``benchmarks/sweep_linear_tma.py`` on sm_90).
+``python -m benchmarks.ops.gemm tma`` on sm_90).
 
 Per instance and reversible: ``nn.Linear`` modules get their own forward (what the kernel cannot take, e.g. fp32,
 autocast or gradients, runs ``nn.Linear.forward``), ``Transformer2DModel`` instances a marker that the layout pass's

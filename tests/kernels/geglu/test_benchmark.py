@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from benchmarks import sd_shapes
-from benchmarks.kernel_benches import norm
+from benchmarks.ops import _vs_eager
 from benchmarks.ops import geglu as bench
 
 
@@ -16,7 +16,7 @@ from benchmarks.ops import geglu as bench
 def test_the_norm_section_runs_the_geglu_cases(quick):
     cases = bench.bench_cases(quick)
     assert [c["shape"] for c in cases] == [shape for _, shape in sd_shapes.GEGLU_SITES]
-    assert [c for c in norm.cases(quick) if c["op"] in bench.BENCH_OPS] == norm.sort_cases(cases)
+    assert [c for c in _vs_eager.cases(quick) if c["op"] in bench.BENCH_OPS] == _vs_eager.sort_cases(cases)
 
 
 def test_cli_subcommands(capsys):

@@ -1,7 +1,11 @@
-"""UNet-level quantization: each method of ``sdfast.passes.quantize`` on the real SD1.5 / SDXL UNet
-architectures with seeded random weights (fp16, batch 2 = batch 1 with CFG; GPU only).
+"""Quantized linears at UNet level, one CLI (GPU only; nothing runs at import):
 
-``run(quick=False) -> list[dict]`` (GPU only; nothing at import). One row per (model, method):
+    python -m benchmarks.ops.quant bench [--quick] [--out DIR]
+
+``bench``: each method of ``sdfast.passes.quantize`` on the real SD1.5 / SDXL UNet architectures with seeded random
+weights (fp16, batch 2 = batch 1 with CFG); the ``quant`` section of ``benchmarks.bench_kernels`` (``run``), written
+here to ``quant_bench.json`` / ``.md`` in ``--out``. (The quantized GEMM kernels alone, per linear shape, are rows of
+``python -m benchmarks.ops.gemm bench``.) One row per (model, method):
 
 - ``ms_step``: one UNet forward replayed in a CUDA graph (median of 20 replays; stock diffusers UNet with
   SDPA attention and only the quantization pass applied, so the other sdfast passes are not in it);
@@ -22,14 +26,22 @@ threshold 6). A method that fails gives a row whose ``note`` starts with ``error
 
 from __future__ import annotations
 
+import argparse
 import copy
+import sys
 import time
+from pathlib import Path
 
-import torch
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+_LEAD = ("model", "method", "ms_step", "x_fp16", "weight_ratio", "psnr_db", "rel_err", "quantized", "skipped_shape",
+         "quantize_s", "note")
 
 
 def _build_unet(model: str):
     import diffusers
+    import torch
 
     from sdfast.architectures import get_architecture
 
@@ -46,6 +58,8 @@ def _build_unet(model: str):
 
 
 def _inputs(unet, model: str, seed: int, t: int) -> dict:
+    import torch
+
     g = torch.Generator(device="cuda").manual_seed(seed)
     side = 128 if model == "sdxl" else 64
     cross = unet.config.cross_attention_dim
@@ -60,6 +74,8 @@ def _inputs(unet, model: str, seed: int, t: int) -> dict:
 
 
 def _graph_ms(unet, inputs: dict, reps: int = 20) -> float:
+    import torch
+
     with torch.no_grad():
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
@@ -86,6 +102,8 @@ def _graph_ms(unet, inputs: dict, reps: int = 20) -> float:
 
 
 def _methods(model: str, quick: bool) -> list[tuple[str, object]]:
+    import torch
+
     from sdfast.passes.quantize import Int8OutlierConfig, W4A16Config, W8A8Config
 
     m = [("w8a8_int8", W8A8Config(alpha=0.5))]
@@ -103,6 +121,7 @@ def _methods(model: str, quick: bool) -> list[tuple[str, object]]:
 
 
 def _meta() -> dict:
+    import torch
     import triton
 
     return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
@@ -110,7 +129,10 @@ def _meta() -> dict:
 
 
 def run(quick: bool = False) -> list[dict]:
-    """Quantize the SD1.5 (and, unless ``quick``, SDXL) UNet with each method; returns rows."""
+    """The ``quant`` section of the kernel suite: quantize the SD1.5 (and, unless ``quick``, SDXL) UNet with each
+    method; returns rows (see the module docstring); one skip row without CUDA."""
+    import torch
+
     if not torch.cuda.is_available():
         return [{"bench": "quant", "note": "skipped: needs a CUDA GPU"}]
     from sdfast.passes.quantize import quantize_
@@ -162,4 +184,30 @@ def run(quick: bool = False) -> list[dict]:
     return rows
 
 
-__all__ = ["run"]
+def bench(args) -> int:
+    """The ``bench`` subcommand (see the module docstring)."""
+    from benchmarks.report import env_metadata, markdown_table, write_json
+
+    rows = run(args.quick)
+    md = "\n".join(["# Quantized UNet (fp16 base, batch 2)", "", markdown_table(rows, _LEAD)])
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_json(args.out / "quant_bench.json", {"env": env_metadata(), "rows": rows})
+        (args.out / "quant_bench.md").write_text(md + "\n")
+    print(md)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.ops.quant", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("bench", help="each quantization method on the SD1.5 / SDXL UNet: speed, bytes, error")
+    p.add_argument("--quick", action="store_true", help="SD1.5 only, the four main methods")
+    p.add_argument("--out", type=Path, default=None, help="write quant_bench.json/.md here")
+    p.set_defaults(fn=bench)
+    args = ap.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

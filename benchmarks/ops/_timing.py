@@ -1,4 +1,6 @@
-"""GPU time of one call, from the profiler's CUPTI trace: what the kernels themselves take, without the host
+"""The ops benchmarks' device timer (``benchmarks.ops.*``).
+
+GPU time of one call, from the profiler's CUPTI trace: what the kernels themselves take, without the host
 launch latency that event timing of a single short launch adds (a few µs per graph replay: more than a 10 MB copy
 takes at the memory bandwidth).
 

@@ -1,19 +1,24 @@
-"""The paths of a 3x3 convolution against cuDNN, at SD1.5's and SDXL's 3x3 convolution shapes (GPU).
+"""3x3 convolution benchmarks, one CLI (GPU only; nothing runs at import):
 
-    python -m benchmarks.sweep_conv [--out DIR] [--models sd15,sdxl]
+    python -m benchmarks.ops.conv3x3 sweep [--out DIR] [--models sd15,sdxl]
 
-For each row of ``benchmarks.sd_shapes.SD_CONV3X3_SHAPES`` (fp16, batch 2, channels_last, no bias: as the UNet's
-ResNet blocks run them): cuDNN (``F.conv2d``), cuDNN after ``torch.backends.cudnn.benchmark`` picked its fastest
-engine, im2col + cuBLAS (``kernels.conv.conv3x3.gemm_conv3x3``), what ``kernels.conv.conv3x3``'s measured choice
-picks, each timed in a CUDA graph (``triton.testing.do_bench_cudagraph``, median) and checked against the fp32
-``F.conv2d`` (max abs error, cuDNN's beside it). Writes ``DIR/conv.json`` (with the GPU, versions and date) and ``DIR/conv.md``;
-prints one line per shape.
+``sweep``: the paths of a 3x3 convolution against cuDNN, at SD1.5's and SDXL's 3x3 convolution shapes. For each row
+of ``benchmarks.sd_shapes.SD_CONV3X3_SHAPES`` (fp16, batch 2, channels_last, no bias: as the UNet's ResNet blocks
+run them): cuDNN (``F.conv2d``), cuDNN after ``torch.backends.cudnn.benchmark`` picked its fastest engine, im2col +
+cuBLAS (``kernels.conv.conv3x3.gemm_conv3x3``), what ``kernels.conv.conv3x3``'s measured choice picks (from
+``kernels.select.decisions()``), each timed in a CUDA graph (``triton.testing.do_bench_cudagraph``, median) and
+checked against the fp32 ``F.conv2d`` (max abs error, cuDNN's beside it). Writes ``DIR/conv.json`` (with the GPU,
+versions and date) and ``DIR/conv.md``; prints one line per shape.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def _time(fn) -> float:
@@ -22,13 +27,14 @@ def _time(fn) -> float:
     return do_bench_cudagraph(fn, rep=30) * 1e3
 
 
-def run(models=("sd15", "sdxl")) -> list[dict]:
+def sweep_rows(models=("sd15", "sdxl")) -> list[dict]:
+    """The ``sweep`` subcommand's rows, one per shape of ``models`` (see the module docstring)."""
     import torch
     import torch.nn.functional as F
 
+    from benchmarks.sd_shapes import SD_CONV3X3_SHAPES
     from kernels import select
     from kernels.conv import conv3x3 as cv
-    from benchmarks.sd_shapes import SD_CONV3X3_SHAPES
 
     rows = []
     cl = torch.channels_last
@@ -76,18 +82,36 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(out) + "\n"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=None)
-    ap.add_argument("--models", default="sd15,sdxl")
-    args = ap.parse_args(argv)
-    rows = run(tuple(args.models.split(",")))
+def sweep(args) -> int:
+    """The ``sweep`` subcommand (see the module docstring)."""
+    rows = sweep_rows(tuple(args.models))
     print(markdown(rows))
     if args.out:
         from benchmarks.report import write_sweep
 
         write_sweep(args.out, "conv", rows, markdown(rows))
     return 0
+
+
+def models() -> list[str]:
+    """The models of ``SD_CONV3X3_SHAPES``, in table order."""
+    from benchmarks.sd_shapes import SD_CONV3X3_SHAPES
+
+    return list(dict.fromkeys(m for m, *_ in SD_CONV3X3_SHAPES))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.ops.conv3x3", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("sweep", help="cuDNN, cuDNN benchmark mode, im2col + cuBLAS and the choice at SD's shapes")
+    p.add_argument("--out", type=Path, default=None, help="write conv.json/.md here")
+    p.add_argument("--models", default="sd15,sdxl", help=f"comma list of {','.join(models())}")
+    p.set_defaults(fn=sweep)
+    args = ap.parse_args(argv)
+    raw, args.models = args.models, [m.strip() for m in args.models.split(",") if m.strip()]
+    if not args.models or any(m not in models() for m in args.models):
+        p.error(f"--models must be a comma list of {', '.join(models())}, got {raw!r}")
+    return args.fn(args)
 
 
 if __name__ == "__main__":

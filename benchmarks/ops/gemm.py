@@ -1,6 +1,11 @@
-"""GEMM kernels at every SD1.5 / SDXL UNet linear shape (fp16 activations; GPU only).
+"""GEMM benchmarks (``kernels/gemm/``), one CLI (GPU only; nothing runs at import):
 
-``run(quick=False) -> list[dict]`` (GPU only; nothing runs at import). One row per (shape, backend):
+    python -m benchmarks.ops.gemm bench [--quick] [--out DIR]
+    python -m benchmarks.ops.gemm tma [--out DIR] [--only sd15]
+
+``bench``: the GEMM kernels at every SD1.5 / SDXL UNet linear shape (``benchmarks.sd_shapes.SD_LINEAR_SHAPES``;
+fp16 activations), the ``gemm`` section of ``benchmarks.bench_kernels`` (``run``), written here to
+``gemm_bench.json`` / ``.md`` in ``--out``. One row per (shape, backend):
 
 - ``cublas_fp16``: ``F.linear(x, W, b)`` (for GEGLU shapes the 2N-row GEMM alone, no activation).
 - ``cublas_fp16+geglu_eager`` (GEGLU shapes): ``F.linear`` then ``chunk`` + ``gelu`` + ``mul`` as diffusers runs it.
@@ -30,23 +35,41 @@ A backend that fails on a shape gives a row whose ``note`` starts with ``error:`
 ``SDFAST_GEMM_BACKENDS`` (environment, a regular expression): only backends whose name matches it run
 (``cublas_fp16`` always runs: the rows are compared with it). Each row is printed to stderr as it is
 measured, so a run cut short by a time limit still shows what it measured.
+
+``tma``: the TMA linear GEMM's tile configs against cuBLAS. For each projection of the two UNets (``TMA_SHAPES``;
+fp16, batch 2 with CFG: M tokens, K in, N out, with its bias): ``cublas`` (``F.linear``) and every config of
+:func:`tma_grid` of :func:`kernels.gemm.linear_tma.linear_tma`; for the 1x1 ``proj_out`` shapes also with the
+residual: ``cublas`` is then what the engine runs today (``F.linear`` without bias, then ``bias_residual_add`` on
+the channels_last residual). Each timed in a CUDA graph (``triton.testing.do_bench_cudagraph``, median), checked
+against ``linear_ref`` (max abs error). ``--only``: the shapes whose model contains it. Writes
+``DIR/linear_tma.json`` (GPU, versions, date) and ``DIR/linear_tma.md`` (default ``DIR``: ``out/linear_tma``);
+prints one line per shape.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import sys
 import threading
 import time
+from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import torch.nn.functional as F
+if TYPE_CHECKING:
+    import torch
+
+if __package__ in (None, ""):  # run as a script: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 PEAK_TFLOPS = 739.0  # dense fp16 matmul ceiling measured with torch.matmul on the benchmark's GPU (sm_90)
 _LEAD = ("bench", "model", "layer", "M", "K", "N", "backend", "us", "tflops", "x_cublas", "us_eager", "rel_err", "note")
 
 
+# --------------------------------------------------------------------------------------------
+# bench: every backend at SD's linear shapes
+# --------------------------------------------------------------------------------------------
 def _row(meta: dict, **fields) -> dict:
     row = {k: fields.pop(k, None) for k in _LEAD}
     row.update(fields)
@@ -55,6 +78,7 @@ def _row(meta: dict, **fields) -> dict:
 
 
 def _meta() -> dict:
+    import torch
     import triton
 
     return dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda,
@@ -62,6 +86,7 @@ def _meta() -> dict:
 
 
 def _bench(fn, quick: bool) -> tuple[float | None, float | None, str | None]:
+    import torch
     from triton.testing import do_bench, do_bench_cudagraph
 
     fn()  # autotune / first-call work outside the timed region and the graph capture
@@ -99,6 +124,9 @@ def _candidates(shape: dict, phase: str, csrc_state: dict, device: str = "cuda")
 
     ``phase="main"``: everything but the CUDA C++ kernels; ``phase="csrc"``: those (run last, after the
     background build, so the build overlaps the main phase)."""
+    import torch
+    import torch.nn.functional as F
+
     from kernels.gemm.int8_outlier import int8_outlier_linear
     from kernels.gemm.w4a16 import quantize_w4, w4a16_linear
     from kernels.gemm.w8a8 import quantize_per_token, quantize_weight_per_channel, w8a8_gemm, w8a8_linear
@@ -172,6 +200,8 @@ def _tensorwise_fp8(x: torch.Tensor, w32: torch.Tensor, b: torch.Tensor) -> dict
     """``torch._scaled_mm`` with one static scale per tensor (activation scale from calibration, as
     TensorRT's FP8 SD recipes do), on activations already in E4M3 (a producer kernel would write them):
     the GEMM alone, with and without cuBLASLt's fast (non-promoted) fp8 accumulation."""
+    import torch
+
     f8 = torch.float8_e4m3fn
     sa = (x.float().abs().amax() / 448.0).reshape(())
     sw = (w32.abs().amax() / 448.0).reshape(())
@@ -212,7 +242,10 @@ def _selected(cands: dict) -> dict:
 
 
 def run(quick: bool = False) -> list[dict]:
-    """Benchmark every backend at every shape; returns rows (see the module docstring)."""
+    """The ``gemm`` section of the kernel suite: every backend at every shape; returns rows (see the module
+    docstring); one skip row without CUDA."""
+    import torch
+
     if not torch.cuda.is_available():
         return [_row({}, bench="gemm", note="skipped: needs a CUDA GPU")]
     meta = _meta()
@@ -282,4 +315,138 @@ def run(quick: bool = False) -> list[dict]:
     return rows
 
 
-__all__ = ["run"]
+def bench(args) -> int:
+    """The ``bench`` subcommand (see the module docstring)."""
+    from benchmarks.report import env_metadata, markdown_table, write_json
+
+    rows = run(args.quick)
+    md = "\n".join(["# GEMM backends (fp16 activations)", "", markdown_table(rows, _LEAD)])
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        write_json(args.out / "gemm_bench.json", {"env": env_metadata(), "rows": rows})
+        (args.out / "gemm_bench.md").write_text(md + "\n")
+    print(md)
+    return 0
+
+
+# --------------------------------------------------------------------------------------------
+# tma: the TMA linear GEMM's tile configs against cuBLAS
+# --------------------------------------------------------------------------------------------
+# (model, name, M, K, N, residual, count per UNet step)
+TMA_SHAPES = (
+    ("sd15", "l0 proj/out/q", 8192, 320, 320, False, 21), ("sd15", "l0 qkv", 8192, 320, 960, False, 5),
+    ("sd15", "l0 ff.out", 8192, 1280, 320, False, 5), ("sd15", "l0 proj_out+res", 8192, 320, 320, True, 5),
+    ("sd15", "l1 proj/out/q", 2048, 640, 640, False, 21), ("sd15", "l1 qkv", 2048, 640, 1920, False, 5),
+    ("sd15", "l1 ff.out", 2048, 2560, 640, False, 5), ("sd15", "l1 proj_out+res", 2048, 640, 640, True, 5),
+    ("sd15", "l2 proj/out/q", 512, 1280, 1280, False, 21), ("sd15", "l2 qkv", 512, 1280, 3840, False, 5),
+    ("sd15", "l2 ff.out", 512, 5120, 1280, False, 5),
+    ("sdxl", "l1 out/q", 8192, 640, 640, False, 30), ("sdxl", "l1 qkv", 8192, 640, 1920, False, 10),
+    ("sdxl", "l1 ff.out", 8192, 2560, 640, False, 10),
+    ("sdxl", "l2 out/q", 2048, 1280, 1280, False, 130), ("sdxl", "l2 qkv", 2048, 1280, 3840, False, 70),
+    ("sdxl", "l2 ff.out", 2048, 5120, 1280, False, 70),
+)
+
+
+def tma_grid():
+    """The tile configs timed: 8 tiles (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps), persistent or one program
+    per tile."""
+    from kernels.gemm.linear_tma import LinearTile
+
+    tiles = [(128, 64, 64, 3, 4), (128, 64, 64, 4, 4), (128, 128, 64, 3, 8), (128, 128, 64, 4, 4), (64, 128, 64, 3, 4),
+             (64, 64, 64, 4, 4), (256, 64, 64, 3, 8), (128, 256, 64, 3, 8)]
+    return [LinearTile(*t, persistent=p) for t in tiles for p in (True, False)]
+
+
+def _graph_us(fn) -> float:
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=40) * 1e3
+
+
+def tma_rows(only: str | None = None) -> list[dict]:
+    """The ``tma`` subcommand's rows, one per shape of ``TMA_SHAPES`` whose model contains ``only``."""
+    import torch
+    import torch.nn.functional as F
+
+    from kernels.elementwise import bias_residual_add
+    from kernels.gemm.linear_tma import linear_ref, linear_tma
+
+    rows = []
+    for model, name, m, k, n, residual, count in TMA_SHAPES:
+        if only and only not in model:
+            continue
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(m, k, device="cuda", dtype=torch.float16, generator=g)
+        w = (torch.randn(n, k, device="cuda", generator=g) / k**0.5).half()
+        b = (torch.randn(n, device="cuda", generator=g) * 0.1).half()
+        r = torch.randn(m, n, device="cuda", dtype=torch.float16, generator=g) if residual else None
+        ref = linear_ref(x, w, b, r).float()
+        row = dict(model=model, layer=name, M=m, K=k, N=n, residual=residual, count=count)
+        if residual:  # the engine's path: bias-free GEMM, then bias + residual in one pass over NHWC memory
+            hw = int((m // 2) ** 0.5)
+            r4 = r.view(2, hw, hw, n).permute(0, 3, 1, 2)
+
+            def cublas():
+                return bias_residual_add(F.linear(x, w).view(2, hw, hw, n).permute(0, 3, 1, 2), b, r4)
+            row["cublas_err"] = float((cublas().permute(0, 2, 3, 1).reshape(m, n).float() - ref).abs().max())
+        else:
+            def cublas():
+                return F.linear(x, w, b)
+            row["cublas_err"] = float((cublas().float() - ref).abs().max())
+        row["cublas_us"] = _graph_us(cublas)
+        row["configs"] = {}
+        for c in tma_grid():
+            try:
+                err = float((linear_tma(x, w, b, r, c).float() - ref).abs().max())
+                row["configs"][str(c)] = dict(us=_graph_us(lambda c=c: linear_tma(x, w, b, r, c)), err=err)
+            except Exception as e:  # noqa: BLE001 - recorded: a config that does not compile or fit here
+                row["configs"][str(c)] = dict(us=None, error=f"{type(e).__name__}: {str(e)[:200]}")
+        ok = {cfg: v["us"] for cfg, v in row["configs"].items() if v.get("us")}
+        row["best"] = min(ok, key=ok.get) if ok else None
+        row["best_us"] = ok[row["best"]] if ok else None
+        rows.append(row)
+        print(f"{model} {name} M={m} K={k} N={n}: cuBLAS {row['cublas_us']:.2f} us, best TMA "
+              f"{row['best_us'] and round(row['best_us'], 2)} us {row['best']}", flush=True)
+    return rows
+
+
+def tma_markdown(rows: list[dict]) -> str:
+    out = ["| model | layer | M | K | N | cuBLAS µs | best TMA µs | TMA / cuBLAS | config | x per step |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        ratio = r["best_us"] / r["cublas_us"] if r["best_us"] else None
+        out.append(f"| {r['model']} | {r['layer']} | {r['M']} | {r['K']} | {r['N']} | {r['cublas_us']:.2f} | "
+                   f"{r['best_us'] and round(r['best_us'], 2)} | {ratio and round(ratio, 2)} | {r['best']} | {r['count']} |")
+    return "\n".join(out)
+
+
+def tma(args) -> int:
+    """The ``tma`` subcommand (see the module docstring)."""
+    from benchmarks.report import write_sweep
+
+    rows = tma_rows(args.only)
+    print(tma_markdown(rows))
+    write_sweep(args.out, "linear_tma", rows, tma_markdown(rows))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.ops.gemm", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("bench", help="every GEMM backend (fp16, 8-bit, 4-bit) at SD's linear shapes")
+    p.add_argument("--quick", action="store_true", help="4 shapes, fewer repetitions")
+    p.add_argument("--out", type=Path, default=None, help="write gemm_bench.json/.md here")
+    p.set_defaults(fn=bench)
+    tp = sub.add_parser("tma", help="the TMA linear GEMM's tile configs against cuBLAS at SD's linear shapes")
+    tp.add_argument("--out", default="out/linear_tma", help="write linear_tma.json/.md here (default: %(default)s)")
+    tp.add_argument("--only", default=None, help="sd15 or sdxl: the shapes whose model contains it")
+    tp.set_defaults(fn=tma)
+    args = ap.parse_args(argv)
+    models = list(dict.fromkeys(m for m, *_ in TMA_SHAPES))
+    if args.command == "tma" and args.only is not None and not any(args.only in m for m in models):
+        tp.error(f"--only {args.only!r} matches no model of TMA_SHAPES ({', '.join(models)})")
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,8 +1,10 @@
-"""Norm-family kernels at every GroupNorm / LayerNorm / GEGLU shape SD actually runs (fp16; GPU only).
+"""The kernel suite's ``norm`` section: the memory-bound ops (GroupNorm, LayerNorm, GEGLU) at every shape SD runs,
+against eager PyTorch and ``torch.compile`` (fp16; GPU only), and the timing machinery their ``bench`` subcommands
+share.
 
-The GroupNorm cases are ``benchmarks.ops.group_norm``'s and the GEGLU cases ``benchmarks.ops.geglu``'s
-(``bench_cases`` / ``make_bench_case``; also run alone there as ``python -m benchmarks.ops.<op> bench``); the timing
-machinery is this module's.
+The cases are the op modules' (``OPS``: ``benchmarks.ops.group_norm``, ``.layer_norm``, ``.geglu``; each has
+``BENCH_OPS``, ``bench_cases(quick)`` and ``make_bench_case(case, device, dtype)``; also run alone there as
+``python -m benchmarks.ops.<op> bench``); the timing is this module's.
 
 ``run(quick=False) -> list[dict]`` (GPU only; nothing runs at import). Shapes come from
 ``benchmarks.sd_shapes`` (derived with forward hooks from the diffusers configs): SD1.5 UNet 512²
@@ -26,7 +28,7 @@ Rows, one per (op, shape, layout):
 - ``x_eager``: eager_us / sdfast_us. ``config``: the GroupNorm plan (path, channel tile, splits).
 - ``kernel_us`` / ``eager_kernel_us`` / ``copy_kernel_us``: GPU time of ours, of eager's kernels, and of
   ``dst.copy_(src)`` moving the same bytes (half read, half written), L2 flushed before each call, from
-  the profiler's CUPTI trace (``device_time.device_time_us``): what the kernels take inside the UNet's
+  the profiler's CUPTI trace (``benchmarks.ops._timing.device_time_us``): what the kernels take inside the UNet's
   CUDA graph, without the ~5 µs a single replay's launch adds to ``sdfast_us``.
   ``kernel_frac_of_copy_ceiling`` = bytes / kernel_us / 4.05 TB/s; ``copy_frac_of_copy_ceiling`` the
   same for the copy (what moving these bytes once reaches at this size).
@@ -44,6 +46,7 @@ from __future__ import annotations
 import time
 
 COPY_CEILING_BPS = 4.05e12
+OPS = ("benchmarks.ops.group_norm", "benchmarks.ops.layer_norm", "benchmarks.ops.geglu")  # the suite's case order
 LEAD_COLUMNS = ("op", "shape", "layout", "dtype", "kernel_us", "kernel_frac_of_copy_ceiling", "copy_kernel_us",
          "copy_frac_of_copy_ceiling", "eager_kernel_us", "sdfast_us", "eager_us", "compile_us", "gbps",
          "frac_of_copy_ceiling", "x_eager", "bytes", "model", "config")
@@ -52,20 +55,16 @@ LEAD_COLUMNS = ("op", "shape", "layout", "dtype", "kernel_us", "kernel_frac_of_c
 # --------------------------------------------------------------------------------------------
 # cases (plain picklable descriptions; tensors are made in the process that runs them)
 # --------------------------------------------------------------------------------------------
+def op_modules() -> list:
+    """The op modules of ``OPS``, imported (each imports nothing heavy)."""
+    import importlib
+
+    return [importlib.import_module(name) for name in OPS]
+
+
 def cases(quick: bool = False) -> list[dict]:
     """Benchmark cases, most important first (the compile budget is spent in this order)."""
-    from benchmarks import sd_shapes
-    from benchmarks.ops import geglu, group_norm
-
-    out = group_norm.bench_cases(quick)
-    ln_models: dict = {}
-    for model, shape, _ in sd_shapes.LAYER_NORM_SITES:
-        ln_models.setdefault(shape, []).append(model)
-    for shape in sd_shapes.unique_layer_norm_shapes():
-        for op in ("layer_norm", "add_layer_norm"):
-            out.append(dict(op=op, shape=shape, layout="rows", eps=1e-5, model="+".join(ln_models[shape])))
-    out += geglu.bench_cases(quick)
-    return sort_cases(out)
+    return sort_cases([c for module in op_modules() for c in module.bench_cases(quick)])
 
 
 def sort_cases(out: list[dict]) -> list[dict]:
@@ -82,51 +81,11 @@ def sort_cases(out: list[dict]) -> list[dict]:
 
 
 def _make(case: dict, device="cuda", dtype=None):
-    """(sdfast_fn, eager_fn, bytes, config) for one case, with seeded random inputs."""
-    import torch
-    import torch.nn.functional as F
-
-    from benchmarks.ops import geglu, group_norm
-    from kernels.norm import layer_norm
-
-    dtype = dtype or torch.float16
-    g = torch.Generator(device=device).manual_seed(0)
-    shape, eps, op = case["shape"], case["eps"], case["op"]
-    e = torch.tensor([], dtype=dtype).element_size()
-
-    def rnd(*s):
-        return torch.randn(*s, device=device, dtype=dtype, generator=g)
-
-    if op in group_norm.BENCH_OPS:
-        return group_norm.make_bench_case(case, device, dtype)
-    if op in geglu.BENCH_OPS:
-        return geglu.make_bench_case(case, device, dtype)
-
-    if op in ("layer_norm", "add_layer_norm"):
-        D = shape[-1]
-        x, w, b = rnd(*shape), rnd(D), rnd(D)
-        n = x.numel()
-        if op == "add_layer_norm":
-            r = rnd(*shape)
-
-            def ours():
-                return layer_norm(x, w, b, eps, residual=r, return_sum=True)
-
-            def eager():
-                s = x + r
-                return F.layer_norm(s, (D,), w, b, eps), s
-
-            return ours, eager, 4 * n * e, ""
-
-        def ours():
-            return layer_norm(x, w, b, eps)
-
-        def eager():
-            return F.layer_norm(x, (D,), w, b, eps)
-
-        return ours, eager, 2 * n * e, ""
-
-    raise ValueError(f"unknown op {op!r}")
+    """(sdfast_fn, eager_fn, bytes, config) for one case, from the op module whose ``BENCH_OPS`` has its op."""
+    for module in op_modules():
+        if case["op"] in module.BENCH_OPS:
+            return module.make_bench_case(case, device, dtype)
+    raise ValueError(f"unknown op {case['op']!r}")
 
 
 def _warm_cases(descs: list[dict]) -> int:
@@ -183,10 +142,10 @@ def _time_us(fn) -> tuple[float, str]:
 
 
 def _device_times(ours, eager, nbytes: int) -> dict:
-    """GPU time of our kernels, of eager's, and of a copy moving the same bytes (``device_time``)."""
+    """GPU time of our kernels, of eager's, and of a copy moving the same bytes (``_timing.device_time_us``)."""
     import torch
 
-    from benchmarks.kernel_benches.device_time import device_time_us
+    from benchmarks.ops._timing import device_time_us
 
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
@@ -206,7 +165,7 @@ def run(quick: bool = False, *, compile: bool | None = None, compile_budget_s: f
     import torch
 
     if not torch.cuda.is_available():
-        raise RuntimeError("benchmarks.kernel_benches.norm needs a CUDA GPU")
+        raise RuntimeError("the norm section (benchmarks.ops._vs_eager) needs a CUDA GPU")
     do_compile = (not quick) if compile is None else compile
     all_cases = cases(quick) if cases_fn is None else sort_cases(cases_fn(quick))
     t0 = time.perf_counter()
