@@ -59,6 +59,22 @@ def base_unet():
     return _tiny_unet()
 
 
+@pytest.fixture(scope="module")
+def pruned(base_unet):
+    """``pruned(method)``: ``base_unet`` pruned by ``method`` once per module (SparseGPT's calibration and solve are
+    most of this file's time), as ``(unet, layers pruned)``; tests that change it work on a copy."""
+    made = {}
+
+    def get(method):
+        if method not in made:
+            unet = copy.deepcopy(base_unet)
+            cfg = sp.Sparse24Config(method=method, min_features=16, keep_dense_copy=True)
+            made[method] = unet, sp.sparsify_(unet, cfg, calibration=_calibration if method == "sparsegpt" else None)
+        return made[method]
+
+    return get
+
+
 def _run(unet, seed=0):
     x, t, e = _inputs(seed)
     with torch.no_grad():
@@ -92,12 +108,12 @@ def test_default_filter_targets_transformer_linears_only(base_unet):
 
 
 @pytest.mark.parametrize("method", ["magnitude", "sparsegpt"])
-def test_sparsify_unet(base_unet, method):
-    unet = copy.deepcopy(base_unet)
-    dense_out = _run(unet)
+def test_sparsify_unet(base_unet, pruned, method):
+    dense_out = _run(base_unet)
     # reference: the same network with every targeted weight replaced by its pruned dense weight
     cfg = sp.Sparse24Config(method=method, min_features=16, keep_dense_copy=True)
-    n = sp.sparsify_(unet, cfg, calibration=_calibration if method == "sparsegpt" else None)
+    unet, n = pruned(method)  # sp.sparsify_(copy of base_unet, cfg, calibration=...)
+    unet = copy.deepcopy(unet)
     targets = _expected_targets(base_unet)
     assert n == len(targets) > 0
     ref = copy.deepcopy(base_unet)
@@ -125,14 +141,13 @@ def test_sparsify_unet(base_unet, method):
     torch.testing.assert_close(_run(unet), dense_out, rtol=0, atol=0)
 
 
-def test_sparsegpt_beats_magnitude_on_layer_reconstruction(base_unet):
+def test_sparsegpt_beats_magnitude_on_layer_reconstruction(base_unet, pruned):
     """On the calibration inputs, SparseGPT's per-layer reconstruction error ||X W^T - X W_s^T||^2,
     summed over the targeted layers, is below magnitude pruning's (what it minimizes)."""
     targets = {n: base_unet.get_submodule(n) for n in _expected_targets(base_unet)}
     hess = sp.collect_hessians(base_unet, targets, _calibration)
-    mag_unet, sgpt_unet = copy.deepcopy(base_unet), copy.deepcopy(base_unet)
+    mag_unet, (sgpt_unet, _) = copy.deepcopy(base_unet), pruned("sparsegpt")
     sp.sparsify_(mag_unet, CFG)
-    sp.sparsify_(sgpt_unet, sp.Sparse24Config(method="sparsegpt", min_features=16), calibration=_calibration)
     err = {"magnitude": 0.0, "sparsegpt": 0.0}
     for name, (H, nrows) in hess.items():
         assert nrows > 0 and torch.allclose(H, H.T, atol=1e-5)
