@@ -15,13 +15,18 @@ from sdfast.passes import norms, time_embedding
 from sdfast.passes.state import BLOCK_TEMB, TEMB_PACK
 
 
+@pytest.fixture(scope="module")
+def tiny_unet():
+    """The tiny UNet with the norm pass, built once (tests get copies)."""
+    unet = sdfast.load("random:tiny", optimize=False).pipe.unet
+    norms.apply(unet)
+    return unet
+
+
 @pytest.fixture
-def unets():
-    """(reference, packed): the tiny UNet with the norm pass, and a copy with the time-embedding pass too."""
-    ref = sdfast.load("random:tiny", optimize=False).pipe.unet
-    norms.apply(ref)
-    packed = copy.deepcopy(ref)
-    return ref, packed
+def unets(tiny_unet):
+    """(reference, packed): copies of the tiny UNet with the norm pass, the second to get the time-embedding pass."""
+    return copy.deepcopy(tiny_unet), copy.deepcopy(tiny_unet)
 
 
 @pytest.fixture

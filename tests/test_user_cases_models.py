@@ -275,7 +275,7 @@ def test_a_graphed_sdxl_pipeline_batches_both_encoders_with_pooled_embeddings(xl
     """SDXL: each of the two text encoders runs once, on prompt + negative prompt (2 prompts x 2 images: one batch of
     4 each), and the images are the ones diffusers' own encoding gives, up to the batched encoders' rounding."""
     _, fast = xl
-    kw = dict(KW, num_images_per_prompt=2)
+    kw = dict(KW, num_images_per_prompt=2, num_inference_steps=1)  # the encoders' batching: one step shows it
     ref = fast.txt2img(["a cat", "a dog"], negative_prompt="blurry", seed=5, **kw)
     batches = {"text_encoder": [], "text_encoder_2": []}
     hooks = [getattr(fast.pipe, n).register_forward_pre_hook(lambda m, a, n=n: batches[n].append(a[0].shape[0]))
