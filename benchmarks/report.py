@@ -193,13 +193,17 @@ def write_json(path, obj) -> Path:
     return path
 
 
+def write_rows(out_dir, name: str, rows: list[dict], md: str, env: dict | None = None) -> None:
+    """``out_dir/name.json`` (``rows`` and this machine's ``env_metadata``) and ``out_dir/name.md`` (``md``)."""
+    write_json(Path(out_dir) / f"{name}.json", {"env": env or env_metadata(), "rows": rows})
+    (Path(out_dir) / f"{name}.md").write_text(md)
+
+
 def write_sweep(out_dir, name: str, rows: list[dict], table_md: str) -> None:
-    """A kernel sweep's results: ``out_dir/name.json`` (rows and this machine's ``env_metadata``) and
-    ``out_dir/name.md`` (a GPU / versions / date line, then ``table_md``)."""
+    """A kernel sweep's results: as :func:`write_rows`, the ``.md`` starting with a GPU / versions / date line."""
     env = env_metadata()
-    write_json(Path(out_dir) / f"{name}.json", {"env": env, "rows": rows})
-    (Path(out_dir) / f"{name}.md").write_text(f"GPU {env.get('gpu')}, torch {env.get('torch')}, triton "
-                                              f"{env.get('triton')}, {env.get('date')}\n\n" + table_md)
+    write_rows(out_dir, name, rows, f"GPU {env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')}, "
+                                    f"{env.get('date')}\n\n" + table_md, env)
 
 
 def write_csv(path, rows: list[dict], columns: list[str] | None = None) -> Path:

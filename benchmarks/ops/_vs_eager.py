@@ -208,3 +208,17 @@ def run(quick: bool = False, *, compile: bool | None = None, compile_budget_s: f
         rows[0]["precompile_s"] = round(precompile_s, 1)
         rows[0]["compile_budget_spent_s"] = round(compile_spent, 1)
     return rows
+
+
+def bench(args, cases_fn, title: str, name: str) -> int:
+    """An op module's ``bench`` subcommand over :func:`run` with ``cases_fn``: prints the table and, with
+    ``args.out``, writes ``<name>.json`` / ``<name>.md`` there (``benchmarks.report.write_rows``)."""
+    from benchmarks.report import markdown_table, write_rows
+
+    rows = run(args.quick, compile=False if args.no_compile else None, cases_fn=cases_fn)
+    cols = [c for c in LEAD_COLUMNS if any(r.get(c) is not None for r in rows)]
+    md = "\n".join([f"# {title}", "", markdown_table(rows, cols)])
+    if args.out is not None:
+        write_rows(args.out, name, rows, md + "\n")
+    print(md)
+    return 0

@@ -216,14 +216,12 @@ def report(rows: list[dict]) -> str:
 
 def bench(args) -> int:
     """The ``bench`` subcommand (see the module docstring)."""
-    from benchmarks.report import env_metadata, write_json
+    from benchmarks.report import write_rows
 
     rows = run(args.quick)
     md = report(rows)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_json(args.out / "attention_bench.json", {"env": env_metadata(), "rows": rows})
-        (args.out / "attention_bench.md").write_text(md + "\n")
+        write_rows(args.out, "attention_bench", rows, md + "\n")
     print(md)
     return 0
 

@@ -317,14 +317,12 @@ def run(quick: bool = False) -> list[dict]:
 
 def bench(args) -> int:
     """The ``bench`` subcommand (see the module docstring)."""
-    from benchmarks.report import env_metadata, markdown_table, write_json
+    from benchmarks.report import markdown_table, write_rows
 
     rows = run(args.quick)
     md = "\n".join(["# GEMM backends (fp16 activations)", "", markdown_table(rows, _LEAD)])
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_json(args.out / "gemm_bench.json", {"env": env_metadata(), "rows": rows})
-        (args.out / "gemm_bench.md").write_text(md + "\n")
+        write_rows(args.out, "gemm_bench", rows, md + "\n")
     print(md)
     return 0
 

@@ -91,20 +91,11 @@ def make_bench_case(case: dict, device="cuda", dtype=None):
 
 
 def bench(args) -> int:
-    """The ``bench`` subcommand: the kernel suite's machinery (``benchmarks.ops._vs_eager.run``) on the LayerNorm
-    cases only."""
+    """The ``bench`` subcommand: the kernel suite's machinery (``benchmarks.ops._vs_eager``) on the LayerNorm cases
+    only."""
     from benchmarks.ops import _vs_eager
-    from benchmarks.report import env_metadata, markdown_table, write_json
 
-    rows = _vs_eager.run(args.quick, compile=False if args.no_compile else None, cases_fn=bench_cases)
-    cols = [c for c in _vs_eager.LEAD_COLUMNS if any(r.get(c) is not None for r in rows)]
-    md = ["# LayerNorm (fp16)", "", markdown_table(rows, cols)]
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_json(args.out / "layer_norm_bench.json", {"env": env_metadata(), "rows": rows})
-        (args.out / "layer_norm_bench.md").write_text("\n".join(md) + "\n")
-    print("\n".join(md))
-    return 0
+    return _vs_eager.bench(args, bench_cases, "LayerNorm (fp16)", "layer_norm_bench")
 
 
 # --------------------------------------------------------------------------------------------

@@ -186,14 +186,12 @@ def run(quick: bool = False) -> list[dict]:
 
 def bench(args) -> int:
     """The ``bench`` subcommand (see the module docstring)."""
-    from benchmarks.report import env_metadata, markdown_table, write_json
+    from benchmarks.report import markdown_table, write_rows
 
     rows = run(args.quick)
     md = "\n".join(["# Quantized UNet (fp16 base, batch 2)", "", markdown_table(rows, _LEAD)])
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_json(args.out / "quant_bench.json", {"env": env_metadata(), "rows": rows})
-        (args.out / "quant_bench.md").write_text(md + "\n")
+        write_rows(args.out, "quant_bench", rows, md + "\n")
     print(md)
     return 0
 

@@ -396,15 +396,13 @@ def _table(rows: list[dict]) -> str:
 
 def bench(args) -> int:
     """The ``bench`` subcommand (see the module docstring)."""
-    from benchmarks.report import env_metadata, write_json
+    from benchmarks.report import write_rows
 
     t0 = time.time()
     rows = run(quick=args.quick)
     md = _table(rows)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        write_json(args.out / "sparse24_bench.json", {"env": env_metadata(), "rows": rows})
-        (args.out / "sparse24_bench.md").write_text(md + "\n")
+        write_rows(args.out, "sparse24_bench", rows, md + "\n")
     print(md)
     print(f"\n{len(rows)} rows in {time.time() - t0:.0f} s")
     return 0
