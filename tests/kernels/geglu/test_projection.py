@@ -9,27 +9,9 @@ import torch
 
 from kernels import precompile
 from kernels.geglu import projection as gp
-from kernels.geglu.ref import geglu_linear_ref
-from kernels.geglu.triton_tma_gemm import TileConfig
 from kernels.select import rules
-from kernels.testing import assert_close_rule
-
-SMALL = TileConfig(32, 32, 32, 1, 4, group_m=2)
-
-
-def _inputs(M, K, N, bias=True, dtype=torch.float16):
-    x = torch.randn(M, K).to(dtype)
-    w = (torch.randn(2 * N, K) / K**0.5).to(dtype)
-    b = (torch.randn(2 * N) * 0.5).to(dtype) if bias else None
-    return x, w, b
-
-
-def _check(ours, x, w, b, name):
-    f = lambda t: None if t is None else t.float()  # noqa: E731
-    ref32 = geglu_linear_ref(x.float(), w.float(), f(b))
-    lowp = geglu_linear_ref(x, w, b, upcast=False)
-    assert ours.dtype == x.dtype
-    assert_close_rule(ours, ref32, lowp, 2e-3, name)
+from kernels.geglu.triton_tma_gemm import TileConfig
+from tests.kernels.geglu.test_triton_tma_gemm import SMALL, _check, _inputs
 
 
 @pytest.fixture

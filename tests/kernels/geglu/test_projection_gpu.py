@@ -8,29 +8,15 @@ import pytest
 import torch
 
 from kernels.geglu import projection as gp
-from kernels.geglu.ref import geglu_linear_ref
 from kernels.geglu.triton_tma_gemm import CONFIGS
 from kernels.select import rules
-from kernels.testing import assert_close_rule
+from tests.kernels.geglu.test_triton_tma_gemm_gpu import _check, _inputs
 
 pytestmark = pytest.mark.gpu
 if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] < 9:
     pytest.skip("the TMA GEGLU GEMM needs sm_90", allow_module_level=True)
 
 DEV = "cuda"
-
-
-def _inputs(M, K, N, dtype=torch.float16):
-    x = torch.randn(M, K, device=DEV).to(dtype)
-    w = (torch.randn(2 * N, K, device=DEV) / K**0.5).to(dtype)
-    b = (torch.randn(2 * N, device=DEV) * 0.1).to(dtype)
-    return x, w, b
-
-
-def _check(ours, x, w, b, atol, name):
-    ref32 = geglu_linear_ref(x.float(), w.float(), b.float())
-    lowp = geglu_linear_ref(x, w, b, upcast=False)
-    assert_close_rule(ours, ref32, lowp, atol, name)
 
 
 def test_measured_choice_is_logged_kept_and_correct(monkeypatch, fresh_choices, caplog):
