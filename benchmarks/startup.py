@@ -1,21 +1,26 @@
 """Start-up time: a fresh process, ``sdfast.load`` and its first image, first ever and again on the same machine.
 
-    python -m benchmarks.startup --out DIR [--models sd15,sdxl] [--steps 30] [--profile] [--caches DIR2] [--first-calls]
+    python -m benchmarks.startup --out DIR [--models sd15,sdxl] [--steps 30] [--repeat N] [--skip-first] [--profile]
+        [--caches DIR2] [--first-calls]
         [--wrap-second "py-spy record -o DIR/spy.txt --format raw --native --threads --"]
 
 For each model, two child processes run one after the other with the same cache directories (``TRITON_CACHE_DIR``
 and ``SDFAST_CACHE_DIR`` under ``<caches>/<model>``, empty before the first; ``--caches`` defaults to a new
 temporary directory): the first one compiles every
 kernel and measures every kernel choice (the first start ever on a machine); the second finds the compiled
-kernels and the saved kernel choices (``kernels.select``) and should measure nothing. Each child reports, in
+kernels and the saved kernel choices (``kernels.select``) and should measure nothing (``--repeat N``: N second
+processes, one row each; run the module from another tree with the same ``--caches`` for an A/B). Each child reports, in
 seconds: from its spawn to ``load`` returning (``start_to_load``: interpreter, imports, weights, ``optimize``; ``load``:
 the ``sdfast.load`` call alone), the
 first image after ``load`` returned (``first_image``: warm-up, graph capture and the steps themselves) and a second
 image at the same size (``warm_image``, the steady state), how many kernel choices it measured and read from
-the saved file, and the graph runtime's set-up seconds per graphed module (``setup``: dry run, warm-ups, capture). ``--profile`` writes a cProfile of the second process's first image to
+the saved file, the graph runtime's set-up seconds per graphed module (``setup``: dry run, warm-ups, capture) and
+the seconds of each kind of library call of ``sdfast.runtime.warm_start`` (``warm_start``, on its thread during
+``load``). ``--profile`` writes a cProfile of the second process's first image to
 ``DIR/<model>-second.pstats`` and its top functions (by cumulative, then by own time) to ``DIR/<model>-second.txt``; ``--wrap-second`` runs the
 second process under a command prefix (a sampling profiler that sees every thread and native frame); ``--first-calls`` times the first cuBLAS, cuDNN,
-SDPA, graph capture and replay calls of a bare process (``first_calls.md``). Rows go to ``DIR/startup.json``
+SDPA, graph capture and replay calls of a bare process, and of one where another thread made such calls first
+(``first_calls.md``). Rows go to ``DIR/startup.json``
 and ``DIR/startup.md``, with the GPU's name and the versions.
 """
 
@@ -58,23 +63,41 @@ if prof:
 t0 = time.perf_counter()
 engine.txt2img("a photo of a cat", **kw)
 torch.cuda.synchronize()
-warm = time.perf_counter() - t0
+warm_image = time.perf_counter() - t0
 sources = [d.source for d in select.decisions()]
+try:
+    from sdfast.runtime import warm_start
+    warm = warm_start.wait()
+except ImportError:  # a tree from before the warm start (an A/B base)
+    warm = None
 graphs = getattr(getattr(engine.pipe, "_sdfast", None), "graphs", None)
 setup = {name: {k: round(v, 4) for k, v in r.stats.setup_s.items()} for name, r in graphs.runners.items()} if graphs else {}
 print("STARTUP " + json.dumps(dict(start_to_load=t_load - spawned, load=t_load - t_imported, setup=setup,
-      first_image=first, warm_image=warm,
+      warm_start=warm, first_image=first, warm_image=warm_image,
       measured=sources.count("measured"), saved=sources.count("saved"), gpu=torch.cuda.get_device_name(),
       torch=torch.__version__)))
 """
 
 
 FIRST_CALLS = r"""
-import json, time, torch
+import json, sys, threading, time, torch
 def t(label, fn, rows):
     torch.cuda.synchronize(); t0 = time.perf_counter(); fn(); torch.cuda.synchronize()
     rows.append((label, round(time.perf_counter() - t0, 4)))
+def other_thread():  # the same kinds of call at other shapes, on a thread that has exited before the timed calls
+    torch.cuda.set_device(0)
+    m = torch.randn(256, 192, device="cuda", dtype=torch.float16); m @ m.T
+    c = torch.randn(1, 64, 16, 16, device="cuda", dtype=torch.float16).to(memory_format=torch.channels_last)
+    torch.nn.functional.conv2d(c, torch.randn(64, 64, 3, 3, device="cuda", dtype=torch.float16).to(memory_format=torch.channels_last), padding=1)
+    torch.nn.functional.conv2d(c, torch.randn(32, 64, 1, 1, device="cuda", dtype=torch.float16).to(memory_format=torch.channels_last))
+    h = torch.randn(1, 2, 64, 40, device="cuda", dtype=torch.float16); torch.nn.functional.scaled_dot_product_attention(h, h, h)
+    torch.nn.functional.layer_norm(m, (192,)); torch.nn.functional.group_norm(c, 32); torch.nn.functional.gelu(m)
+    torch.cuda.synchronize()
 rows = []
+if sys.argv[1] == "after-thread":
+    torch.zeros(1, device="cuda")
+    th = threading.Thread(target=other_thread); t0 = time.perf_counter(); th.start(); th.join()
+    rows.append(("(other thread's calls, joined)", round(time.perf_counter() - t0, 4)))
 t("CUDA context", lambda: torch.zeros(1, device="cuda"), rows)
 a = torch.randn(2048, 320, device="cuda", dtype=torch.float16); w = torch.randn(320, 320, device="cuda", dtype=torch.float16)
 t("first fp16 matmul (cuBLAS)", lambda: a @ w, rows)
@@ -111,14 +134,22 @@ print("FIRSTCALLS " + json.dumps(rows))
 
 def first_calls(out: Path) -> list:
     """Seconds of the first CUDA library calls of a fresh process (cuBLAS, cuDNN, kernels loaded lazily, graphs):
-    what no kernel cache of ours can save."""
-    run = subprocess.run([sys.executable, "-c", FIRST_CALLS], capture_output=True, text=True, timeout=300, check=False)
-    line = next((ln for ln in run.stdout.splitlines() if ln.startswith("FIRSTCALLS ")), None)
-    if line is None:
-        raise RuntimeError(f"first-calls child failed (rc {run.returncode}):\n{run.stderr[-4000:]}")
-    rows = json.loads(line[len("FIRSTCALLS "):])
-    (out / "first_calls.md").write_text("| first call in a fresh process | s |\n| --- | --- |\n" +
-                                        "".join(f"| {label} | {sec:.4f} |\n" for label, sec in rows))
+    what no kernel cache of ours can save; in a bare process, and in one where another thread made the same kinds
+    of call at other shapes and exited first (what of a first call's cost such a thread can take over)."""
+    runs = {}
+    for mode in ("bare", "after-thread"):
+        run = subprocess.run([sys.executable, "-c", FIRST_CALLS, mode], capture_output=True, text=True, timeout=300,
+                             check=False)
+        line = next((ln for ln in run.stdout.splitlines() if ln.startswith("FIRSTCALLS ")), None)
+        if line is None:
+            raise RuntimeError(f"first-calls child ({mode}) failed (rc {run.returncode}):\n{run.stderr[-4000:]}")
+        runs[mode] = dict(json.loads(line[len("FIRSTCALLS "):]))
+    labels = list(dict.fromkeys([*runs["after-thread"], *runs["bare"]]))
+    rows = [(label, runs["bare"].get(label), runs["after-thread"].get(label)) for label in labels]
+    cell = lambda sec: "" if sec is None else f"{sec:.4f}"  # noqa: E731
+    (out / "first_calls.md").write_text(
+        "| call | s, first in a bare process | s, after another thread's calls |\n| --- | --- | --- |\n" +
+        "".join(f"| {label} | {cell(a)} | {cell(b)} |\n" for label, a, b in rows))
     return rows
 
 
@@ -146,19 +177,21 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="cProfile the second process's first image")
     ap.add_argument("--caches", type=Path, default=None, help="where the per-model cache directories go")
     ap.add_argument("--wrap-second", default="", help="a command prefix for the second process ({model} is replaced)")
+    ap.add_argument("--repeat", type=int, default=1, help="how many second processes per model (one row each)")
+    ap.add_argument("--skip-first", action="store_true", help="only second processes (the caches are already warm)")
     ap.add_argument("--first-calls", action="store_true",
                     help="also time the first CUDA library calls of a fresh process (first_calls.md)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.first_calls:
-        for label, sec in first_calls(args.out):
-            print(f"{label}: {sec:.4f} s", flush=True)
+        for label, bare, after in first_calls(args.out):
+            print(f"{label}: bare {bare} s, after another thread {after} s", flush=True)
     rows = []
     for name in filter(None, args.models.split(",")):
         model, size = MODELS[name]
         caches = (args.caches or Path(tempfile.mkdtemp(prefix="sdfast-startup-"))) / name
         env = dict(os.environ, TRITON_CACHE_DIR=str(caches / "triton"), SDFAST_CACHE_DIR=str(caches / "sdfast"))
-        for run in ("first", "second"):
+        for run in ([] if args.skip_first else ["first"]) + ["second"] * args.repeat:
             profile = str(args.out / f"{name}-second") if (args.profile and run == "second") else "-"
             wrap = args.wrap_second.replace("{model}", name).split() if run == "second" else []
             row = dict(model=model, size=size, steps=args.steps, run=run,
