@@ -121,7 +121,7 @@ def load(model, *, device=None, dtype=None, seed: int = 0, optimize: "bool | Opt
 
     from .config import KERNEL_DTYPES, OptimizeConfig
     from .engine import Engine
-    from .loading import load_pipeline
+    from .loading import default_device_dtype, load_pipeline
 
     if not isinstance(optimize, (bool, OptimizeConfig)):
         raise TypeError(f"optimize must be True, False or an sdfast.OptimizeConfig, got {optimize!r}")
@@ -131,14 +131,16 @@ def load(model, *, device=None, dtype=None, seed: int = 0, optimize: "bool | Opt
         raise TypeError(f"dtype: the fused kernels take float16, bfloat16 or float32, not {dtype}; "
                         "pass optimize=False for the stock pipeline in that dtype")
     if optimize and torch.cuda.is_available():
-        from kernels import precompile
+        from .runtime import warm_start
 
-        precompile.prefetch_compiler_key()  # hashes libtriton while the weights load
+        warm_start.start(*default_device_dtype(device, dtype))  # CUDA libraries load while the weights do
     pipe = load_pipeline(model, device=device, dtype=dtype, seed=seed)
     if optimize:
         from .optimizer import optimize as _optimize
+        from .runtime import warm_start
 
         _optimize(pipe, optimize if isinstance(optimize, OptimizeConfig) else None)
+        warm_start.wait()
     return Engine(pipe, name=str(model) if isinstance(model, (str, os.PathLike)) else type(model).__name__)
 
 

@@ -1,5 +1,6 @@
 """The graph runtime's warm-up on the GPU: one warm-up pass before a capture when it timed no kernel choice, two when
-it did (the winners then run once on their own), and the seconds of each phase in ``stats.setup_s``."""
+it did (the winners then run once on their own), and the seconds of each phase in ``stats.setup_s``; and the
+process warm start's library calls (``sdfast.runtime.warm_start``)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,17 @@ def test_warmups_repeat_only_after_a_measurement(choose, fresh_choices):
         module(torch.randn(32, 128, device="cuda"))  # a new signature: its choice is measured again
         assert runner.stats.setup_s["warmups"] == 2 * warmups
     cache.uninstall()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_the_warm_starts_library_calls_all_run_and_leave_the_global_generator(dtype, monkeypatch):
+    """Every kind of ``sdfast.runtime.warm_start.LIBRARY_CALLS`` runs on the GPU in each engine dtype (a failure
+    there is only logged, so this is what shows that it works), and none draws from the global CUDA generator
+    (``load`` builds seeded weights with it at the same time)."""
+    from sdfast.runtime import warm_start
+
+    monkeypatch.setattr(warm_start, "_report", {})
+    state = torch.cuda.get_rng_state()
+    warm_start._warm_libraries(torch.device("cuda", torch.cuda.current_device()), dtype)
+    assert set(warm_start._report) == set(warm_start.LIBRARY_CALLS)
+    assert torch.equal(torch.cuda.get_rng_state(), state)
