@@ -166,8 +166,8 @@ class AttentionDispatcher:
 
     Args:
         backend: force one backend for every call (the kernel policy, tests, benchmarks); ``None`` /
-            ``"auto"`` = measure. A forced backend runs without a decision; one that fails raises (no silent
-            fallback). The environment is not read here: ``sdfast.optimize`` passes what its kernel policy says.
+            ``"auto"`` = measure. A forced backend runs without a decision; one that fails raises a RuntimeError
+            naming the backend and the shapes (no silent fallback). The environment is not read here: ``sdfast.optimize`` passes what its kernel policy says.
         triton: whether our Triton kernel is a candidate (on CUDA; on CPU under ``TRITON_INTERPRET=1``).
             ``False`` leaves it out: a kernel fault (unlike an exception) breaks the CUDA context, so it could not
             be measured-and-excluded like the others.
@@ -264,7 +264,16 @@ class AttentionDispatcher:
         if scale is None:
             scale = q.shape[-1] ** -0.5
         if self.forced is not None:
-            return self._backends[self.forced](q, k, v, attn_mask, scale, upcast)
+            try:
+                return self._backends[self.forced](q, k, v, attn_mask, scale, upcast)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:  # noqa: BLE001 - re-raised with what was forced and on what
+                raise RuntimeError(
+                    f"sdfast attention: the forced backend {self.forced!r} (the kernel policy's attention, "
+                    f"SDFAST_ATTENTION_BACKEND) cannot run q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, "
+                    f"mask {None if attn_mask is None else tuple(attn_mask.shape)}: {type(e).__name__}: {e}; "
+                    "leave it unset (auto) to measure and take a backend per shape") from e
         args = (q, k, v, attn_mask, scale, upcast)
         key = self.key_for(q, k, attn_mask, upcast)
         name = self._decide(key, args)

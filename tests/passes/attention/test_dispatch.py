@@ -2,6 +2,7 @@
 once), quiet probing, out-of-memory, capture, the bucket-mate narrowing, forced backends and candidates."""
 
 import logging
+import re
 import time
 import warnings
 
@@ -188,6 +189,27 @@ def test_dispatcher_forced_backend_and_no_environment(monkeypatch):
         ap.AttentionDispatcher("nonsense")
     with pytest.raises(ValueError, match="unknown attention backends"):
         ap.AttentionDispatcher("math", candidates=("math", "nope"))
+
+
+def test_a_forced_backend_that_cannot_run_a_shape_raises_naming_it():
+    """A forced backend is never swapped silently for another: one that cannot run a shape (torch's flash at the VAE's
+    head dim 512 raises "No available kernel") raises a RuntimeError naming the backend, the switch and the shapes;
+    out of memory is raised as it is."""
+
+    def no_kernel(q, k, v, attn_mask, scale, upcast):
+        raise RuntimeError("No available kernel. Aborting execution.")
+
+    def oom(q, k, v, attn_mask, scale, upcast):
+        raise torch.OutOfMemoryError("CUDA out of memory (test)")
+
+    q, k, v = random_qkv()
+    d = ap.AttentionDispatcher("no_kernel", extra_backends={"no_kernel": no_kernel, "oom": oom})
+    with pytest.raises(RuntimeError, match=r"forced backend 'no_kernel' .*SDFAST_ATTENTION_BACKEND.* cannot run q "
+                                           + re.escape(str(tuple(q.shape))) + ".*No available kernel") as info:
+        d(q, k, v)
+    assert isinstance(info.value.__cause__, RuntimeError)
+    with pytest.raises(torch.OutOfMemoryError, match="test"):
+        ap.AttentionDispatcher("oom", extra_backends={"oom": oom})(q, k, v)
 
 
 def test_dispatcher_capture_uses_safe_default(monkeypatch, caplog):
