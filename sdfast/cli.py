@@ -48,13 +48,13 @@ def default_model() -> str:
     return "random:sd15" if torch.cuda.is_available() else "random:tiny"
 
 
-def _add_txt2img(sub) -> None:
-    p = sub.add_parser("txt2img", help="generate images from a prompt")
-    p.add_argument("prompt")
+def _add_generation_flags(p, *, size: bool) -> None:
+    """The flags txt2img and img2img share (``--size`` only for txt2img: img2img's size is its image's)."""
     p.add_argument("--model", default=None, help="model folder, .safetensors file, hub id or random:<arch> (default: random:sd15 on a GPU, random:tiny on a CPU)")
     p.add_argument("--steps", type=int, default=30, help="denoising steps (default: 30)")
     p.add_argument("--guidance", type=float, default=7.5, help="guidance_scale; <= 1 turns CFG off (default: 7.5)")
-    p.add_argument("--size", type=_size, default=None, help="WIDTHxHEIGHT in pixels (default: the model's native size)")
+    if size:
+        p.add_argument("--size", type=_size, default=None, help="WIDTHxHEIGHT in pixels (default: the model's native size)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: a random one, printed)")
     p.add_argument("--n", type=int, default=1, help="images to generate")
     p.add_argument("--negative", default=None, help="negative prompt")
@@ -67,7 +67,24 @@ def _add_txt2img(sub) -> None:
     p.add_argument("--quality", type=int, default=None,
                    help="JPEG / WebP quality, 0 to 100 (default: 90); not for PNG, which is lossless")
     p.add_argument("--no-optimize", action="store_true", help="run the stock diffusers pipeline")
-    p.set_defaults(func=cmd_txt2img)
+
+
+def _add_txt2img(sub) -> None:
+    p = sub.add_parser("txt2img", help="generate images from a prompt")
+    p.add_argument("prompt")
+    _add_generation_flags(p, size=True)
+    p.set_defaults(func=cmd_generate)
+
+
+def _add_img2img(sub) -> None:
+    p = sub.add_parser("img2img", help="generate images from an init image and a prompt")
+    p.add_argument("image", help="the init image file (PNG, JPEG, WebP, ...); the images come back at its size, "
+                                 "rounded down to multiples of 8")
+    p.add_argument("prompt")
+    p.add_argument("--strength", type=float, default=0.8,
+                   help="how far the image is noised, in (0, 1]: int(steps x strength) steps run (default: 0.8)")
+    _add_generation_flags(p, size=False)
+    p.set_defaults(func=cmd_generate)
 
 
 def _out_paths(out: str, n: int) -> list[Path]:
@@ -108,9 +125,10 @@ def _check_steps_before_load(steps: int, scheduler: str | None) -> None:
     check_steps(steps, make_scheduler(scheduler or "pndm", sd_config), scheduler or "model's")
 
 
-# The txt2img flag of each engine argument, for the error messages (``--steps: must be ...``).
+# The txt2img / img2img flag of each engine argument, for the error messages (``--steps: must be ...``).
 _FLAGS = {"num_inference_steps": "--steps", "guidance_scale": "--guidance", "height": "--size", "width": "--size",
-          "seed": "--seed", "num_images_per_prompt": "--n", "negative_prompt": "--negative", "scheduler": "--scheduler"}
+          "seed": "--seed", "num_images_per_prompt": "--n", "negative_prompt": "--negative", "scheduler": "--scheduler",
+          "strength": "--strength", "image": "image"}
 
 
 def _flag_error(e) -> str:
@@ -121,28 +139,31 @@ def _flag_error(e) -> str:
     return f"{flag}: {e.field} {e.reason}" if e.field in ("height", "width") else f"{flag}: {e.reason}"
 
 
-def cmd_txt2img(args) -> int:
+def cmd_generate(args) -> int:
     from sdfast.errors import InvalidRequestError
 
     try:
-        return _txt2img(args)
+        return _generate(args)
     except InvalidRequestError as e:  # the engine names its argument: name the flag
         raise ValueError(_flag_error(e)) from None
 
 
-def _txt2img(args) -> int:
+def _generate(args) -> int:
     import sdfast
     from sdfast.png import check_quality, format_for_path, save_image
-    from sdfast.request import Txt2ImgRequest
+    from sdfast.request import Img2ImgRequest, Txt2ImgRequest
 
     if args.model is not None and not args.model.strip():
         raise ValueError("--model is empty")
     model = args.model or default_model()
-    width, height = args.size or (None, None)
     # The request, validated once, before the (slow) load, so bad input answers at once; the engine runs it as is.
-    request = Txt2ImgRequest.build(
-        args.prompt, negative_prompt=args.negative, num_inference_steps=args.steps, guidance_scale=args.guidance,
-        height=height, width=width, seed=args.seed, num_images_per_prompt=args.n, scheduler=args.scheduler)
+    common = dict(negative_prompt=args.negative, num_inference_steps=args.steps, guidance_scale=args.guidance,
+                  seed=args.seed, num_images_per_prompt=args.n, scheduler=args.scheduler)
+    if args.command == "img2img":
+        request = Img2ImgRequest.build(_read_image(args.image), args.prompt, strength=args.strength, **common)
+    else:
+        width, height = args.size or (None, None)
+        request = Txt2ImgRequest.build(args.prompt, height=height, width=width, **common)
     _check_steps_before_load(args.steps, args.scheduler)
     paths = _out_paths(args.out, args.n)
     fmt = format_for_path(paths[0])
@@ -168,6 +189,8 @@ def _txt2img(args) -> int:
         params = {"prompt": args.prompt, "negative_prompt": args.negative, "seed": int(img.info["seed"]),
                   "steps": args.steps, "guidance_scale": args.guidance, "scheduler": args.scheduler,
                   "width": img.width, "height": img.height, "model": model}
+        if args.command == "img2img":
+            params.update(init_image=str(args.image), strength=args.strength)
         save_image(img, path, format=fmt, quality=args.quality, parameters=params)
         print(f"saved {path} ({img.width}x{img.height}, seed {img.info['seed']}) in {took:.2f} s")
     return 0
@@ -236,11 +259,24 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"sdfast: error: {message} (see: {self.prog} --help)\n")
 
 
+def _read_image(path: str):
+    """The init image file as a PIL image; ValueError naming it when it is missing or not an image."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image.convert("RGB")
+    except (OSError, UnidentifiedImageError) as e:
+        raise ValueError(f"image: cannot read {path!r} as an image ({e})") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sdfast", description="Fast Stable Diffusion inference")
     parser.add_argument("-v", "--verbose", action="store_true", help="log sdfast's decisions (kernel choices, fallbacks)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_txt2img(sub)
+    _add_img2img(sub)
     _add_serve(sub)
     _add_bench(sub)
     return parser

@@ -1,9 +1,11 @@
-"""``Engine``: one loaded (and optionally optimized) diffusers pipeline, and txt2img on it.
+"""``Engine``: one loaded (and optionally optimized) diffusers pipeline, and txt2img and img2img on it.
 
 ``txt2img(...)`` builds a ``sdfast.request.Txt2ImgRequest`` (the one validation) and runs it with ``run``;
 ``request(...)`` builds one with its texts tokenized by this engine. The CLI (built before the load) and the
 service (tokenized on its own tokenizer copies) hand theirs to ``run``, which counts the texts' windows, encodes
 them from their token ids (``sdfast.prompts``) and calls the pipeline inside a ``runtime.session.CallSession`` (graph checks, host timesteps, finite flag, OOM rollback).
+``img2img(...)`` builds an ``Img2ImgRequest`` and runs it the same way, on diffusers' img2img pipeline built once
+from the same (optimized) components (``pipeline_for``, ``sdfast.optimizer.share``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from PIL import Image
 
 from . import prompts as prompt_policy
 from .errors import GenerationCancelled
-from .request import Txt2ImgRequest
+from .request import Img2ImgRequest, Txt2ImgRequest
 from .runtime.session import CallSession
 from .schedulers import check_steps, make_scheduler
 
@@ -73,6 +75,7 @@ class Engine:
         self.name = name
         self._default_scheduler = pipe.scheduler
         self._schedulers: dict[str, object] = {}
+        self._derived: dict[str, object] = {}
         self.last_timings: dict[str, float] = {}
         self.last_prompt_report: prompt_policy.PromptReport | None = None
 
@@ -157,6 +160,61 @@ class Engine:
             num_images_per_prompt=num_images_per_prompt, scheduler=scheduler, long_prompt=long_prompt)
         return self.run(request, progress=progress, should_stop=should_stop, _stacklevel=3)
 
+    def img2img(
+        self,
+        image,
+        prompt,
+        *,
+        strength: float = 0.8,
+        negative_prompt=None,
+        num_inference_steps: int = 30,
+        guidance_scale: float = 7.5,
+        seed=None,
+        num_images_per_prompt: int = 1,
+        scheduler: str | None = None,
+        progress: bool = False,
+        long_prompt: str = "chunk",
+        should_stop=None,
+    ):
+        """Generate images from an init image and text (img2img: SDEdit, Meng et al. 2021, as diffusers'
+        ``StableDiffusionImg2ImgPipeline`` / ``StableDiffusionXLImg2ImgPipeline`` run it, on this engine's optimized
+        components: the same images as those pipelines on the same weights).
+
+        Args:
+            image: the init image: a ``PIL.Image.Image`` (converted to RGB) or an (H, W, 3) uint8 array, each side
+                8 to ``sdfast.request.MAX_SIDE`` pixels. The images come back at its size rounded down to multiples
+                of 8 (diffusers' image processor resizes it to that).
+            strength: in (0, 1]: how far into the schedule the image is noised; ``int(num_inference_steps *
+                strength)`` denoising steps run (at least one). 1 keeps only the image's size.
+            The others: as ``txt2img``'s (the seed also draws the VAE encoder's latent sample).
+
+        Returns and raises: as ``txt2img`` (``InvalidRequestError`` fields ``image`` and ``strength`` too).
+        """
+        request = Img2ImgRequest.build(
+            image, prompt, strength=strength, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale, seed=seed, num_images_per_prompt=num_images_per_prompt,
+            scheduler=scheduler, long_prompt=long_prompt)
+        return self.run(request, progress=progress, should_stop=should_stop, _stacklevel=3)
+
+    def pipeline_for(self, task: str):
+        """The diffusers pipeline that runs ``task`` on this engine: ``self.pipe`` for "txt2img"; for "img2img",
+        ``StableDiffusionImg2ImgPipeline`` (``StableDiffusionXLImg2ImgPipeline`` for SDXL) built once from
+        ``self.pipe``'s components (``from_pipe``: no copy of a weight) and optimized as ``self.pipe`` is
+        (``sdfast.optimizer.share``). Raises ``ValueError`` for another task."""
+        if task == "txt2img":
+            return self.pipe
+        if task != "img2img":
+            raise ValueError(f"pipeline_for: task must be 'txt2img' or 'img2img', got {task!r}")
+        if task not in self._derived:
+            from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionXLImg2ImgPipeline
+
+            from .optimizer import share
+
+            xl = getattr(self.pipe, "text_encoder_2", None) is not None
+            cls = StableDiffusionXLImg2ImgPipeline if xl else StableDiffusionImg2ImgPipeline
+            self._derived[task] = share(self.pipe, cls.from_pipe(self.pipe))
+        return self._derived[task]
+
     def request(self, prompt, **kwargs) -> Txt2ImgRequest:
         """``Txt2ImgRequest.build(prompt, **kwargs)`` (``txt2img``'s keyword arguments) with the texts tokenized
         by this engine's tokenizers, so that ``run`` does not tokenize them again."""
@@ -169,9 +227,13 @@ class Engine:
         limits are checked here: the scheduler's step limit, ``InvalidRequestError`` before any step."""
         if not isinstance(request, Txt2ImgRequest):
             raise TypeError(f"run takes an sdfast.request.Txt2ImgRequest (Txt2ImgRequest.build(...) or "
-                            f"engine.request(...)), got {type(request).__name__}")
+                            f"engine.request(...)) or an Img2ImgRequest, got {type(request).__name__}")
         height = self.default_size if request.height is None else request.height
         width = self.default_size if request.width is None else request.width
+        if isinstance(request, Img2ImgRequest):  # the image sets the size (diffusers resizes it to height x width)
+            pipe, task_kwargs = self.pipeline_for("img2img"), dict(image=request.image, strength=request.strength)
+        else:
+            pipe, task_kwargs = self.pipe, dict(height=height, width=width)
         num_inference_steps, guidance_scale = request.num_inference_steps, request.guidance_scale
         num_images_per_prompt = request.num_images_per_prompt
         sched = self.scheduler_for(request.scheduler)
@@ -185,7 +247,6 @@ class Engine:
             start = secrets.randbelow(2**31 - n)
             seeds = [start + i for i in range(n)]
         generators = [torch.Generator("cpu").manual_seed(s) for s in seeds]
-        pipe = self.pipe
         do_cfg = guidance_scale > 1 and pipe.unet.config.get("time_cond_proj_dim") is None
         counted = negatives if do_cfg else None  # without CFG the negative prompt is never encoded
         tokens = request.tokens
@@ -218,10 +279,9 @@ class Engine:
             out = pipe(
                 **text,
                 **stop,
+                **task_kwargs,
                 num_inference_steps=num_inference_steps,
                 guidance_scale=guidance_scale,
-                height=height,
-                width=width,
                 num_images_per_prompt=num_images_per_prompt,
                 generator=generators,
                 output_type="pt",

@@ -226,6 +226,32 @@ def optimize(pipe, config: OptimizeConfig | None = None):
     return pipe
 
 
+def share(pipe, derived):
+    """Make ``derived``, a pipeline built on ``pipe``'s components (``StableDiffusionImg2ImgPipeline.from_pipe(pipe)``
+    and the like), run as optimized as ``pipe``: the modules are the same objects, already rewritten, so only what
+    ``optimize`` set on the pipeline object itself is set on ``derived`` too: its state (``derived._sdfast`` is
+    ``pipe``'s), the per-call graph check before denoising, and the cached execution device. Returns ``derived``;
+    unchanged when ``pipe`` is not optimized. ``unoptimize(pipe)`` undoes the shared modules for both: build the
+    derived pipeline again after it."""
+    state: OptimizeState | None = getattr(pipe, "_sdfast", None)
+    if state is None or getattr(derived, "_sdfast", None) is state:
+        return derived
+    from .runtime import session
+
+    if state.graphs is not None:
+        original_check, cache = derived.check_inputs, state.graphs
+
+        def check_inputs(self, *args, **kwargs):  # as _install_graphs' on pipe
+            session.before_denoising(derived, cache)
+            return original_check(*args, **kwargs)
+
+        derived.check_inputs = types.MethodType(check_inputs, derived)
+    if "execution_device" in state.applied:
+        execution_device.install(derived)
+    derived._sdfast = state
+    return derived
+
+
 def unoptimize(pipe):
     """Undo ``optimize``: the passes it applied are undone in reverse order; the stock modules, processors, layouts
     and forwards come back. Returns ``pipe``."""

@@ -225,3 +225,77 @@ def check_long_prompt(policy: str) -> str:
     if policy not in POLICIES:
         raise InvalidRequestError("long_prompt", f"must be one of {', '.join(POLICIES)} (got {policy!r})")
     return policy
+
+
+@dataclasses.dataclass(frozen=True)
+class Img2ImgRequest(Txt2ImgRequest):
+    """A validated img2img request (SDEdit, Meng et al. 2021, as diffusers' ``StableDiffusionImg2ImgPipeline`` and
+    ``StableDiffusionXLImg2ImgPipeline`` run it): the init ``image`` is encoded by the VAE, noised to the timestep
+    ``strength`` of the way into the schedule, and denoised for the last ``int(num_inference_steps * strength)``
+    steps. Make one with ``Img2ImgRequest.build``; run it with ``Engine.run``.
+
+    image: the init image, RGB (``PIL.Image.Image``), as given; height, width: its size in pixels rounded down to
+    multiples of 8 (the size of the images that come back: diffusers' image processor resizes to it).
+    strength: in (0, 1]; 1 ignores the image's content (but not its size).
+    """
+
+    image: object = None
+    strength: float = 0.8
+
+    @property
+    def denoising_steps(self) -> int:
+        """The steps that run: ``int(num_inference_steps * strength)`` (diffusers' ``get_timesteps``)."""
+        return min(int(self.num_inference_steps * self.strength), self.num_inference_steps)
+
+    @classmethod
+    def build(cls, image, prompt, *, strength: float = 0.8, negative_prompt=None, num_inference_steps: int = 30,
+              guidance_scale: float = 7.5, seed=None, num_images_per_prompt: int = 1, scheduler: str | None = None,
+              long_prompt: str = "chunk", tokenize=None) -> Img2ImgRequest:
+        """Validate ``Engine.img2img``'s arguments (see there) and return the request. Raises
+        ``InvalidRequestError`` (a ``ValueError``) naming the field: ``image`` (not a PIL image or an (H, W, 3)
+        uint8 array, or a side under 8 or over ``MAX_SIDE`` pixels), ``strength`` (not a number in (0, 1], or so
+        small that no step would run), and the fields ``Txt2ImgRequest.build`` checks."""
+        pil = check_image(image)
+        width, height = (pil.width // MIN_SIDE) * MIN_SIDE, (pil.height // MIN_SIDE) * MIN_SIDE
+        base = Txt2ImgRequest.build(
+            prompt, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
+            guidance_scale=guidance_scale, height=height, width=width, seed=seed,
+            num_images_per_prompt=num_images_per_prompt, scheduler=scheduler, long_prompt=long_prompt,
+            tokenize=tokenize)
+        if isinstance(strength, bool) or not isinstance(strength, numbers.Real) or not 0 < float(strength) <= 1:
+            raise InvalidRequestError("strength", f"must be a number in (0, 1], got {strength!r}")
+        if int(base.num_inference_steps * float(strength)) < 1:
+            raise InvalidRequestError(
+                "strength", f"{float(strength):g} x {base.num_inference_steps} steps runs no step "
+                f"(int(num_inference_steps * strength) = 0); raise strength or num_inference_steps")
+        return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(Txt2ImgRequest)},
+                   image=pil, strength=float(strength))
+
+    def as_kwargs(self) -> dict:
+        """``Engine.img2img``'s keyword arguments that make this request again (with ``image`` first)."""
+        kwargs = super().as_kwargs()
+        del kwargs["height"], kwargs["width"]
+        return dict(image=self.image, **kwargs, strength=self.strength)
+
+    @classmethod
+    def concat(cls, requests):
+        """Not batchable: each img2img request runs as its own call (raises ``ValueError``)."""
+        raise ValueError("concat: img2img requests are not batched into one call; run each on its own")
+
+
+def check_image(image, field: str = "image"):
+    """``image`` as an RGB ``PIL.Image.Image``: a PIL image (any mode is converted) or an (H, W, 3) uint8 array.
+    Raises ``InvalidRequestError`` naming ``field`` for anything else, or a side under 8 or over ``MAX_SIDE``."""
+    import numpy as np
+    from PIL import Image
+
+    if isinstance(image, np.ndarray):
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+            raise InvalidRequestError(field, f"an array must be (H, W, 3) uint8, got {image.shape} {image.dtype}")
+        image = Image.fromarray(image)
+    if not isinstance(image, Image.Image):
+        raise InvalidRequestError(field, f"must be a PIL.Image.Image or an (H, W, 3) uint8 array, got "
+                                         f"{type(image).__name__}")
+    if min(image.size) < MIN_SIDE or max(image.size) > MAX_SIDE:
+        raise InvalidRequestError(field, f"sides must be {MIN_SIDE} to {MAX_SIDE} pixels, got {image.width}x{image.height}")
+    return image if image.mode == "RGB" else image.convert("RGB")

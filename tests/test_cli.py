@@ -272,3 +272,46 @@ def test_a_checkpoint_without_its_vae_is_one_error_line(tmp_path, capsys, comman
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("sdfast: error: checkpoint") and "no weights for the VAE (first_stage_model.*)" in err[-1]
     assert not any("Traceback" in line for line in err)
+
+
+def _init_png(tmp_path, size=(51, 43)):
+    import numpy as np
+
+    path = tmp_path / "init.png"
+    Image.fromarray((np.random.RandomState(0).rand(size[1], size[0], 3) * 255).astype(np.uint8)).save(path)
+    return path
+
+
+def test_img2img_writes_the_images_at_the_init_images_size_with_its_parameters(tmp_path, capsys):
+    from sdfast.png import read_parameters
+
+    init, out = _init_png(tmp_path), tmp_path / "edit.png"
+    assert main(["img2img", str(init), "a cat", "--strength", "0.5", "--steps", "4", "--seed", "2", "--n", "2",
+                 "--out", str(out)]) == 0
+    for i in range(2):
+        with Image.open(tmp_path / f"edit_{i}.png") as img:
+            params = read_parameters(img)
+            assert img.size == (48, 40)  # 51 x 43 rounded down to multiples of 8
+    assert params["strength"] == 0.5 and params["init_image"] == str(init) and params["seed"] == 3
+    assert "saved" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args, message", [
+    (["{missing}", "a cat"], "image: cannot read"),
+    (["{init}", "a cat", "--strength", "0"], "--strength: must be a number in (0, 1]"),
+    (["{init}", "a cat", "--strength", "0.1", "--steps", "5"], "--strength: 0.1 x 5 steps runs no step"),
+    (["{init}", "a cat", "--size", "64x64"], "unrecognized arguments: --size"),
+])
+def test_img2img_bad_input_is_one_line_exit_2_before_the_load(tmp_path, capsys, monkeypatch, args, message):
+    import sdfast
+
+    monkeypatch.setattr(sdfast, "load", lambda *a, **k: pytest.fail("the model was loaded before the input was checked"))
+    args = [a.format(missing=tmp_path / "nope.png", init=_init_png(tmp_path)) for a in args]
+    try:
+        code = main(["img2img", *args, "--out", str(tmp_path / "x.png")])
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("sdfast: error:") and message in err[-1], err
+    assert not (tmp_path / "x.png").exists()

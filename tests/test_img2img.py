@@ -1,0 +1,118 @@
+"""img2img on random:tiny (CPU): the same pixels as diffusers' img2img pipelines on the same weights, the derived
+pipeline shares the engine's optimized modules and state, and bad input raises before any step."""
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import sdfast
+from sdfast.errors import InvalidRequestError
+from sdfast.request import Img2ImgRequest
+
+
+def _image(w=48, h=40, seed=0):
+    return Image.fromarray((np.random.RandomState(seed).rand(h, w, 3) * 255).astype(np.uint8))
+
+
+def _px(img):
+    return np.asarray(img).astype(np.int16)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """An optimized and a stock random:tiny engine (fp32, CPU), the same seeded weights."""
+    return sdfast.load("random:tiny"), sdfast.load("random:tiny", optimize=False)
+
+
+def _stock(pipe, image, **kw):
+    from diffusers import StableDiffusionImg2ImgPipeline
+
+    seeds = kw.pop("seeds")
+    return StableDiffusionImg2ImgPipeline.from_pipe(pipe)(
+        image=image, generator=[torch.Generator("cpu").manual_seed(s) for s in seeds], **kw).images
+
+
+@pytest.mark.parametrize("size", [(48, 40), (51, 43)])  # (51, 43): rounded down to 48 x 40, as diffusers does
+def test_same_pixels_as_diffusers_img2img(engines, size):
+    fast, stock = engines
+    image = _image(*size)
+    ours = fast.img2img(image, "a photo of a cat", strength=0.6, num_inference_steps=4, guidance_scale=5.0, seed=3,
+                        num_images_per_prompt=2)
+    ref = _stock(stock.pipe, image, prompt="a photo of a cat", strength=0.6, num_inference_steps=4,
+                 guidance_scale=5.0, num_images_per_prompt=2, seeds=[3, 4])
+    assert [im.size for im in ours] == [(48, 40)] * 2 and [im.info["seed"] for im in ours] == ["3", "4"]
+    assert all(np.array_equal(_px(a), _px(b)) for a, b in zip(ours, ref))
+    assert not np.array_equal(_px(ours[0]), _px(ours[1]))  # each image its own seed (noise and latent sample)
+
+
+def test_the_image_and_strength_matter_and_an_array_is_the_same_image(engines):
+    fast, _ = engines
+    kw = dict(num_inference_steps=4, guidance_scale=1.0, seed=1)
+    a = fast.img2img(_image(), "a cat", strength=0.5, **kw)[0]
+    assert np.array_equal(_px(a), _px(fast.img2img(np.asarray(_image()), "a cat", strength=0.5, **kw)[0]))
+    assert np.array_equal(_px(a), _px(fast.img2img(_image().convert("RGBA"), "a cat", strength=0.5, **kw)[0]))
+    assert not np.array_equal(_px(a), _px(fast.img2img(_image(seed=1), "a cat", strength=0.5, **kw)[0]))
+    assert not np.array_equal(_px(a), _px(fast.img2img(_image(), "a cat", strength=1.0, **kw)[0]))
+
+
+def test_the_img2img_pipeline_shares_the_optimized_components(engines):
+    fast, stock = engines
+    derived = fast.pipeline_for("img2img")
+    assert derived is fast.pipeline_for("img2img") and fast.pipeline_for("txt2img") is fast.pipe
+    assert type(derived).__name__ == "StableDiffusionImg2ImgPipeline"
+    assert all(getattr(derived, n) is getattr(fast.pipe, n) for n in ("unet", "vae", "text_encoder", "tokenizer"))
+    assert derived._sdfast is fast.pipe._sdfast
+    assert getattr(stock.pipeline_for("img2img"), "_sdfast", None) is None  # an unoptimized engine's stays stock
+    with pytest.raises(ValueError, match="task must be"):
+        fast.pipeline_for("video")
+
+
+@pytest.mark.parametrize("image, kwargs, field", [
+    ("cat.png", {}, "image"),
+    (np.zeros((40, 48), np.uint8), {}, "image"),
+    (np.zeros((40, 48, 3), np.float32), {}, "image"),
+    (Image.new("RGB", (4, 40)), {}, "image"),
+    (None, {"strength": 0}, "strength"),
+    (None, {"strength": 1.5}, "strength"),
+    (None, {"strength": True}, "strength"),
+    (None, {"strength": "0.5"}, "strength"),
+    (None, {"strength": 0.1, "num_inference_steps": 5}, "strength"),  # int(5 * 0.1) = 0 steps
+    (None, {"num_inference_steps": 0}, "num_inference_steps"),
+    (None, {"guidance_scale": float("nan")}, "guidance_scale"),
+])
+def test_bad_input_raises_before_any_step(engines, image, kwargs, field):
+    fast, _ = engines
+    with pytest.raises(InvalidRequestError) as info:
+        fast.img2img(_image() if image is None else image, "a cat", **kwargs)
+    assert info.value.field == field
+
+
+def test_request_round_trip_and_no_batching():
+    r = Img2ImgRequest.build(_image(51, 43), ["a", "b"], strength=0.25, num_inference_steps=8, seed=5)
+    assert (r.width, r.height, r.denoising_steps, r.seeds) == (48, 40, 2, (5, 6))
+    again = Img2ImgRequest.build(**r.as_kwargs())
+    assert again == r
+    with pytest.raises(ValueError, match="not batched"):
+        Img2ImgRequest.concat([r, r])
+
+
+def test_share_leaves_an_unoptimized_pipeline_as_it_is(engines):
+    from sdfast.optimizer import share
+
+    _, stock = engines
+    derived = object.__new__(type(stock.pipe))
+    assert share(stock.pipe, derived) is derived and "_sdfast" not in derived.__dict__
+
+
+def test_sdxl_same_pixels_as_diffusers_img2img():
+    from diffusers import StableDiffusionXLImg2ImgPipeline
+
+    fast, stock = sdfast.load("random:tiny-xl"), sdfast.load("random:tiny-xl", optimize=False)
+    image = _image(32, 32)
+    ours = fast.img2img(image, "a cat", strength=0.5, num_inference_steps=4, guidance_scale=5.0, seed=2)[0]
+    ref = StableDiffusionXLImg2ImgPipeline.from_pipe(stock.pipe)(
+        prompt="a cat", image=image, strength=0.5, num_inference_steps=4, guidance_scale=5.0,
+        generator=[torch.Generator("cpu").manual_seed(2)]).images[0]
+    assert type(fast.pipeline_for("img2img")).__name__ == "StableDiffusionXLImg2ImgPipeline"
+    assert ours.size == (32, 32) and np.array_equal(_px(ours), _px(ref))
