@@ -200,12 +200,15 @@ class Engine:
         """The diffusers pipeline that runs ``task`` on this engine: ``self.pipe`` for "txt2img"; for "img2img",
         ``StableDiffusionImg2ImgPipeline`` (``StableDiffusionXLImg2ImgPipeline`` for SDXL) built once from
         ``self.pipe``'s components (``from_pipe``: no copy of a weight) and optimized as ``self.pipe`` is
-        (``sdfast.optimizer.share``). Raises ``ValueError`` for another task."""
+        (``sdfast.optimizer.share``); built again when ``self.pipe`` was optimized or unoptimized since. Raises
+        ``ValueError`` for another task."""
         if task == "txt2img":
             return self.pipe
         if task != "img2img":
             raise ValueError(f"pipeline_for: task must be 'txt2img' or 'img2img', got {task!r}")
-        if task not in self._derived:
+        derived = self._derived.get(task)
+        if derived is None or getattr(derived, "_sdfast", None) is not getattr(self.pipe, "_sdfast", None):
+            # first use, or self.pipe was optimized / unoptimized since: built again on the pipeline as it is now
             from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionXLImg2ImgPipeline
 
             from .optimizer import share

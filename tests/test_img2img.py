@@ -68,6 +68,17 @@ def test_the_img2img_pipeline_shares_the_optimized_components(engines):
         fast.pipeline_for("video")
 
 
+def test_the_img2img_pipeline_follows_unoptimize_and_optimize():
+    engine = sdfast.load("random:tiny")
+    first = engine.pipeline_for("img2img")
+    sdfast.unoptimize(engine.pipe)
+    stock = engine.pipeline_for("img2img")
+    assert stock is not first and getattr(stock, "_sdfast", None) is None
+    sdfast.optimize(engine.pipe)
+    again = engine.pipeline_for("img2img")
+    assert again._sdfast is engine.pipe._sdfast and again is engine.pipeline_for("img2img")
+
+
 @pytest.mark.parametrize("image, kwargs, field", [
     ("cat.png", {}, "image"),
     (np.zeros((40, 48), np.uint8), {}, "image"),
