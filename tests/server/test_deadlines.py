@@ -62,11 +62,17 @@ def test_request_past_its_deadline_stops_its_generation_early(stock_tiny, unet_c
     calls = unet_calls
     calls.clear()
     app = create_app(stock_tiny, api_key="", request_timeout_s=1.0)
+    # at least 20 ms per step whatever the machine's speed (150 steps: over 3 s if run out; a fast machine ran the tiny
+    # UNet's 150 steps inside the 1 s deadline)
+    pace = stock_tiny.pipe.unet.register_forward_hook(lambda *a: time.sleep(0.02))
     with serving(app) as url, httpx.Client(base_url=url, timeout=30) as c:
         t0 = time.monotonic()
-        r = c.post("/v1/txt2img", json={**SMALL, "num_inference_steps": 150})  # over 10 s if run out
-        assert r.status_code == 504, r.text
-        wait_for(lambda: not c.get("/health").json()["busy"], timeout=5, what="the generation to stop")
+        try:
+            r = c.post("/v1/txt2img", json={**SMALL, "num_inference_steps": 150})
+            assert r.status_code == 504, r.text
+            wait_for(lambda: not c.get("/health").json()["busy"], timeout=5, what="the generation to stop")
+        finally:
+            pace.remove()
         assert time.monotonic() - t0 < 6
         assert len(calls) < 75, f"ran {len(calls)} of 150 steps after its deadline"
         ok = c.post("/v1/txt2img", json=SMALL)
