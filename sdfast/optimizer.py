@@ -41,14 +41,19 @@ def _denoisers(pipe) -> list[torch.nn.Module]:
     return [m for m in (getattr(pipe, "unet", None), getattr(pipe, "vae", None)) if m is not None]
 
 
-def _vae_decode_in_own_dtype(vae):
-    """Rebind ``vae.decode`` to cast latents to the VAE's dtype (for a VAE kept in fp32)."""
-    original = vae.decode
+def _vae_in_own_dtype(vae):
+    """Rebind ``vae.decode`` and ``vae.encode`` to cast their input (latents, images) to the VAE's dtype (for a VAE
+    kept in fp32)."""
+    original_decode, original_encode = vae.decode, vae.encode
 
     def decode(self, z, *args, **kwargs):
-        return original(z.to(self.dtype), *args, **kwargs)
+        return original_decode(z.to(self.dtype), *args, **kwargs)
+
+    def encode(self, x, *args, **kwargs):
+        return original_encode(x.to(self.dtype), *args, **kwargs)
 
     vae.decode = types.MethodType(decode, vae)
+    vae.encode = types.MethodType(encode, vae)
 
 
 def _install_graphs(pipe, state: OptimizeState) -> None:
@@ -81,14 +86,14 @@ def _upcast_vae(pipe, state: OptimizeState) -> int:
     if not (hasattr(pipe, "upcast_vae") and vae.dtype == torch.float16 and vae.config.force_upcast):
         return 0
     vae.to(torch.float32)
-    _vae_decode_in_own_dtype(vae)
+    _vae_in_own_dtype(vae)  # its config keeps force_upcast (runtime.session turns it off during engine calls)
     state.vae_upcast = True
     return 1
 
 
 def _undo_vae_upcast(pipe, state: OptimizeState) -> None:
     if state.vae_upcast:
-        del pipe.vae.decode
+        del pipe.vae.decode, pipe.vae.encode
         pipe.vae.to(torch.float16)
 
 

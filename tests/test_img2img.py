@@ -127,3 +127,48 @@ def test_sdxl_same_pixels_as_diffusers_img2img():
         generator=[torch.Generator("cpu").manual_seed(2)]).images[0]
     assert type(fast.pipeline_for("img2img")).__name__ == "StableDiffusionXLImg2ImgPipeline"
     assert ours.size == (32, 32) and np.array_equal(_px(ours), _px(ref))
+
+
+def test_the_unet_and_decoder_get_nchw_latents_as_in_txt2img(engines):
+    """The layout pass runs the VAE's convolutions NHWC; its ``encode`` hands the latents back NCHW (as stock), so
+    img2img's UNet and decoder inputs have txt2img's strides and replay txt2img's CUDA graphs (keyed by strides)."""
+    fast, _ = engines
+    seen = []
+    hooks = [m.register_forward_pre_hook(lambda m, args, name=name: seen.append((name, args[0].is_contiguous())))
+             for name, m in (("unet", fast.pipe.unet), ("decoder", fast.pipe.vae.decoder))]
+    try:
+        fast.img2img(_image(), "a cat", strength=0.5, num_inference_steps=4, seed=0)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert {name for name, _ in seen} == {"unet", "decoder"} and all(ok for _, ok in seen), seen
+    dist = fast.pipe.vae.encode(torch.zeros(1, 3, 16, 16)).latent_dist
+    assert dist.mean.is_contiguous() and dist.std.is_contiguous()
+    sdfast.unoptimize(fast.pipe)
+    assert "encode" not in fast.pipe.vae.__dict__  # undo gives the VAE its own encode back
+    sdfast.optimize(fast.pipe)
+
+
+def test_a_vae_kept_in_fp32_has_force_upcast_off_only_during_a_call():
+    """SDXL's VAE kept in fp32 (``force_upcast``): during an engine call its config says force_upcast False (diffusers'
+    SDXL img2img would otherwise cast the VAE to fp32 and back to the embeddings' dtype, replacing its weights), and
+    True again after, also after a failed call."""
+    from sdfast.runtime.session import CallSession
+
+    engine = sdfast.load("random:tiny-xl", dtype=torch.float16, device="cpu")
+    pipe = engine.pipe
+    assert pipe._sdfast.vae_upcast and pipe.vae.config.force_upcast
+    session = CallSession(pipe)
+    with session.call(pipe.scheduler, what="test"):
+        assert pipe.vae.config.force_upcast is False
+    assert pipe.vae.config.force_upcast is True
+    with pytest.raises(KeyError):
+        with session.call(pipe.scheduler, what="test"):
+            raise KeyError("a failed call")
+    assert pipe.vae.config.force_upcast is True
+    ptrs = [p.data_ptr() for p in pipe.vae.parameters()]
+    engine.img2img(_image(32, 32), "a cat", strength=0.5, num_inference_steps=2, seed=0)
+    assert pipe.vae.dtype == torch.float32 and [p.data_ptr() for p in pipe.vae.parameters()] == ptrs
+    stock = sdfast.load("random:tiny", device="cpu")  # an fp32 VAE of its own: nothing to switch
+    with CallSession(stock.pipe).call(stock.pipe.scheduler, what="test"):
+        assert not stock.pipe._sdfast.vae_upcast

@@ -6,6 +6,10 @@ free, and ``Transformer2DModel``'s output goes back to NHWC without the ``.conti
 convert it to NCHW (its ``_get_output_for_continuous_inputs`` is rebound on the instance). SD 1.x's 1x1
 ``proj_in``/``proj_out`` convolutions run as linears on that token view (``_operate_on_continuous_inputs``
 is rebound too): no conv bias passes, and proj_out's bias and the residual add are one kernel.
+
+A VAE's ``encode`` (img2img, inpainting) is rebound on the instance to give its latent distribution back in NCHW,
+as stock does: its convolutions run NHWC and would hand channels_last latents to the UNet, whose CUDA graphs are
+keyed by the inputs' strides (the txt2img ones would not be replayed).
 """
 
 from __future__ import annotations
@@ -84,6 +88,25 @@ def _transformer_output(self, hidden_states, residual, batch_size, height, width
     return hidden_states + residual
 
 
+def _encode_nchw(vae) -> None:
+    """Rebind ``vae.encode`` so that its ``latent_dist``'s tensors (``parameters``, ``mean``, ``logvar``, ``std``,
+    ``var``) are NCHW-contiguous; the ``encode`` it wraps is kept for ``undo``."""
+    previous = vae.__dict__.get("encode")
+    original = vae.encode
+
+    def encode(self, x, *args, **kwargs):
+        out = original(x, *args, **kwargs)
+        dist = out[0] if isinstance(out, tuple) else out.latent_dist
+        for name in ("parameters", "mean", "logvar", "std", "var"):
+            t = getattr(dist, name, None)
+            if isinstance(t, torch.Tensor):
+                setattr(dist, name, t.contiguous())
+        return out
+
+    vae.encode = types.MethodType(encode, vae)
+    vae._sdfast_layout_encode = previous
+
+
 def apply(model: nn.Module, *, filter_fn=None) -> int:
     """Convert ``model``'s 4-D weights to channels_last and rebind Transformer2D outputs. Returns modules changed."""
     from diffusers.models.transformers.transformer_2d import Transformer2DModel
@@ -101,11 +124,20 @@ def apply(model: nn.Module, *, filter_fn=None) -> int:
             m._operate_on_continuous_inputs = types.MethodType(_transformer_input, m)
             m._sdfast_layout = True
             changed += 1
+    if changed and hasattr(model, "encoder") and callable(getattr(model, "encode", None)) \
+            and "_sdfast_layout_encode" not in model.__dict__:
+        _encode_nchw(model)
     return changed
 
 
 def undo(model: nn.Module) -> int:
     restored = 0
+    if "_sdfast_layout_encode" in model.__dict__:
+        previous = model.__dict__.pop("_sdfast_layout_encode")
+        if previous is None:
+            del model.encode
+        else:
+            model.encode = previous
     for _, m in model.named_modules():
         if getattr(m, "_sdfast_layout", False):
             if isinstance(m, nn.Conv2d):

@@ -8,7 +8,9 @@
 2. ``CallSession.call`` (a context manager around ``pipe(...)``): the scheduler goes in, with its timesteps kept
    on the host when the UNet runs in CUDA graphs (``runtime.host_timesteps``: no GPU->host sync per step) and
    released otherwise; a forward hook on the VAE decoder records a one-element "all finite" flag on the device
-   (no wait for the decoder); a mark of the graph cache is taken.
+   (no wait for the decoder); a mark of the graph cache is taken. A VAE the optimizer keeps in fp32 has its config's
+   ``force_upcast`` off for the call: it already is what that flag asks for, and diffusers' SDXL img2img pipeline
+   would otherwise cast the VAE to fp32 and back to fp16 (dropping its CUDA graph, and leaving it in fp16).
 3. ``before_denoising`` (from ``check_inputs``, inside the pipeline call): the time-embedding pack is refreshed
    first (``passes.time_embedding``: a changed parameter repacks, so the graph check sees its new storage at
    once and one capture follows, not two), then every CUDA graph is checked.
@@ -84,6 +86,10 @@ class CallSession:
             lambda module, args, output: finite.append(torch.isfinite(output).all())
         )
         mark = graphs.mark() if graphs is not None else None
+        state = getattr(pipe, "_sdfast", None)
+        upcast = bool(getattr(state, "vae_upcast", False)) and bool(pipe.vae.config.get("force_upcast", False))
+        if upcast:
+            pipe.vae.register_to_config(force_upcast=False)
         try:
             yield finite
         except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
@@ -97,6 +103,8 @@ class CallSession:
             raise
         finally:
             hook.remove()
+            if upcast:
+                pipe.vae.register_to_config(force_upcast=True)
 
     def check_finite(self, all_finite: bool, guidance_scale: float) -> None:
         """Raise ``NonFiniteOutputError`` unless the images (and the decoder's flags) were all finite."""
