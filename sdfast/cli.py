@@ -87,6 +87,17 @@ def _add_img2img(sub) -> None:
     p.set_defaults(func=cmd_generate)
 
 
+def _add_inpaint(sub) -> None:
+    p = sub.add_parser("inpaint", help="repaint the masked part of an image from a prompt")
+    p.add_argument("image", help="the image file; the images come back at its size, rounded down to multiples of 8")
+    p.add_argument("mask", help="the mask file, the image's size: white is repainted, black kept")
+    p.add_argument("prompt")
+    p.add_argument("--strength", type=float, default=1.0,
+                   help="how far the masked part is noised, in (0, 1]: int(steps x strength) steps run (default: 1.0)")
+    _add_generation_flags(p, size=False)
+    p.set_defaults(func=cmd_generate)
+
+
 def _out_paths(out: str, n: int) -> list[Path]:
     """The file of each image: ``out`` (``.png`` added when it has no extension), with ``_0``, ``_1``, ...
     before the extension when n > 1. Raises ValueError for an extension other than .png, .jpg/.jpeg and .webp or a
@@ -128,7 +139,7 @@ def _check_steps_before_load(steps: int, scheduler: str | None) -> None:
 # The txt2img / img2img flag of each engine argument, for the error messages (``--steps: must be ...``).
 _FLAGS = {"num_inference_steps": "--steps", "guidance_scale": "--guidance", "height": "--size", "width": "--size",
           "seed": "--seed", "num_images_per_prompt": "--n", "negative_prompt": "--negative", "scheduler": "--scheduler",
-          "strength": "--strength", "image": "image"}
+          "strength": "--strength", "image": "image", "mask_image": "mask"}
 
 
 def _flag_error(e) -> str:
@@ -151,7 +162,7 @@ def cmd_generate(args) -> int:
 def _generate(args) -> int:
     import sdfast
     from sdfast.png import check_quality, format_for_path, save_image
-    from sdfast.request import Img2ImgRequest, Txt2ImgRequest
+    from sdfast.request import Img2ImgRequest, InpaintRequest, Txt2ImgRequest
 
     if args.model is not None and not args.model.strip():
         raise ValueError("--model is empty")
@@ -161,6 +172,9 @@ def _generate(args) -> int:
                   seed=args.seed, num_images_per_prompt=args.n, scheduler=args.scheduler)
     if args.command == "img2img":
         request = Img2ImgRequest.build(_read_image(args.image), args.prompt, strength=args.strength, **common)
+    elif args.command == "inpaint":
+        request = InpaintRequest.build(_read_image(args.image), _read_image(args.mask, "mask"), args.prompt,
+                                       strength=args.strength, **common)
     else:
         width, height = args.size or (None, None)
         request = Txt2ImgRequest.build(args.prompt, height=height, width=width, **common)
@@ -189,8 +203,10 @@ def _generate(args) -> int:
         params = {"prompt": args.prompt, "negative_prompt": args.negative, "seed": int(img.info["seed"]),
                   "steps": args.steps, "guidance_scale": args.guidance, "scheduler": args.scheduler,
                   "width": img.width, "height": img.height, "model": model}
-        if args.command == "img2img":
+        if args.command in ("img2img", "inpaint"):
             params.update(init_image=str(args.image), strength=args.strength)
+        if args.command == "inpaint":
+            params.update(mask_image=str(args.mask))
         save_image(img, path, format=fmt, quality=args.quality, parameters=params)
         print(f"saved {path} ({img.width}x{img.height}, seed {img.info['seed']}) in {took:.2f} s")
     return 0
@@ -259,16 +275,17 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"sdfast: error: {message} (see: {self.prog} --help)\n")
 
 
-def _read_image(path: str):
-    """The init image file as a PIL image; ValueError naming it when it is missing or not an image."""
+def _read_image(path: str, what: str = "image"):
+    """An image file (the init image, or a mask: ``what``) as a PIL image (RGB; ``L`` for a mask); ValueError naming
+    it when it is missing or not an image."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as image:
             image.load()
-            return image.convert("RGB")
+            return image.convert("L" if what == "mask" else "RGB")
     except (OSError, UnidentifiedImageError) as e:
-        raise ValueError(f"image: cannot read {path!r} as an image ({e})") from None
+        raise ValueError(f"{what}: cannot read {path!r} as an image ({e})") from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -277,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_txt2img(sub)
     _add_img2img(sub)
+    _add_inpaint(sub)
     _add_serve(sub)
     _add_bench(sub)
     return parser

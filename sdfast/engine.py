@@ -22,7 +22,7 @@ from PIL import Image
 
 from . import prompts as prompt_policy
 from .errors import GenerationCancelled
-from .request import Img2ImgRequest, Txt2ImgRequest
+from .request import Img2ImgRequest, InpaintRequest, Txt2ImgRequest
 from .runtime.session import CallSession
 from .schedulers import check_steps, make_scheduler
 
@@ -57,6 +57,13 @@ def _stopper(should_stop):
         return callback_kwargs
 
     return on_step_end
+
+
+# The diffusers pipeline of each task other than txt2img, (SD 1.x/2.x, SDXL), built from the engine's components.
+_DERIVED = {
+    "img2img": ("StableDiffusionImg2ImgPipeline", "StableDiffusionXLImg2ImgPipeline"),
+    "inpaint": ("StableDiffusionInpaintPipeline", "StableDiffusionXLInpaintPipeline"),
+}
 
 
 class PromptTruncatedWarning(UserWarning):
@@ -196,25 +203,63 @@ class Engine:
             scheduler=scheduler, long_prompt=long_prompt)
         return self.run(request, progress=progress, should_stop=should_stop, _stacklevel=3)
 
+    def inpaint(
+        self,
+        image,
+        mask_image,
+        prompt,
+        *,
+        strength: float = 1.0,
+        negative_prompt=None,
+        num_inference_steps: int = 30,
+        guidance_scale: float = 7.5,
+        seed=None,
+        num_images_per_prompt: int = 1,
+        scheduler: str | None = None,
+        progress: bool = False,
+        long_prompt: str = "chunk",
+        should_stop=None,
+    ):
+        """Repaint the masked part of an image from text (inpainting, as diffusers' ``StableDiffusionInpaintPipeline``
+        / ``StableDiffusionXLInpaintPipeline`` run it, on this engine's optimized components: the same images as
+        those pipelines on the same weights). An inpainting checkpoint (a UNet with 9 input channels) takes the mask
+        and the masked image as conditioning; a plain one blends the unmasked latents back at every step.
+
+        Args:
+            image: as ``img2img``'s.
+            mask_image: a PIL image (converted to ``L``) or a uint8 array, of ``image``'s size: white (255) is
+                repainted, black kept.
+            strength: as ``img2img``'s, default 1.0 (the masked part starts from pure noise).
+            The others: as ``txt2img``'s.
+
+        Returns and raises: as ``img2img`` (``InvalidRequestError`` field ``mask_image`` too).
+        """
+        request = InpaintRequest.build(
+            image, mask_image, prompt, strength=strength, negative_prompt=negative_prompt,
+            num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, seed=seed,
+            num_images_per_prompt=num_images_per_prompt, scheduler=scheduler, long_prompt=long_prompt)
+        return self.run(request, progress=progress, should_stop=should_stop, _stacklevel=3)
+
     def pipeline_for(self, task: str):
-        """The diffusers pipeline that runs ``task`` on this engine: ``self.pipe`` for "txt2img"; for "img2img",
-        ``StableDiffusionImg2ImgPipeline`` (``StableDiffusionXLImg2ImgPipeline`` for SDXL) built once from
+        """The diffusers pipeline that runs ``task`` on this engine: ``self.pipe`` for "txt2img"; for "img2img" and
+        "inpaint", ``StableDiffusionImg2ImgPipeline`` / ``StableDiffusionInpaintPipeline`` (the ``XL`` ones for
+        SDXL; ``_DERIVED``) built once from
         ``self.pipe``'s components (``from_pipe``: no copy of a weight) and optimized as ``self.pipe`` is
         (``sdfast.optimizer.share``); built again when ``self.pipe`` was optimized or unoptimized since. Raises
         ``ValueError`` for another task."""
         if task == "txt2img":
             return self.pipe
-        if task != "img2img":
-            raise ValueError(f"pipeline_for: task must be 'txt2img' or 'img2img', got {task!r}")
+        if task not in _DERIVED:
+            raise ValueError(f"pipeline_for: task must be 'txt2img', 'img2img' or 'inpaint', got {task!r}")
         derived = self._derived.get(task)
         if derived is None or getattr(derived, "_sdfast", None) is not getattr(self.pipe, "_sdfast", None):
             # first use, or self.pipe was optimized / unoptimized since: built again on the pipeline as it is now
-            from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionXLImg2ImgPipeline
+            import diffusers
 
             from .optimizer import share
 
             xl = getattr(self.pipe, "text_encoder_2", None) is not None
-            cls = StableDiffusionXLImg2ImgPipeline if xl else StableDiffusionImg2ImgPipeline
+            cls = getattr(diffusers, _DERIVED[task][xl])
             self._derived[task] = share(self.pipe, cls.from_pipe(self.pipe))
         return self._derived[task]
 
@@ -233,7 +278,11 @@ class Engine:
                             f"engine.request(...)) or an Img2ImgRequest, got {type(request).__name__}")
         height = self.default_size if request.height is None else request.height
         width = self.default_size if request.width is None else request.width
-        if isinstance(request, Img2ImgRequest):  # the image sets the size (diffusers resizes it to height x width)
+        if isinstance(request, InpaintRequest):
+            pipe = self.pipeline_for("inpaint")
+            task_kwargs = dict(image=request.image, mask_image=request.mask_image, strength=request.strength,
+                               height=height, width=width)
+        elif isinstance(request, Img2ImgRequest):  # the image sets the size (diffusers resizes it to height x width)
             pipe, task_kwargs = self.pipeline_for("img2img"), dict(image=request.image, strength=request.strength)
         else:
             pipe, task_kwargs = self.pipe, dict(height=height, width=width)

@@ -299,3 +299,49 @@ def check_image(image, field: str = "image"):
     if min(image.size) < MIN_SIDE or max(image.size) > MAX_SIDE:
         raise InvalidRequestError(field, f"sides must be {MIN_SIDE} to {MAX_SIDE} pixels, got {image.width}x{image.height}")
     return image if image.mode == "RGB" else image.convert("RGB")
+
+
+@dataclasses.dataclass(frozen=True)
+class InpaintRequest(Img2ImgRequest):
+    """A validated inpainting request (as diffusers' ``StableDiffusionInpaintPipeline`` and
+    ``StableDiffusionXLInpaintPipeline`` run it): the masked part of ``image`` is repainted, the rest kept (with an
+    inpainting UNet, 9 input channels: mask and masked image go in as conditioning; with a plain 4-channel UNet the
+    unmasked latents are blended back at every step). Make one with ``InpaintRequest.build``.
+
+    mask_image: ``L`` mode ``PIL.Image.Image`` of ``image``'s size; white (255) is repainted, black kept.
+    strength: as img2img's, default 1.0 (the masked part starts from noise).
+    """
+
+    mask_image: object = None
+
+    @classmethod
+    def build(cls, image, mask_image, prompt, *, strength: float = 1.0, **kwargs) -> InpaintRequest:
+        """Validate ``Engine.inpaint``'s arguments (see there): ``mask_image`` a PIL image or an (H, W) / (H, W, 1)
+        / (H, W, 3) uint8 array of ``image``'s size (``InvalidRequestError`` field ``mask_image``), and what
+        ``Img2ImgRequest.build`` checks."""
+        base = Img2ImgRequest.build(image, prompt, strength=strength, **kwargs)
+        mask = check_mask(mask_image, base.image.size)
+        return cls(**{f.name: getattr(base, f.name) for f in dataclasses.fields(Img2ImgRequest)}, mask_image=mask)
+
+    def as_kwargs(self) -> dict:
+        """``Engine.inpaint``'s keyword arguments that make this request again."""
+        kwargs = super().as_kwargs()
+        return dict(image=kwargs.pop("image"), mask_image=self.mask_image, **kwargs)
+
+
+def check_mask(mask, size: tuple[int, int], field: str = "mask_image"):
+    """``mask`` as an ``L`` mode ``PIL.Image.Image`` of ``size`` (width, height): a PIL image (converted to ``L``) or
+    an (H, W), (H, W, 1) or (H, W, 3) uint8 array. Raises ``InvalidRequestError`` naming ``field``."""
+    import numpy as np
+    from PIL import Image
+
+    if isinstance(mask, np.ndarray):
+        if mask.dtype != np.uint8 or not (mask.ndim == 2 or (mask.ndim == 3 and mask.shape[2] in (1, 3))):
+            raise InvalidRequestError(field, f"an array must be (H, W), (H, W, 1) or (H, W, 3) uint8, got "
+                                             f"{mask.shape} {mask.dtype}")
+        mask = Image.fromarray(mask[..., 0] if mask.ndim == 3 and mask.shape[2] == 1 else mask)
+    if not isinstance(mask, Image.Image):
+        raise InvalidRequestError(field, f"must be a PIL.Image.Image or a uint8 array, got {type(mask).__name__}")
+    if mask.size != tuple(size):
+        raise InvalidRequestError(field, f"must be the image's size, {size[0]}x{size[1]}, got {mask.width}x{mask.height}")
+    return mask if mask.mode == "L" else mask.convert("L")

@@ -315,3 +315,21 @@ def test_img2img_bad_input_is_one_line_exit_2_before_the_load(tmp_path, capsys, 
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("sdfast: error:") and message in err[-1], err
     assert not (tmp_path / "x.png").exists()
+
+
+
+def test_inpaint_writes_the_images_and_a_mask_of_another_size_is_one_line(tmp_path, capsys):
+    import numpy as np
+
+    from sdfast.png import read_parameters
+
+    init, mask, out = _init_png(tmp_path, (48, 40)), tmp_path / "mask.png", tmp_path / "inpainted.png"
+    m = np.zeros((40, 48), np.uint8)
+    m[8:24, 16:40] = 255
+    Image.fromarray(m).save(mask)
+    assert main(["inpaint", str(init), str(mask), "a cat", "--steps", "3", "--seed", "1", "--out", str(out)]) == 0
+    with Image.open(out) as img:
+        assert img.size == (48, 40) and read_parameters(img)["mask_image"] == str(mask)
+    Image.fromarray(m[:32]).save(mask)
+    assert main(["inpaint", str(init), str(mask), "a cat", "--out", str(tmp_path / "x.png")]) == 2
+    assert "sdfast: error: mask: must be the image's size, 48x40, got 48x32" in capsys.readouterr().err

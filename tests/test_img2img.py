@@ -1,5 +1,6 @@
-"""img2img on random:tiny (CPU): the same pixels as diffusers' img2img pipelines on the same weights, the derived
-pipeline shares the engine's optimized modules and state, and bad input raises before any step."""
+"""img2img and inpainting on random:tiny (CPU): the same pixels as diffusers' img2img and inpaint pipelines on the
+same weights, the derived pipelines share the engine's optimized modules and state, and bad input raises before any
+step."""
 
 import numpy as np
 import pytest
@@ -172,3 +173,48 @@ def test_a_vae_kept_in_fp32_has_force_upcast_off_only_during_a_call():
     stock = sdfast.load("random:tiny", device="cpu")  # an fp32 VAE of its own: nothing to switch
     with CallSession(stock.pipe).call(stock.pipe.scheduler, what="test"):
         assert not stock.pipe._sdfast.vae_upcast
+
+
+
+def _mask(w=48, h=40):
+    m = np.zeros((h, w), np.uint8)
+    m[8:24, 16:40] = 255
+    return Image.fromarray(m)
+
+
+@pytest.mark.parametrize("arch, cls", [("tiny", "StableDiffusionInpaintPipeline"),
+                                       ("tiny-xl", "StableDiffusionXLInpaintPipeline")])
+def test_inpaint_same_pixels_as_diffusers(arch, cls):
+    import diffusers
+
+    fast, stock = sdfast.load(f"random:{arch}"), sdfast.load(f"random:{arch}", optimize=False)
+    kw = dict(num_inference_steps=4, guidance_scale=5.0, strength=1.0)
+    ours = fast.inpaint(_image(), np.asarray(_mask()), "a cat", seed=3, **kw)  # a mask array is the same mask
+    ref = getattr(diffusers, cls).from_pipe(stock.pipe)(
+        prompt="a cat", image=_image(), mask_image=_mask(), height=40, width=48,
+        generator=[torch.Generator("cpu").manual_seed(3)], **kw).images
+    assert type(fast.pipeline_for("inpaint")).__name__ == cls
+    assert fast.pipeline_for("inpaint")._sdfast is fast.pipe._sdfast
+    assert ours[0].size == (48, 40) and np.array_equal(_px(ours[0]), _px(ref[0]))
+
+
+@pytest.mark.parametrize("mask, field", [
+    (Image.new("L", (48, 32)), "mask_image"),
+    (np.zeros((40, 48), np.float32), "mask_image"),
+    ("mask.png", "mask_image"),
+    (None, "image"),
+])
+def test_inpaint_bad_input_raises_before_any_step(engines, mask, field):
+    fast, _ = engines
+    image = "cat.png" if mask is None else _image()
+    with pytest.raises(InvalidRequestError) as info:
+        fast.inpaint(image, _mask() if mask is None else mask, "a cat")
+    assert info.value.field == field
+
+
+def test_inpaint_request_round_trip():
+    from sdfast.request import InpaintRequest
+
+    r = InpaintRequest.build(_image(), _mask().convert("RGB"), "a cat", num_inference_steps=8, seed=1)
+    assert r.strength == 1.0 and r.mask_image.mode == "L" and r.denoising_steps == 8
+    assert InpaintRequest.build(**r.as_kwargs()) == r

@@ -1,6 +1,6 @@
-"""img2img on the GPU, on the real architectures (random weights): the optimized engine (CUDA graphs over the UNet,
-text encoders and VAE decoder; the VAE encoder eager) gives stock diffusers' img2img images, shares the txt2img
-graphs at the same size, and a second strength reuses them."""
+"""img2img and inpainting on the GPU, on the real architectures (random weights): the optimized engine (CUDA graphs
+over the UNet, text encoders and VAE decoder; the VAE encoder eager) gives stock diffusers' img2img and inpaint
+images, and img2img replays the txt2img graphs at the same size."""
 
 import gc
 
@@ -51,6 +51,31 @@ def test_img2img_parity_and_graph_reuse(model, side):
     assert ours.size == (side, side) and p >= 35
     assert psnr(again, ours) < 40  # another strength, another image
     assert captured > 0 and captures() == captured  # img2img replays the txt2img graphs: same shapes
+    del fast
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("model, side", [("random:sd15", 512), ("random:sdxl", 1024)])
+def test_inpaint_parity(model, side):
+    import diffusers
+
+    image, kw = _init_image(side), dict(strength=1.0, num_inference_steps=30, guidance_scale=7.5)
+    mask = np.zeros((side, side), np.uint8)
+    mask[side // 4: 3 * side // 4, side // 4: 3 * side // 4] = 255
+    mask = Image.fromarray(mask)
+    stock = sdfast.load(model, optimize=False)
+    cls = getattr(diffusers, "StableDiffusionXLInpaintPipeline" if model.endswith("sdxl") else "StableDiffusionInpaintPipeline")
+    ref = cls.from_pipe(stock.pipe)(prompt=PROMPT, image=image, mask_image=mask, height=side, width=side,
+                                     generator=[torch.Generator("cpu").manual_seed(0)], **kw).images[0]
+    del stock
+    gc.collect()
+    torch.cuda.empty_cache()
+    fast = sdfast.load(model)
+    ours = fast.inpaint(image, mask, PROMPT, seed=0, **kw)[0]
+    p = psnr(ours, ref)
+    print(f"{model} inpaint PSNR vs stock fp16 {p:.2f} dB")
+    assert ours.size == (side, side) and p >= 35
     del fast
     gc.collect()
     torch.cuda.empty_cache()
