@@ -10,16 +10,11 @@ import torch
 from PIL import Image
 
 import sdfast
+from benchmarks.bench_txt2img import psnr
 
 pytestmark = pytest.mark.gpu
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
-
-
-def psnr(a, b) -> float:
-    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
-    mse = np.mean((a - b) ** 2)
-    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
 def _init_image(side):
