@@ -1,11 +1,12 @@
-"""``Engine``: one loaded (and optionally optimized) diffusers pipeline, and txt2img and img2img on it.
+"""``Engine``: one loaded (and optionally optimized) diffusers pipeline, and txt2img, img2img and inpainting on it.
 
 ``txt2img(...)`` builds a ``sdfast.request.Txt2ImgRequest`` (the one validation) and runs it with ``run``;
 ``request(...)`` builds one with its texts tokenized by this engine. The CLI (built before the load) and the
 service (tokenized on its own tokenizer copies) hand theirs to ``run``, which counts the texts' windows, encodes
 them from their token ids (``sdfast.prompts``) and calls the pipeline inside a ``runtime.session.CallSession`` (graph checks, host timesteps, finite flag, OOM rollback).
-``img2img(...)`` builds an ``Img2ImgRequest`` and runs it the same way, on diffusers' img2img pipeline built once
-from the same (optimized) components (``pipeline_for``, ``sdfast.optimizer.share``).
+``img2img(...)`` and ``inpaint(...)`` build an ``Img2ImgRequest`` / ``InpaintRequest`` and run them the same way, on
+the diffusers pipeline of the request's ``task``, built once from the same (optimized) components (``pipeline_for``,
+``sdfast.optimizer.share``).
 """
 
 from __future__ import annotations
@@ -241,12 +242,11 @@ class Engine:
         return self.run(request, progress=progress, should_stop=should_stop, _stacklevel=3)
 
     def pipeline_for(self, task: str):
-        """The diffusers pipeline that runs ``task`` on this engine: ``self.pipe`` for "txt2img"; for "img2img" and
-        "inpaint", ``StableDiffusionImg2ImgPipeline`` / ``StableDiffusionInpaintPipeline`` (the ``XL`` ones for
-        SDXL; ``_DERIVED``) built once from
-        ``self.pipe``'s components (``from_pipe``: no copy of a weight) and optimized as ``self.pipe`` is
-        (``sdfast.optimizer.share``); built again when ``self.pipe`` was optimized or unoptimized since. Raises
-        ``ValueError`` for another task."""
+        """The diffusers pipeline that runs ``task`` (a request's ``task``) on this engine: ``self.pipe`` for
+        "txt2img"; for "img2img" and "inpaint", ``StableDiffusionImg2ImgPipeline`` / ``StableDiffusionInpaintPipeline``
+        (the ``XL`` ones for SDXL; ``_DERIVED``) built once from ``self.pipe``'s components (``from_pipe``: no copy
+        of a weight) and optimized as ``self.pipe`` is (``sdfast.optimizer.share``); built again when ``self.pipe``
+        was optimized or unoptimized since. Raises ``ValueError`` for another task."""
         if task == "txt2img":
             return self.pipe
         if task not in _DERIVED:
@@ -275,17 +275,10 @@ class Engine:
         limits are checked here: the scheduler's step limit, ``InvalidRequestError`` before any step."""
         if not isinstance(request, Txt2ImgRequest):
             raise TypeError(f"run takes an sdfast.request.Txt2ImgRequest (Txt2ImgRequest.build(...) or "
-                            f"engine.request(...)) or an Img2ImgRequest, got {type(request).__name__}")
+                            f"engine.request(...)), Img2ImgRequest or InpaintRequest, got {type(request).__name__}")
         height = self.default_size if request.height is None else request.height
         width = self.default_size if request.width is None else request.width
-        if isinstance(request, InpaintRequest):
-            pipe = self.pipeline_for("inpaint")
-            task_kwargs = dict(image=request.image, mask_image=request.mask_image, strength=request.strength,
-                               height=height, width=width)
-        elif isinstance(request, Img2ImgRequest):  # the image sets the size (diffusers resizes it to height x width)
-            pipe, task_kwargs = self.pipeline_for("img2img"), dict(image=request.image, strength=request.strength)
-        else:
-            pipe, task_kwargs = self.pipe, dict(height=height, width=width)
+        pipe, task_kwargs = self.pipeline_for(request.task), request.pipeline_kwargs(height, width)
         num_inference_steps, guidance_scale = request.num_inference_steps, request.guidance_scale
         num_images_per_prompt = request.num_images_per_prompt
         sched = self.scheduler_for(request.scheduler)

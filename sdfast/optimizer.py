@@ -56,8 +56,21 @@ def _vae_in_own_dtype(vae):
     vae.encode = types.MethodType(encode, vae)
 
 
-def _install_graphs(pipe, state: OptimizeState) -> None:
+def _check_graphs_before_denoising(pipe, cache) -> None:
+    """Rebind ``pipe.check_inputs`` (run at the start of every pipeline call) to run ``session.before_denoising``
+    first: the time-embedding refresh, then the check of ``cache``'s graphs."""
     from .runtime import session
+
+    original_check = pipe.check_inputs
+
+    def check_inputs(self, *args, **kwargs):
+        session.before_denoising(pipe, cache)
+        return original_check(*args, **kwargs)
+
+    pipe.check_inputs = types.MethodType(check_inputs, pipe)
+
+
+def _install_graphs(pipe, state: OptimizeState) -> None:
     from .runtime.cross_kv import CrossKV
     from .runtime.cuda_graphs import GraphCache
 
@@ -67,13 +80,7 @@ def _install_graphs(pipe, state: OptimizeState) -> None:
         if getattr(pipe, name, None) is not None:
             cache.install(name, getattr(pipe, name))
     cache.install("vae_decoder", pipe.vae.decoder)
-    original_check = pipe.check_inputs
-
-    def check_inputs(self, *args, **kwargs):  # runs at the start of every pipeline call
-        session.before_denoising(pipe, cache)  # time-embedding refresh, then the graph check
-        return original_check(*args, **kwargs)
-
-    pipe.check_inputs = types.MethodType(check_inputs, pipe)
+    _check_graphs_before_denoising(pipe, cache)
     state.graphs = cache
     host_timesteps.keep_on_host(pipe.scheduler)  # no GPU->host sync per step in the scheduler (PNDM)
 
@@ -241,16 +248,8 @@ def share(pipe, derived):
     state: OptimizeState | None = getattr(pipe, "_sdfast", None)
     if state is None or getattr(derived, "_sdfast", None) is state:
         return derived
-    from .runtime import session
-
     if state.graphs is not None:
-        original_check, cache = derived.check_inputs, state.graphs
-
-        def check_inputs(self, *args, **kwargs):  # as _install_graphs' on pipe
-            session.before_denoising(derived, cache)
-            return original_check(*args, **kwargs)
-
-        derived.check_inputs = types.MethodType(check_inputs, derived)
+        _check_graphs_before_denoising(derived, state.graphs)
     if "execution_device" in state.applied:
         execution_device.install(derived)
     derived._sdfast = state

@@ -52,9 +52,16 @@ class Txt2ImgRequest:
     long_prompt: str = "chunk"
     tokens: PromptTokens | None = None
 
+    task = "txt2img"  # the pipeline that runs it (``Engine.pipeline_for``); a class attribute, not a field
+
     @property
     def num_images(self) -> int:
         return len(self.prompts) * self.num_images_per_prompt
+
+    def pipeline_kwargs(self, height: int, width: int) -> dict:
+        """What this request gives the diffusers pipeline call besides the texts, steps, guidance, batch and
+        generators (which ``Engine.run`` passes for every task): here the size, ``height`` x ``width`` pixels."""
+        return dict(height=height, width=width)
 
     @classmethod
     def build(cls, prompt, *, negative_prompt=None, num_inference_steps: int = 30, guidance_scale: float = 7.5,
@@ -242,6 +249,12 @@ class Img2ImgRequest(Txt2ImgRequest):
     image: object = None
     strength: float = 0.8
 
+    task = "img2img"
+
+    def pipeline_kwargs(self, height: int, width: int) -> dict:
+        """The image and strength (the image sets the size: diffusers resizes it to ``height`` x ``width``)."""
+        return dict(image=self.image, strength=self.strength)
+
     @property
     def denoising_steps(self) -> int:
         """The steps that run: ``int(num_inference_steps * strength)`` (diffusers' ``get_timesteps``)."""
@@ -313,6 +326,12 @@ class InpaintRequest(Img2ImgRequest):
     """
 
     mask_image: object = None
+
+    task = "inpaint"
+
+    def pipeline_kwargs(self, height: int, width: int) -> dict:
+        """The image, mask, strength and size."""
+        return dict(image=self.image, mask_image=self.mask_image, strength=self.strength, height=height, width=width)
 
     @classmethod
     def build(cls, image, mask_image, prompt, *, strength: float = 1.0, **kwargs) -> InpaintRequest:

@@ -105,6 +105,7 @@ def test_request_round_trip_and_no_batching():
     assert (r.width, r.height, r.denoising_steps, r.seeds) == (48, 40, 2, (5, 6))
     again = Img2ImgRequest.build(**r.as_kwargs())
     assert again == r
+    assert r.task == "img2img" and r.pipeline_kwargs(40, 48) == {"image": r.image, "strength": 0.25}
     with pytest.raises(ValueError, match="not batched"):
         Img2ImgRequest.concat([r, r])
 
@@ -218,3 +219,5 @@ def test_inpaint_request_round_trip():
     r = InpaintRequest.build(_image(), _mask().convert("RGB"), "a cat", num_inference_steps=8, seed=1)
     assert r.strength == 1.0 and r.mask_image.mode == "L" and r.denoising_steps == 8
     assert InpaintRequest.build(**r.as_kwargs()) == r
+    assert r.task == "inpaint" and r.pipeline_kwargs(40, 48) == dict(
+        image=r.image, mask_image=r.mask_image, strength=1.0, height=40, width=48)

@@ -167,7 +167,8 @@ class AttentionDispatcher:
     Args:
         backend: force one backend for every call (the kernel policy, tests, benchmarks); ``None`` /
             ``"auto"`` = measure. A forced backend runs without a decision; one that fails raises a RuntimeError
-            naming the backend and the shapes (no silent fallback). The environment is not read here: ``sdfast.optimize`` passes what its kernel policy says.
+            naming the backend and the shapes (no silent fallback). The environment is not read here:
+            ``sdfast.optimize`` passes what its kernel policy says.
         triton: whether our Triton kernel is a candidate (on CUDA; on CPU under ``TRITON_INTERPRET=1``).
             ``False`` leaves it out: a kernel fault (unlike an exception) breaks the CUDA context, so it could not
             be measured-and-excluded like the others.
