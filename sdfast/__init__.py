@@ -108,13 +108,19 @@ def sparsify_(module, config=None, *, filter_fn=None, calibration=None):
                      calibration=calibration)
 
 
-def load(model, *, device=None, dtype=None, seed: int = 0, optimize: "bool | OptimizeConfig" = True) -> "Engine":
+def load(model, *, device=None, dtype=None, seed: int = 0, optimize: "bool | OptimizeConfig" = True,
+         controlnet=None) -> "Engine":
     """Load ``model`` into an ``Engine``.
 
     ``model``: a diffusers pipeline folder, a single-file ``.safetensors`` checkpoint, a hub id
     (``owner/name``), ``random:tiny|sd15|sd21|sdxl`` (real architecture, weights seeded by ``seed``),
     or a diffusers pipeline object. ``device``/``dtype`` default to CUDA+fp16 with a GPU, else CPU+fp32.
     ``optimize``: True (default ``OptimizeConfig``), an ``OptimizeConfig``, or False for the stock pipeline.
+    ``controlnet``: None, or a ControlNet (a ``ControlNetModel`` folder, a ``.safetensors`` file, a hub id,
+    ``random:controlnet-sd15|controlnet-sd21|controlnet-sdxl|tiny-controlnet|tiny-xl-controlnet``, a
+    ``diffusers.ControlNetModel``), or a list of them (multi-ControlNet): the engine's pipeline is then diffusers'
+    ControlNet pipeline of the model's family, optimized with its ControlNets, and every request takes
+    ``control_image`` (see ``sdfast.controlnet``).
     Raises ``ModelNotFoundError``, ``HubOfflineError``, ``ValueError``, ``TypeError`` (see ``sdfast.loading``).
     """
     import torch
@@ -135,6 +141,10 @@ def load(model, *, device=None, dtype=None, seed: int = 0, optimize: "bool | Opt
 
         warm_start.start(*default_device_dtype(device, dtype))  # CUDA libraries load while the weights do
     pipe = load_pipeline(model, device=device, dtype=dtype, seed=seed)
+    if controlnet is not None:
+        from . import controlnet as _controlnet
+
+        pipe = _controlnet.attach(pipe, _controlnet.load_controlnets(controlnet, pipe.unet, seed=seed))
     if optimize:
         from .optimizer import optimize as _optimize
         from .runtime import warm_start

@@ -308,3 +308,54 @@ def write_config_folder(name: str, path: str | Path) -> Path:
             (root / key).mkdir(exist_ok=True)
             (root / key / "config.json").write_text(json.dumps({"architectures": [arch[key]["class"]], "model_type": "clip_text_model", **cfg}, indent=2))
     return root
+
+
+# -- ControlNet (Zhang et al. 2023, "Adding Conditional Control to Text-to-Image Diffusion Models") -------------
+# A ControlNet is a trainable copy of its base UNet's encoder half (conv_in, down blocks, mid block) plus a small
+# convolutional encoder of the control image (``conditioning_embedding_out_channels``: three stride-2 steps, the
+# VAE's 8x) and one zero-initialised 1x1 convolution per residual. Its config is the base UNet's, restricted to the
+# keys ``diffusers.ControlNetModel`` takes (what ``ControlNetModel.from_unet`` copies): the published configs of
+# lllyasviel/sd-controlnet-canny (SD 1.5), thibaud/controlnet-sd21-canny-diffusers (SD 2.1) and
+# diffusers/controlnet-canny-sdxl-1.0 (SDXL) are those of their bases this way.
+
+_CONTROLNET_KEYS = (
+    "act_fn", "addition_embed_type", "addition_embed_type_num_heads", "addition_time_embed_dim",
+    "attention_head_dim", "block_out_channels", "class_embed_type", "cross_attention_dim", "down_block_types",
+    "downsample_padding", "encoder_hid_dim", "encoder_hid_dim_type", "flip_sin_to_cos", "freq_shift",
+    "layers_per_block", "mid_block_scale_factor", "norm_eps", "norm_num_groups", "num_attention_heads",
+    "num_class_embeds", "only_cross_attention", "projection_class_embeddings_input_dim", "resnet_time_scale_shift",
+    "transformer_layers_per_block", "upcast_attention", "use_linear_projection",
+)
+
+
+def controlnet_config(unet_config, *, conditioning_embedding_out_channels=(16, 32, 96, 256)) -> dict:
+    """The ``diffusers.ControlNetModel`` config of a ControlNet for a UNet with config ``unet_config`` (a dict or a
+    diffusers ``FrozenDict``): its encoder half's keys, 4 latent input channels (an inpainting UNet's ControlNet
+    still reads the 4-channel latents), a 3-channel (RGB) control image."""
+    cfg = {k: unet_config[k] for k in _CONTROLNET_KEYS if k in unet_config}
+    cfg.update(_class_name="ControlNetModel", in_channels=4, conditioning_channels=3,
+               controlnet_conditioning_channel_order="rgb",
+               conditioning_embedding_out_channels=list(conditioning_embedding_out_channels))
+    return cfg
+
+
+# ``random:<name>`` ControlNets: name -> (the built-in base architecture they attach to, their config).
+CONTROLNETS: dict[str, tuple[str, dict]] = {
+    "controlnet-sd15": ("sd15", controlnet_config(_SD15["unet"])),
+    "controlnet-sd21": ("sd21", controlnet_config(_SD21["unet"])),
+    "controlnet-sdxl": ("sdxl", controlnet_config(_SDXL["unet"])),
+    # the tiny ones keep the 8x downsampling of the control image (four embedding widths) at a CPU test's cost
+    "tiny-controlnet": ("tiny", controlnet_config(_TINY["unet"], conditioning_embedding_out_channels=(8, 8, 16, 16))),
+    "tiny-xl-controlnet": ("tiny-xl", controlnet_config(_TINY_XL["unet"],
+                                                        conditioning_embedding_out_channels=(8, 8, 16, 16))),
+}
+
+
+def get_controlnet(name: str) -> tuple[str, dict]:
+    """(base architecture, ``ControlNetModel`` config) of a built-in ControlNet. Raises ``ValueError`` listing the
+    known names."""
+    if name not in CONTROLNETS:
+        raise ValueError(f"unknown built-in ControlNet 'random:{name}'; known: "
+                         + ", ".join(f"random:{n}" for n in CONTROLNETS))
+    base, cfg = CONTROLNETS[name]
+    return base, dict(cfg)

@@ -22,7 +22,7 @@ import torch
 from PIL import Image
 
 from . import prompts as prompt_policy
-from .errors import GenerationCancelled
+from .errors import GenerationCancelled, InvalidRequestError
 from .request import Img2ImgRequest, InpaintRequest, Txt2ImgRequest
 from .runtime.session import CallSession
 from .schedulers import check_steps, make_scheduler
@@ -60,11 +60,20 @@ def _stopper(should_stop):
     return on_step_end
 
 
-# The diffusers pipeline of each task other than txt2img, (SD 1.x/2.x, SDXL), built from the engine's components.
+# The diffusers pipeline of each task other than txt2img, without and with ControlNets: (SD 1.x/2.x, SDXL), built
+# from the engine's components. txt2img runs ``Engine.pipe`` itself (a ControlNet pipeline when loaded with one).
 _DERIVED = {
-    "img2img": ("StableDiffusionImg2ImgPipeline", "StableDiffusionXLImg2ImgPipeline"),
-    "inpaint": ("StableDiffusionInpaintPipeline", "StableDiffusionXLInpaintPipeline"),
+    ("img2img", False): ("StableDiffusionImg2ImgPipeline", "StableDiffusionXLImg2ImgPipeline"),
+    ("inpaint", False): ("StableDiffusionInpaintPipeline", "StableDiffusionXLInpaintPipeline"),
+    ("img2img", True): ("StableDiffusionControlNetImg2ImgPipeline", "StableDiffusionXLControlNetImg2ImgPipeline"),
+    ("inpaint", True): ("StableDiffusionControlNetInpaintPipeline", "StableDiffusionXLControlNetInpaintPipeline"),
 }
+
+
+def _control(control_image, controlnet_conditioning_scale, control_guidance_start, control_guidance_end) -> dict:
+    """The ControlNet keyword arguments of a request's ``build``."""
+    return dict(control_image=control_image, controlnet_conditioning_scale=controlnet_conditioning_scale,
+                control_guidance_start=control_guidance_start, control_guidance_end=control_guidance_end)
 
 
 class PromptTruncatedWarning(UserWarning):
@@ -74,8 +83,9 @@ class PromptTruncatedWarning(UserWarning):
 class Engine:
     """A diffusers pipeline and what sdfast adds around it.
 
-    ``pipe`` is the underlying diffusers pipeline (``StableDiffusionPipeline`` or
-    ``StableDiffusionXLPipeline``): everything diffusers users know still works on it.
+    ``pipe`` is the underlying diffusers pipeline (``StableDiffusionPipeline`` or ``StableDiffusionXLPipeline``,
+    or their ``ControlNet`` pipelines when loaded with ControlNets): everything diffusers users know still works on
+    it.
     """
 
     def __init__(self, pipe, *, name: str = "pipeline"):
@@ -94,6 +104,14 @@ class Engine:
     @property
     def dtype(self) -> torch.dtype:
         return self.pipe.unet.dtype
+
+    @property
+    def controlnets(self) -> list:
+        """The engine's ``diffusers.ControlNetModel`` s, in the order requests give their control images ([] for
+        none)."""
+        from .controlnet import controlnets_of
+
+        return controlnets_of(self.pipe)
 
     @property
     def default_size(self) -> int:
@@ -125,6 +143,10 @@ class Engine:
         progress: bool = False,
         long_prompt: str = "chunk",
         should_stop=None,
+        control_image=None,
+        controlnet_conditioning_scale=None,
+        control_guidance_start=0.0,
+        control_guidance_end=1.0,
     ):
         """Generate images from text.
 
@@ -150,6 +172,16 @@ class Engine:
                 ``callback_on_step_end``); when it returns True the call stops there, before the next UNet step and
                 without decoding, and raises ``GenerationCancelled``. CUDA graphs stay valid: the callback runs
                 between graph replays, never during a capture, and each call re-projects its text context.
+            control_image: with ControlNets (``sdfast.load(model, controlnet=...)``), required: the control image
+                (a PIL image or an (H, W, 3) uint8 array), or a list of one per ControlNet. Without ``height`` and
+                ``width``, the images come back at its size (rounded down to multiples of 8); otherwise diffusers
+                resizes it. As diffusers' ``StableDiffusion(XL)ControlNetPipeline`` run it (Zhang et al. 2023).
+            controlnet_conditioning_scale: each ControlNet's residuals are multiplied by it, in [0, 10]: one value,
+                or a list of one per ControlNet; None: diffusers' default for the task (1.0 for txt2img and SDXL
+                inpainting, 0.8 for img2img, 0.5 for SD inpainting). CUDA graphs do not depend on it (the scale is
+                applied after the ControlNet's replay).
+            control_guidance_start, control_guidance_end: the fraction of the steps in which the ControlNets
+                apply, in [0, 1], start < end (one value, or one per ControlNet).
 
         Returns: a list of ``PIL.Image.Image`` (RGB, ``width``×``height``). Each carries, as strings,
             ``info["seed"]``, ``info["prompt_tokens"]`` (CLIP content tokens of its prompt),
@@ -165,7 +197,8 @@ class Engine:
         request = Txt2ImgRequest.build(
             prompt, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale, height=height, width=width, seed=seed,
-            num_images_per_prompt=num_images_per_prompt, scheduler=scheduler, long_prompt=long_prompt)
+            num_images_per_prompt=num_images_per_prompt, scheduler=scheduler, long_prompt=long_prompt,
+            **_control(control_image, controlnet_conditioning_scale, control_guidance_start, control_guidance_end))
         return self.run(request, progress=progress, should_stop=should_stop, _stacklevel=3)
 
     def img2img(
@@ -183,6 +216,10 @@ class Engine:
         progress: bool = False,
         long_prompt: str = "chunk",
         should_stop=None,
+        control_image=None,
+        controlnet_conditioning_scale=None,
+        control_guidance_start=0.0,
+        control_guidance_end=1.0,
     ):
         """Generate images from an init image and text (img2img: SDEdit, Meng et al. 2021, as diffusers'
         ``StableDiffusionImg2ImgPipeline`` / ``StableDiffusionXLImg2ImgPipeline`` run it, on this engine's optimized
@@ -194,14 +231,16 @@ class Engine:
                 of 8 (diffusers' image processor resizes it to that).
             strength: in (0, 1]: how far into the schedule the image is noised; ``int(num_inference_steps *
                 strength)`` denoising steps run (at least one). 1 keeps only the image's size.
-            The others: as ``txt2img``'s (the seed also draws the VAE encoder's latent sample).
+            The others: as ``txt2img``'s (the seed also draws the VAE encoder's latent sample); a control image
+                is resized to the init image's size.
 
         Returns and raises: as ``txt2img`` (``InvalidRequestError`` fields ``image`` and ``strength`` too).
         """
         request = Img2ImgRequest.build(
             image, prompt, strength=strength, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale, seed=seed, num_images_per_prompt=num_images_per_prompt,
-            scheduler=scheduler, long_prompt=long_prompt)
+            scheduler=scheduler, long_prompt=long_prompt,
+            **_control(control_image, controlnet_conditioning_scale, control_guidance_start, control_guidance_end))
         return self.run(request, progress=progress, should_stop=should_stop, _stacklevel=3)
 
     def inpaint(
@@ -220,6 +259,10 @@ class Engine:
         progress: bool = False,
         long_prompt: str = "chunk",
         should_stop=None,
+        control_image=None,
+        controlnet_conditioning_scale=None,
+        control_guidance_start=0.0,
+        control_guidance_end=1.0,
     ):
         """Repaint the masked part of an image from text (inpainting, as diffusers' ``StableDiffusionInpaintPipeline``
         / ``StableDiffusionXLInpaintPipeline`` run it, on this engine's optimized components: the same images as
@@ -238,29 +281,33 @@ class Engine:
         request = InpaintRequest.build(
             image, mask_image, prompt, strength=strength, negative_prompt=negative_prompt,
             num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, seed=seed,
-            num_images_per_prompt=num_images_per_prompt, scheduler=scheduler, long_prompt=long_prompt)
+            num_images_per_prompt=num_images_per_prompt, scheduler=scheduler, long_prompt=long_prompt,
+            **_control(control_image, controlnet_conditioning_scale, control_guidance_start, control_guidance_end))
         return self.run(request, progress=progress, should_stop=should_stop, _stacklevel=3)
 
     def pipeline_for(self, task: str):
         """The diffusers pipeline that runs ``task`` (a request's ``task``) on this engine: ``self.pipe`` for
         "txt2img"; for "img2img" and "inpaint", ``StableDiffusionImg2ImgPipeline`` / ``StableDiffusionInpaintPipeline``
-        (the ``XL`` ones for SDXL; ``_DERIVED``) built once from ``self.pipe``'s components (``from_pipe``: no copy
-        of a weight) and optimized as ``self.pipe`` is (``sdfast.optimizer.share``); built again when ``self.pipe``
-        was optimized or unoptimized since. Raises ``ValueError`` for another task."""
+        (their ``ControlNet`` ones with ControlNets, the ``XL`` ones for SDXL; ``_DERIVED``) built once from
+        ``self.pipe``'s components (``from_pipe``: no copy of a weight) and optimized as ``self.pipe`` is
+        (``sdfast.optimizer.share``); built again when ``self.pipe`` was optimized or unoptimized since. Raises
+        ``ValueError`` for another task."""
         if task == "txt2img":
             return self.pipe
-        if task not in _DERIVED:
+        if (task, False) not in _DERIVED:
             raise ValueError(f"pipeline_for: task must be 'txt2img', 'img2img' or 'inpaint', got {task!r}")
         derived = self._derived.get(task)
         if derived is None or getattr(derived, "_sdfast", None) is not getattr(self.pipe, "_sdfast", None):
             # first use, or self.pipe was optimized / unoptimized since: built again on the pipeline as it is now
             import diffusers
 
+            from .loading import quiet_loading
             from .optimizer import share
 
             xl = getattr(self.pipe, "text_encoder_2", None) is not None
-            cls = getattr(diffusers, _DERIVED[task][xl])
-            self._derived[task] = share(self.pipe, cls.from_pipe(self.pipe))
+            cls = getattr(diffusers, _DERIVED[task, bool(self.controlnets)][xl])
+            with quiet_loading():
+                self._derived[task] = share(self.pipe, cls.from_pipe(self.pipe))
         return self._derived[task]
 
     def request(self, prompt, **kwargs) -> Txt2ImgRequest:
@@ -276,6 +323,12 @@ class Engine:
         if not isinstance(request, Txt2ImgRequest):
             raise TypeError(f"run takes an sdfast.request.Txt2ImgRequest (Txt2ImgRequest.build(...) or "
                             f"engine.request(...)), Img2ImgRequest or InpaintRequest, got {type(request).__name__}")
+        controlnets = len(self.controlnets)
+        if request.control is not None:
+            request.control.check_count(controlnets)
+        elif controlnets:
+            raise InvalidRequestError("control_image", f"this engine was loaded with {controlnets} ControlNet(s): give "
+                                                       "control_image (one per ControlNet)")
         height = self.default_size if request.height is None else request.height
         width = self.default_size if request.width is None else request.width
         pipe, task_kwargs = self.pipeline_for(request.task), request.pipeline_kwargs(height, width)

@@ -1,6 +1,7 @@
 """``optimize(pipe, config)``: apply sdfast's pass table to a diffusers pipeline, in place, reversibly.
 
-``PASSES`` is the one table: fp32 VAE -> attention processor -> norm fusion -> channels_last layout ->
+``PASSES`` is the one table (over the UNet, the ControlNets if any, and the VAE, as each pass says): fp32 VAE ->
+attention processor -> norm fusion -> channels_last layout ->
 time-embedding packing -> upsampling -> skip concatenation -> convolution biases -> small-K linears -> CUDA graphs
 -> execution device. Each pass is its own module (``sdfast.passes``, ``sdfast.runtime``), counts what it changed,
 and can be undone (``unoptimize`` runs the table backwards). What one pass leaves for another is a typed slot of
@@ -37,8 +38,16 @@ class OptimizeState:
     applied: list = field(default_factory=list)  # names of the passes applied, in order
 
 
+def _denoising_nets(pipe) -> list[torch.nn.Module]:
+    """The nets that run at every denoising step: the UNet and the pipeline's ControlNets (``sdfast.controlnet``)."""
+    from .controlnet import controlnets_of
+
+    return [m for m in (getattr(pipe, "unet", None), *controlnets_of(pipe)) if m is not None]
+
+
 def _denoisers(pipe) -> list[torch.nn.Module]:
-    return [m for m in (getattr(pipe, "unet", None), getattr(pipe, "vae", None)) if m is not None]
+    """The convolutional nets the layout and kernel passes rewrite: the denoising nets and the VAE."""
+    return [*_denoising_nets(pipe), *([pipe.vae] if getattr(pipe, "vae", None) is not None else [])]
 
 
 def _vae_in_own_dtype(vae):
@@ -76,6 +85,9 @@ def _install_graphs(pipe, state: OptimizeState) -> None:
 
     cache = GraphCache(max_graphs=state.config.max_graphs, parallel_compile=state.config.parallel_compile)
     cache.install("unet", pipe.unet, conditioning=CrossKV(pipe.unet) if state.config.cross_kv_once else None)
+    for i, net in enumerate(_denoising_nets(pipe)[1:]):  # a ControlNet's scale is applied after its replay
+        cache.install(f"controlnet_{i}", net, conditioning=CrossKV(net) if state.config.cross_kv_once else None,
+                      output_scale="conditioning_scale")
     for name in ("text_encoder", "text_encoder_2"):
         if getattr(pipe, name, None) is not None:
             cache.install(name, getattr(pipe, name))
@@ -117,23 +129,29 @@ def _attention(pipe, state: OptimizeState) -> int:
                for m in _denoisers(pipe))
 
 
-def _per_denoiser(module_name: str, fn_name: str):
-    """``sdfast.passes.<module_name>.<fn_name>`` over the UNet and the VAE, summed."""
+def _over(nets: Callable, module_name: str, fn_name: str):
+    """A pass step: ``sdfast.passes.<module_name>.<fn_name>`` on each net of ``nets(pipe)``, counts summed."""
     def run(pipe, state) -> int:
         import importlib
 
         fn = getattr(importlib.import_module(f"sdfast.passes.{module_name}"), fn_name)
-        return sum(fn(m) or 0 for m in _denoisers(pipe))
+        return sum(fn(m) or 0 for m in nets(pipe))
     return run
+
+
+def _per_denoiser(module_name: str, fn_name: str):
+    """Over the UNet, the ControlNets and the VAE."""
+    return _over(_denoisers, module_name, fn_name)
+
+
+def _per_denoising_net(module_name: str, fn_name: str):
+    """Over the UNet and the ControlNets."""
+    return _over(_denoising_nets, module_name, fn_name)
 
 
 def _on_unet(module_name: str, fn_name: str):
-    """``sdfast.passes.<module_name>.<fn_name>`` on the UNet."""
-    def run(pipe, state) -> int:
-        import importlib
-
-        return getattr(importlib.import_module(f"sdfast.passes.{module_name}"), fn_name)(pipe.unet) or 0
-    return run
+    """On the UNet alone."""
+    return _over(lambda pipe: [pipe.unet], module_name, fn_name)
 
 
 def _graphs(pipe, state: OptimizeState) -> int:
@@ -173,13 +191,14 @@ PASSES: tuple[Pass, ...] = (
     Pass("attention", lambda c, p: c.attention, _attention, _per_denoiser("attention", "undo")),
     Pass("norms", lambda c, p: c.fuse_norms, _per_denoiser("norms", "apply"), _per_denoiser("norms", "undo")),
     Pass("layout", lambda c, p: c.channels_last, _per_denoiser("layout", "apply"), _per_denoiser("layout", "undo")),
-    Pass("temb", lambda c, p: c.fuse_norms and c.batch_temb, _on_unet("time_embedding", "apply"),
-         _on_unet("time_embedding", "undo")),
+    Pass("temb", lambda c, p: c.fuse_norms and c.batch_temb, _per_denoising_net("time_embedding", "apply"),
+         _per_denoising_net("time_embedding", "undo")),
     Pass("upsample", lambda c, p: c.upsample, _per_denoiser("upsample", "apply"), _per_denoiser("upsample", "undo")),
     Pass("skip_concat", lambda c, p: c.skip_concat, _on_unet("skip_concat", "apply"), _on_unet("skip_concat", "undo")),
     Pass("conv_bias", lambda c, p: c.conv_bias, _per_denoiser("conv_bias", "apply"),
          _per_denoiser("conv_bias", "undo")),
-    Pass("linear", lambda c, p: c.tma_linear, _on_unet("linear", "apply"), _on_unet("linear", "undo")),
+    Pass("linear", lambda c, p: c.tma_linear, _per_denoising_net("linear", "apply"),
+         _per_denoising_net("linear", "undo")),
     Pass("cuda_graphs", lambda c, p: c.cuda_graphs and p.unet.device.type == "cuda", _graphs, _undo_graphs),
     Pass("execution_device", lambda c, p: True, _execution_device, lambda p, s: execution_device.uninstall(p),
          counted=False),

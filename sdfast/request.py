@@ -24,6 +24,8 @@ MIN_SIDE = 8  # pixels: the VAE downsamples by 8, so a side is a positive multip
 MAX_SIDE = 8192  # pixels: 8x SD1.5's and 4x SDXL's native side (a 64x larger latent than SDXL's)
 MAX_IMAGES = 64  # images per call (prompts x num_images_per_prompt); loop for more
 MAX_GUIDANCE = 100.0  # guidance_scale: SD is used at 1-20 (the HTTP service takes 0-30); 1e308 overflows to Inf/NaN
+MAX_CONTROLNETS = 8  # control images per request (one per ControlNet of a multi-ControlNet)
+MAX_CONTROLNET_SCALE = 10.0  # controlnet_conditioning_scale: used at 0-2; the residuals are multiplied by it
 # num_inference_steps: at least 1; the upper bound is the scheduler's (``sdfast.schedulers.check_steps``: 999 for
 # SD's 1000 training timesteps, 50 for LCM), checked by the engine against the loaded model's scheduler.
 
@@ -51,6 +53,7 @@ class Txt2ImgRequest:
     scheduler: str | None = None
     long_prompt: str = "chunk"
     tokens: PromptTokens | None = None
+    control: ControlInputs | None = None
 
     task = "txt2img"  # the pipeline that runs it (``Engine.pipeline_for``); a class attribute, not a field
 
@@ -60,17 +63,29 @@ class Txt2ImgRequest:
 
     def pipeline_kwargs(self, height: int, width: int) -> dict:
         """What this request gives the diffusers pipeline call besides the texts, steps, guidance, batch and
-        generators (which ``Engine.run`` passes for every task): here the size, ``height`` x ``width`` pixels."""
-        return dict(height=height, width=width)
+        generators (which ``Engine.run`` passes for every task): here the size, ``height`` x ``width`` pixels, and
+        the ControlNet inputs (diffusers' ControlNet txt2img pipelines name the control image ``image``)."""
+        return dict(height=height, width=width, **self._control_kwargs("image"))
+
+    def _control_kwargs(self, image_arg: str) -> dict:
+        return {} if self.control is None else self.control.pipeline_kwargs(image_arg)
 
     @classmethod
     def build(cls, prompt, *, negative_prompt=None, num_inference_steps: int = 30, guidance_scale: float = 7.5,
               height: int | None = None, width: int | None = None, seed=None, num_images_per_prompt: int = 1,
-              scheduler: str | None = None, long_prompt: str = "chunk", tokenize=None) -> Txt2ImgRequest:
+              scheduler: str | None = None, long_prompt: str = "chunk", control_image=None,
+              controlnet_conditioning_scale=None, control_guidance_start=0.0, control_guidance_end=1.0,
+              tokenize=None) -> Txt2ImgRequest:
         """Validate ``Engine.txt2img``'s arguments (see there) and return the request. Raises
         ``InvalidRequestError`` (a ``ValueError``) naming the field. ``tokenize``: None, or a function
         ``(prompts, negative_prompts) -> PromptTokens`` (``sdfast.prompts.tokenize`` bound to a pipeline) called
-        once on the validated texts."""
+        once on the validated texts. With a ``control_image`` and no ``height`` / ``width``, the size is the (first)
+        control image's, rounded down to multiples of 8 (as diffusers' ControlNet pipelines do)."""
+        control = check_control(control_image, controlnet_conditioning_scale, control_guidance_start,
+                                control_guidance_end)
+        if control is not None and height is None and width is None:
+            first = control.images[0]
+            height, width = (first.height // MIN_SIDE) * MIN_SIDE, (first.width // MIN_SIDE) * MIN_SIDE
         prompts = check_request(
             prompt=prompt, height=height, width=width, num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt, scheduler=scheduler,
@@ -86,7 +101,7 @@ class Txt2ImgRequest:
             prompts=tuple(prompts), negative_prompts=None if negatives is None else tuple(negatives),
             height=None if height is None else int(height), width=None if width is None else int(width),
             num_inference_steps=steps, guidance_scale=float(guidance_scale), num_images_per_prompt=per_prompt,
-            seeds=seeds, scheduler=scheduler, long_prompt=long_prompt,
+            seeds=seeds, scheduler=scheduler, long_prompt=long_prompt, control=control,
             tokens=None if tokenize is None else tokenize(list(prompts), negatives))
 
     def as_kwargs(self) -> dict:
@@ -96,7 +111,8 @@ class Txt2ImgRequest:
             prompt=list(self.prompts), negative_prompt=None if self.negative_prompts is None else list(self.negative_prompts),
             num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale, height=self.height,
             width=self.width, seed=None if self.seeds is None else list(self.seeds),
-            num_images_per_prompt=self.num_images_per_prompt, scheduler=self.scheduler, long_prompt=self.long_prompt)
+            num_images_per_prompt=self.num_images_per_prompt, scheduler=self.scheduler, long_prompt=self.long_prompt,
+            **({} if self.control is None else self.control.as_kwargs()))
 
     @classmethod
     def concat(cls, requests: list[Txt2ImgRequest]) -> Txt2ImgRequest:
@@ -113,11 +129,13 @@ class Txt2ImgRequest:
 
         def settings(r):
             return (r.height, r.width, r.num_inference_steps, r.guidance_scale, r.scheduler, r.long_prompt,
-                    r.negative_prompts is None, r.num_images_per_prompt)
+                    r.negative_prompts is None, r.num_images_per_prompt, r.control is None)
 
-        if any(r.seeds is None or settings(r) != settings(first) for r in requests) or first.num_images_per_prompt != 1:
-            raise ValueError("concat: requests batched into one call need their seeds, one image per prompt and the "
-                             "same size, steps, guidance, scheduler, long-prompt policy and negative-prompt presence")
+        if (any(r.seeds is None or settings(r) != settings(first) for r in requests) or first.num_images_per_prompt != 1
+                or first.control is not None):
+            raise ValueError("concat: requests batched into one call need their seeds, one image per prompt, no "
+                             "control image and the same size, steps, guidance, scheduler, long-prompt policy and "
+                             "negative-prompt presence")
         prompts = tuple(p for r in requests for p in r.prompts)
         if len(prompts) > MAX_IMAGES:
             raise InvalidRequestError(
@@ -252,8 +270,12 @@ class Img2ImgRequest(Txt2ImgRequest):
     task = "img2img"
 
     def pipeline_kwargs(self, height: int, width: int) -> dict:
-        """The image and strength (the image sets the size: diffusers resizes it to ``height`` x ``width``)."""
-        return dict(image=self.image, strength=self.strength)
+        """The image and strength (the image sets the size: diffusers resizes it to ``height`` x ``width``); with
+        ControlNet inputs, those and the size (a ControlNet pipeline would take the control image's own size)."""
+        if self.control is None:
+            return dict(image=self.image, strength=self.strength)
+        return dict(image=self.image, strength=self.strength, height=height, width=width,
+                    **self._control_kwargs("control_image"))
 
     @property
     def denoising_steps(self) -> int:
@@ -263,18 +285,19 @@ class Img2ImgRequest(Txt2ImgRequest):
     @classmethod
     def build(cls, image, prompt, *, strength: float = 0.8, negative_prompt=None, num_inference_steps: int = 30,
               guidance_scale: float = 7.5, seed=None, num_images_per_prompt: int = 1, scheduler: str | None = None,
-              long_prompt: str = "chunk", tokenize=None) -> Img2ImgRequest:
+              long_prompt: str = "chunk", tokenize=None, **control) -> Img2ImgRequest:
         """Validate ``Engine.img2img``'s arguments (see there) and return the request. Raises
         ``InvalidRequestError`` (a ``ValueError``) naming the field: ``image`` (not a PIL image or an (H, W, 3)
         uint8 array, or a side under 8 or over ``MAX_SIDE`` pixels), ``strength`` (not a number in (0, 1], or so
-        small that no step would run), and the fields ``Txt2ImgRequest.build`` checks."""
+        small that no step would run), and the fields ``Txt2ImgRequest.build`` checks. ``control``: its ControlNet
+        arguments (``control_image`` resized by diffusers to the image's size)."""
         pil = check_image(image)
         width, height = (pil.width // MIN_SIDE) * MIN_SIDE, (pil.height // MIN_SIDE) * MIN_SIDE
         base = Txt2ImgRequest.build(
             prompt, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale, height=height, width=width, seed=seed,
             num_images_per_prompt=num_images_per_prompt, scheduler=scheduler, long_prompt=long_prompt,
-            tokenize=tokenize)
+            tokenize=tokenize, **control)
         if isinstance(strength, bool) or not isinstance(strength, numbers.Real) or not 0 < float(strength) <= 1:
             raise InvalidRequestError("strength", f"must be a number in (0, 1], got {strength!r}")
         if int(base.num_inference_steps * float(strength)) < 1:
@@ -330,8 +353,9 @@ class InpaintRequest(Img2ImgRequest):
     task = "inpaint"
 
     def pipeline_kwargs(self, height: int, width: int) -> dict:
-        """The image, mask, strength and size."""
-        return dict(image=self.image, mask_image=self.mask_image, strength=self.strength, height=height, width=width)
+        """The image, mask, strength and size (and the ControlNet inputs)."""
+        return dict(image=self.image, mask_image=self.mask_image, strength=self.strength, height=height, width=width,
+                    **self._control_kwargs("control_image"))
 
     @classmethod
     def build(cls, image, mask_image, prompt, *, strength: float = 1.0, **kwargs) -> InpaintRequest:
@@ -364,3 +388,84 @@ def check_mask(mask, size: tuple[int, int], field: str = "mask_image"):
     if mask.size != tuple(size):
         raise InvalidRequestError(field, f"must be the image's size, {size[0]}x{size[1]}, got {mask.width}x{mask.height}")
     return mask if mask.mode == "L" else mask.convert("L")
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlInputs:
+    """A request's ControlNet inputs (as diffusers' ControlNet pipelines take them), one entry per ControlNet of the
+    engine, in order. Made by ``check_control``; the count is checked against the engine by ``Engine.run``.
+
+    images: RGB ``PIL.Image.Image`` s (diffusers resizes each to the generated size).
+    conditioning_scale: each ControlNet's residuals are multiplied by it (``controlnet_conditioning_scale``), or
+        None: the diffusers pipeline's default (1.0 for txt2img and SDXL inpainting, 0.8 for img2img, 0.5 for SD
+        inpainting).
+    guidance_start, guidance_end: the fraction of the denoising steps in which each ControlNet is applied, in
+        [0, 1], start < end (``control_guidance_start`` / ``control_guidance_end``).
+    """
+
+    images: tuple
+    conditioning_scale: tuple[float, ...] | None
+    guidance_start: tuple[float, ...]
+    guidance_end: tuple[float, ...]
+
+    def pipeline_kwargs(self, image_arg: str) -> dict:
+        """The diffusers call arguments: one value each for one ControlNet, lists for a multi-ControlNet; the
+        control images under ``image_arg`` ("image" for the txt2img ControlNet pipelines, else "control_image")."""
+        def value(t):
+            return t[0] if len(self.images) == 1 else list(t)
+
+        kwargs = {image_arg: value(self.images), "control_guidance_start": value(self.guidance_start),
+                  "control_guidance_end": value(self.guidance_end)}
+        if self.conditioning_scale is not None:
+            kwargs["controlnet_conditioning_scale"] = value(self.conditioning_scale)
+        return kwargs
+
+    def as_kwargs(self) -> dict:
+        """The ``control_image=...`` keyword arguments that make these inputs again."""
+        value = (lambda t: t[0]) if len(self.images) == 1 else list
+        scale = None if self.conditioning_scale is None else value(self.conditioning_scale)
+        return dict(control_image=value(self.images), controlnet_conditioning_scale=scale,
+                    control_guidance_start=value(self.guidance_start), control_guidance_end=value(self.guidance_end))
+
+    def check_count(self, controlnets: int) -> None:
+        """Raise ``InvalidRequestError`` (field ``control_image``) unless there is one image per ControlNet."""
+        if not controlnets:
+            raise InvalidRequestError("control_image", "the model has no ControlNet; load one with "
+                                                       "sdfast.load(model, controlnet=...) (or leave control_image out)")
+        if len(self.images) != controlnets:
+            raise InvalidRequestError("control_image", f"one control image per ControlNet: the model has "
+                                                       f"{controlnets}, got {len(self.images)}")
+
+
+def _per_image(field: str, value, n: int, lo: float, hi: float) -> tuple[float, ...]:
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * n
+    if len(values) != n:
+        raise InvalidRequestError(field, f"one value, or a list of one per control image ({n}), got {len(values)}")
+    for v in values:
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v) or not lo <= v <= hi:
+            raise InvalidRequestError(field, f"must be a number in [{lo:g}, {hi:g}] (or a list of them), got {v!r}")
+    return tuple(float(v) for v in values)
+
+
+def check_control(control_image, conditioning_scale=None, guidance_start=0.0, guidance_end=1.0) -> ControlInputs | None:
+    """Validate the ControlNet arguments of a request: None without a ``control_image``; else ``ControlInputs`` with
+    ``control_image`` (a PIL image / (H, W, 3) uint8 array, or a list of 1 to ``MAX_CONTROLNETS`` of them) and the
+    three per-ControlNet values (one value for all, or one per image; a scale of None: the pipeline's default). Raises ``InvalidRequestError`` naming the
+    field (``control_image``, ``controlnet_conditioning_scale``, ``control_guidance_start``,
+    ``control_guidance_end``; a start not below its end)."""
+    if control_image is None:
+        return None
+    many = isinstance(control_image, (list, tuple))
+    raw = list(control_image) if many else [control_image]
+    if not 1 <= len(raw) <= MAX_CONTROLNETS:
+        raise InvalidRequestError("control_image", f"1 to {MAX_CONTROLNETS} control images, got {len(raw)}")
+    images = tuple(check_image(im, f"control_image[{i}]" if many else "control_image") for i, im in enumerate(raw))
+    n = len(images)
+    scale = None if conditioning_scale is None else _per_image(
+        "controlnet_conditioning_scale", conditioning_scale, n, 0.0, MAX_CONTROLNET_SCALE)
+    start = _per_image("control_guidance_start", guidance_start, n, 0.0, 1.0)
+    end = _per_image("control_guidance_end", guidance_end, n, 0.0, 1.0)
+    if any(a >= b for a, b in zip(start, end)):
+        raise InvalidRequestError("control_guidance_start", f"must be below control_guidance_end (got {list(start)} "
+                                                            f"and {list(end)})")
+    return ControlInputs(images, scale, start, end)

@@ -237,8 +237,10 @@ class GraphedForward:
     """A callable that replaces ``module.forward`` (see the module docstring)."""
 
     def __init__(self, module: torch.nn.Module, *, pool, max_graphs: int = 8, warmup_iters: int = 2, name: str = "",
-                 clock=None, stream=None, conditioning: CrossKV | None = None, parallel_compile: bool = True):
+                 clock=None, stream=None, conditioning: CrossKV | None = None, parallel_compile: bool = True,
+                 output_scale: str | None = None):
         self.module = module
+        self.output_scale = output_scale  # a keyword argument that scales every output: applied after the replay
         self.parallel_compile = parallel_compile  # a compile-only pass before the first warm-up at a signature
         self.conditioning = conditioning  # computed in its own graph, once per context (see runtime.cross_kv)
         self.eager = module.forward  # the forward as it was (possibly already patched by other passes)
@@ -266,6 +268,13 @@ class GraphedForward:
         return self.watch.hooked
 
     def __call__(self, *args, **kwargs):
+        scale = self._pull_scale(kwargs)
+        if scale is not None:  # one graph for every scale: the outputs are scaled after the replay
+            kwargs = {**kwargs, self.output_scale: 1.0}
+            out = self(*args, **kwargs)
+            if scale != 1.0:
+                torch._foreach_mul_([t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)], scale)
+            return out
         leaves, spec = pytree.tree_flatten((args, kwargs))
         on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in leaves)
         if not on_cuda or torch.cuda.is_current_stream_capturing() or torch.is_grad_enabled() or self.hooked():
@@ -293,6 +302,18 @@ class GraphedForward:
         entry.graph.replay()
         self.stats.replays += 1
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.static_output)
+
+    def _pull_scale(self, kwargs: dict) -> float | None:
+        """The value of the ``output_scale`` keyword when the call can take it out of the graph: a Python float
+        other than 1.0 (ControlNet's ``conditioning_scale``: its residuals are ``r * scale``, so ``r`` at 1.0 then
+        scaled is the same fp16 rounding), without ``guess_mode`` (whose per-residual scales would round twice).
+        None otherwise: the value is then part of the graph's signature, as any non-tensor argument."""
+        if self.output_scale is None or kwargs.get("guess_mode"):
+            return None
+        scale = kwargs.get(self.output_scale)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or scale == 1.0:
+            return None
+        return float(scale)
 
     def _refresh_conditioning(self, pre: _Projection, static: torch.Tensor, x: torch.Tensor) -> None:
         """Replay the projection graph unless it last ran on this very tensor, unchanged, with unchanged weights."""
@@ -414,9 +435,13 @@ class GraphCache:
         self._clock += 1
         return self._clock
 
-    def install(self, name: str, module: torch.nn.Module, conditioning: CrossKV | None = None) -> GraphedForward:
+    def install(self, name: str, module: torch.nn.Module, conditioning: CrossKV | None = None,
+                output_scale: str | None = None) -> GraphedForward:
+        """Replace ``module.forward`` by a ``GraphedForward`` named ``name`` (see there for ``conditioning`` and
+        ``output_scale``)."""
         runner = GraphedForward(module, pool=self.pool, max_graphs=self.max_graphs, name=name, clock=self._tick,
-                                stream=self.stream, conditioning=conditioning, parallel_compile=self.parallel_compile)
+                                stream=self.stream, conditioning=conditioning, parallel_compile=self.parallel_compile,
+                                output_scale=output_scale)
         module.forward = runner
         self.runners[name] = runner
         return runner

@@ -41,9 +41,11 @@ def graphs_of(pipe):
 def before_denoising(pipe, graphs) -> None:
     """At the start of every pipeline call (the optimizer's ``check_inputs``): the time-embedding refresh, then
     the check of every graph of ``graphs``."""
+    from ..controlnet import controlnets_of
     from ..passes import time_embedding
 
-    time_embedding.refresh(pipe.unet)  # a repack first, so that the graph check sees its storage at once
+    for net in (pipe.unet, *controlnets_of(pipe)):  # a repack first, so that the graph check sees its storage at once
+        time_embedding.refresh(net)
     graphs.check()
 
 
