@@ -1,6 +1,7 @@
 """The built-in architectures: the published diffusers configs of SD 1.5, SD 2.1 and SDXL base 1.0, and a
 tiny SD1-shaped one that runs in seconds on a CPU, with a tiny SD 2.x-shaped (``tiny-v``) and a tiny
-SDXL-shaped (``tiny-xl``) sibling that exercise the same code paths as the real variants.
+SDXL-shaped (``tiny-xl``) sibling that exercise the same code paths as the real variants; and the inpainting
+checkpoints of SD 1.5, SD 2 and SDXL with their tiny siblings (``*-inpaint``: UNets with 9 input channels).
 
 These dicts are the configs of the public model repos (runwayml/stable-diffusion-v1-5,
 stabilityai/stable-diffusion-2-1, stabilityai/stable-diffusion-xl-base-1.0), kept here so that
@@ -259,6 +260,37 @@ _TINY_XL = {
     "force_zeros_for_empty_prompt": True,
 }
 
+# Inpainting checkpoints: the published configs of runwayml/stable-diffusion-inpainting,
+# stabilityai/stable-diffusion-2-inpainting and diffusers/stable-diffusion-xl-1.0-inpainting-0.1. Each is its base
+# model's config but for a UNet of 9 input channels (4 noisy latents + 1 mask + 4 latents of the masked image,
+# concatenated by diffusers' inpaint pipelines), the pipeline class their model_index.json names, and: SD 1.5's has
+# a DDIM scheduler (DDIM's class defaults clip x0 and set alpha_0 = 1: the published config turns both off) and a
+# VAE config of sample_size 256; SD 2's was resumed from stable-diffusion-2-base, so it is 512-pixel
+# (sample_size 64), epsilon-prediction, without upcast_attention, with SD 1.5's PNDM scheduler config. SDXL's
+# differs from SDXL base only by its 9 input channels. The tiny ones are tiny and tiny-xl with 9 input channels.
+_SD15_INPAINT = {
+    **_SD15,
+    "pipeline": "StableDiffusionInpaintPipeline",
+    "unet": {**_SD15["unet"], "in_channels": 9},
+    "vae": {**_VAE_SD, "sample_size": 256},
+    "scheduler": {**_SD15["scheduler"], "_class_name": "DDIMScheduler"},
+}
+
+_SD2_INPAINT = {
+    **_SD21,
+    "pipeline": "StableDiffusionInpaintPipeline",
+    "unet": {**_SD21["unet"], "in_channels": 9, "sample_size": 64, "upcast_attention": False},
+    "vae": _VAE_SD,
+    "scheduler": _SD15["scheduler"],
+}
+
+_SDXL_INPAINT = {**_SDXL, "pipeline": "StableDiffusionXLInpaintPipeline", "unet": {**_SDXL["unet"], "in_channels": 9}}
+
+_TINY_INPAINT = {**_TINY, "pipeline": "StableDiffusionInpaintPipeline", "unet": {**_TINY["unet"], "in_channels": 9}}
+
+_TINY_XL_INPAINT = {**_TINY_XL, "pipeline": "StableDiffusionXLInpaintPipeline",
+                    "unet": {**_TINY_XL["unet"], "in_channels": 9}}
+
 ARCHITECTURES: dict[str, dict] = {
     "tiny": _TINY,
     "tiny-v": _TINY_V,
@@ -266,6 +298,11 @@ ARCHITECTURES: dict[str, dict] = {
     "sd15": _SD15,
     "sd21": _SD21,
     "sdxl": _SDXL,
+    "tiny-inpaint": _TINY_INPAINT,
+    "tiny-xl-inpaint": _TINY_XL_INPAINT,
+    "sd15-inpaint": _SD15_INPAINT,
+    "sd2-inpaint": _SD2_INPAINT,
+    "sdxl-inpaint": _SDXL_INPAINT,
 }
 
 

@@ -285,13 +285,27 @@ class Engine:
             **_control(control_image, controlnet_conditioning_scale, control_guidance_start, control_guidance_end))
         return self.run(request, progress=progress, should_stop=should_stop, _stacklevel=3)
 
+    @property
+    def tasks(self) -> tuple[str, ...]:
+        """The tasks this model runs: ``("inpaint",)`` for an inpainting checkpoint (a UNet whose input is the
+        latents, the mask and the masked image's latents concatenated: 4 + 1 + 4 = 9 channels, e.g.
+        runwayml/stable-diffusion-inpainting), else ``("txt2img", "img2img", "inpaint")``."""
+        inpainting = self.pipe.unet.config.in_channels == 2 * self.pipe.vae.config.latent_channels + 1
+        return ("inpaint",) if inpainting else ("txt2img", "img2img", "inpaint")
+
     def pipeline_for(self, task: str):
         """The diffusers pipeline that runs ``task`` (a request's ``task``) on this engine: ``self.pipe`` for
         "txt2img"; for "img2img" and "inpaint", ``StableDiffusionImg2ImgPipeline`` / ``StableDiffusionInpaintPipeline``
         (their ``ControlNet`` ones with ControlNets, the ``XL`` ones for SDXL; ``_DERIVED``) built once from
         ``self.pipe``'s components (``from_pipe``: no copy of a weight) and optimized as ``self.pipe`` is
         (``sdfast.optimizer.share``); built again when ``self.pipe`` was optimized or unoptimized since. Raises
-        ``ValueError`` for another task."""
+        ``ValueError`` for another task, and ``InvalidRequestError`` (field ``model``) for a task the model does not
+        run (``tasks``: txt2img or img2img on an inpainting checkpoint), before any step."""
+        if task in ("txt2img", "img2img", "inpaint") and task not in self.tasks:
+            raise InvalidRequestError("model", (
+                f"{self.name!r} is an inpainting checkpoint (its UNet takes {self.pipe.unet.config.in_channels} "
+                f"input channels: the latents, the mask and the masked image) and cannot run {task}; use inpaint "
+                "(engine.inpaint(image, mask_image, prompt), `sdfast inpaint IMAGE MASK PROMPT`)"))
         if task == "txt2img":
             return self.pipe
         if (task, False) not in _DERIVED:

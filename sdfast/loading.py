@@ -2,7 +2,8 @@
 
 ``model`` may be: a local diffusers pipeline folder (SD 1.x, 2.x, SDXL); a single-file ``.safetensors``
 / ``.ckpt`` checkpoint (loaded offline with the configs that ship with sdfast); a hub id; a built-in
-architecture with seeded random weights (``random:tiny|tiny-v|tiny-xl|sd15|sd21|sdxl``); or a pipeline object.
+architecture with seeded random weights (``random:tiny|tiny-v|tiny-xl|sd15|sd21|sdxl``, and the inpainting
+checkpoints ``random:tiny-inpaint|tiny-xl-inpaint|sd15-inpaint|sd2-inpaint|sdxl-inpaint``); or a pipeline object.
 """
 
 from __future__ import annotations
@@ -215,15 +216,24 @@ def _failed_component(tb) -> str | None:
     return None
 
 
-# Built-in architectures per original-format family, told apart by the UNet's conv_in width.
-_FAMILIES = {"sdxl": ("sdxl", "tiny-xl"), "sd2": ("sd21", "tiny-v"), "sd1": ("sd15", "tiny")}
+# Built-in architectures per original-format family, told apart by the UNet's conv_in: its width (output channels)
+# and its input channels (4 latents, or 9 for an inpainting checkpoint: latents, mask and masked-image latents).
+_FAMILIES = {"sdxl": ("sdxl", "tiny-xl", "sdxl-inpaint", "tiny-xl-inpaint"), "sd2": ("sd21", "tiny-v", "sd2-inpaint"),
+             "sd1": ("sd15", "tiny", "sd15-inpaint", "tiny-inpaint")}
 _CONV_IN = "model.diffusion_model.input_blocks.0.0.weight"
+
+
+def _conv_in_channels(name: str) -> tuple[int, int]:
+    """(output, input) channels of the UNet ``conv_in`` of built-in architecture ``name``."""
+    unet = architectures.get_architecture(name)["unet"]
+    return unet["block_out_channels"][0], unet["in_channels"]
 
 
 def _checkpoint_architecture(path: Path) -> str:
     """The built-in architecture of a single-file checkpoint (original SD key names): the family from the
     text-encoder keys (SD 1.x: CLIP ``cond_stage_model.transformer``; SD 2.x: OpenCLIP ``cond_stage_model.model``;
-    SDXL: ``conditioner.embedders.1``), then the member whose UNet ``conv_in`` width matches.
+    SDXL: ``conditioner.embedders.1``), then the member whose UNet ``conv_in`` weight (Cout, Cin, 3, 3) matches: its
+    width Cout and its input channels Cin (9 for an inpainting checkpoint, e.g. ``sd-v1-5-inpainting``).
 
     Raises ``ModelNotFoundError`` for a non-``.safetensors`` file, a file that is not an SD checkpoint, or an
     SD checkpoint whose shapes match no built-in config.
@@ -235,7 +245,7 @@ def _checkpoint_architecture(path: Path) -> str:
     try:
         with safe_open(str(path), framework="pt") as f:
             keys = set(f.keys())
-            width = f.get_slice(_CONV_IN).get_shape()[0] if _CONV_IN in keys else None
+            width, in_channels = f.get_slice(_CONV_IN).get_shape()[:2] if _CONV_IN in keys else (None, None)
     except Exception as e:  # not a safetensors file at all
         raise ModelNotFoundError(f"{path}: cannot be read as a .safetensors checkpoint ({type(e).__name__}: {e})") from e
     if any(k.startswith("conditioner.embedders.1") for k in keys):
@@ -253,11 +263,13 @@ def _checkpoint_architecture(path: Path) -> str:
     if width is None:
         raise ModelNotFoundError(f"{path}: not a Stable Diffusion checkpoint (no UNet key {_CONV_IN})")
     for name in _FAMILIES[family]:
-        if architectures.get_architecture(name)["unet"]["block_out_channels"][0] == width:
+        if _conv_in_channels(name) == (width, in_channels):
             return name
+    shapes = [(n, *_conv_in_channels(n)) for n in _FAMILIES[family]]
     raise ModelNotFoundError(
-        f"{path}: a {family} checkpoint whose UNet has {width} conv_in channels; sdfast ships configs only for "
-        + ", ".join(f"{n} ({architectures.get_architecture(n)['unet']['block_out_channels'][0]})" for n in _FAMILIES[family])
+        f"{path}: a {family} checkpoint whose UNet has {width} conv_in channels and {in_channels} input channels; "
+        "sdfast ships configs only for "
+        + ", ".join(f"{n} ({w})" if c == 4 else f"{n} ({w}, {c} input channels)" for n, w, c in shapes)
     )
 
 

@@ -221,3 +221,70 @@ def test_inpaint_request_round_trip():
     assert InpaintRequest.build(**r.as_kwargs()) == r
     assert r.task == "inpaint" and r.pipeline_kwargs(40, 48) == dict(
         image=r.image, mask_image=r.mask_image, strength=1.0, height=40, width=48)
+
+
+# --- inpainting checkpoints: UNets with 9 input channels (4 latents + 1 mask + 4 masked-image latents) ----------
+
+
+@pytest.fixture(scope="module")
+def inpainting_pairs():
+    """``pair(arch)``: an optimized and a stock engine of the inpainting architecture ``arch`` (the same seeded
+    weights), loaded once per module."""
+    loaded = {}
+
+    def pair(arch):
+        if arch not in loaded:
+            loaded[arch] = sdfast.load(f"random:{arch}"), sdfast.load(f"random:{arch}", optimize=False)
+        return loaded[arch]
+
+    return pair
+
+
+@pytest.mark.parametrize("arch, cls", [("tiny-inpaint", "StableDiffusionInpaintPipeline"),
+                                       ("tiny-xl-inpaint", "StableDiffusionXLInpaintPipeline")])
+def test_inpainting_checkpoint_same_pixels_as_diffusers(inpainting_pairs, arch, cls):
+    """The optimized engine (the 9-channel ``conv_in`` channels_last, its bias on the conv-bias kernel) and the stock
+    one give diffusers' inpaint pipeline's image, whose UNet gets the 9 channels."""
+    fast, stock = inpainting_pairs(arch)
+    assert type(stock.pipe).__name__ == cls and stock.pipe.unet.config.in_channels == 9
+    conv_in = fast.pipe.unet.conv_in
+    assert conv_in.weight.is_contiguous(memory_format=torch.channels_last) and conv_in._sdfast_conv_bias
+    kw = dict(num_inference_steps=2, guidance_scale=5.0, strength=1.0)
+    channels = []
+    hook = fast.pipe.unet.register_forward_pre_hook(lambda m, args: channels.append(args[0].shape[1]))
+    try:
+        ours = fast.inpaint(_image(), _mask(), "a cat", seed=3, **kw)[0]
+    finally:
+        hook.remove()
+    plain = stock.inpaint(_image(), _mask(), "a cat", seed=3, **kw)[0]
+    ref = stock.pipe(prompt="a cat", image=_image(), mask_image=_mask(), height=40, width=48,
+                     generator=[torch.Generator("cpu").manual_seed(3)], **kw).images[0]
+    assert channels and set(channels) == {9}
+    assert ours.size == (48, 40) and np.array_equal(_px(plain), _px(ref))
+    # the optimized kernels sum fp32 in another order (about 1e-6 apart on the decoded image): a pixel may round to
+    # the next level, as in tests/test_user_cases.py
+    assert np.abs(_px(ours) - _px(ref)).max() <= 1
+
+
+@pytest.mark.parametrize("arch", ["tiny-inpaint", "tiny-xl-inpaint"])
+def test_an_inpainting_checkpoint_refuses_txt2img_and_img2img_before_any_step(inpainting_pairs, engines, arch):
+    fast, stock = inpainting_pairs(arch)
+    assert fast.tasks == stock.tasks == ("inpaint",) and engines[0].tasks == ("txt2img", "img2img", "inpaint")
+    steps = []
+    hook = fast.pipe.unet.register_forward_pre_hook(lambda m, args: steps.append(1))
+    calls = {"txt2img": lambda: fast.txt2img("a cat", num_inference_steps=2),
+             "img2img": lambda: fast.img2img(_image(), "a cat", num_inference_steps=2),
+             "run": lambda: fast.run(fast.request("a cat", num_inference_steps=2))}
+    try:
+        for what, call in calls.items():
+            with pytest.raises(InvalidRequestError) as info:
+                call()
+            task = "img2img" if what == "img2img" else "txt2img"
+            assert info.value.field == "model", what
+            assert (f"'random:{arch}' is an inpainting checkpoint (its UNet takes 9 input channels" in str(info.value)
+                    and f"cannot run {task}; use inpaint" in str(info.value)), str(info.value)
+        with pytest.raises(InvalidRequestError, match="cannot run img2img"):
+            stock.pipeline_for("img2img")
+    finally:
+        hook.remove()
+    assert steps == []

@@ -217,3 +217,51 @@ def test_the_torchvision_messages_are_dropped_only_while_loading():
     with quiet_loading():
         assert not logger.filter(record) and logger.filter(other) and not diffusers.filter(empty)
     assert logger.filter(record) and diffusers.filter(empty)
+
+
+# --- inpainting checkpoints (issue 31) ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch, family, cls", [("tiny-inpaint", "sd1", "StableDiffusionInpaintPipeline"),
+                                               ("tiny-xl-inpaint", "sdxl", "StableDiffusionXLInpaintPipeline")])
+def test_a_single_file_inpainting_checkpoint_loads_as_its_inpaint_architecture(tmp_path, monkeypatch, arch, family, cls):
+    """A checkpoint whose UNet ``conv_in`` takes 9 input channels loads offline with the inpaint configs: the
+    pipeline class an inpainting checkpoint's model_index.json names, every weight as saved, inpaint's image."""
+    import numpy as np
+    from PIL import Image
+    from safetensors.torch import save_file
+
+    from sdfast.loading import _checkpoint_architecture
+    from tests.ldm_checkpoint import original_state_dict
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    source = sdfast.load(f"random:{arch}", optimize=False, seed=3)
+    path = tmp_path / f"{arch}.safetensors"
+    save_file(original_state_dict(source.pipe, family), str(path))
+    assert _checkpoint_architecture(path) == arch
+    loaded = sdfast.load(str(path), optimize=False)
+    assert type(loaded.pipe).__name__ == cls and loaded.pipe.unet.config.in_channels == 9
+    assert loaded.tasks == ("inpaint",)
+    for name in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        if getattr(source.pipe, name, None) is None:
+            continue
+        ours, ref = getattr(loaded.pipe, name).state_dict(), getattr(source.pipe, name).state_dict()
+        assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref), name
+    image = Image.fromarray((np.random.RandomState(0).rand(32, 32, 3) * 255).astype(np.uint8))
+    mask = np.zeros((32, 32), np.uint8)
+    mask[8:24, 8:24] = 255
+    a, b = (e.inpaint(image, mask, "a cat", seed=5, num_inference_steps=2)[0] for e in (loaded, source))
+    assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_conv_in_of_no_shipped_shape_names_the_shapes_there_are(tmp_path):
+    from safetensors.torch import save_file
+
+    odd = {"cond_stage_model.transformer.text_model.final_layer_norm.weight": torch.ones(4),
+           "model.diffusion_model.input_blocks.0.0.weight": torch.randn(32, 5, 3, 3)}
+    save_file(odd, str(tmp_path / "odd.safetensors"))
+    with pytest.raises(sdfast.ModelNotFoundError) as info:
+        sdfast.load(str(tmp_path / "odd.safetensors"))
+    assert "a sd1 checkpoint whose UNet has 32 conv_in channels and 5 input channels" in str(info.value)
+    assert "sd15 (320), tiny (32), sd15-inpaint (320, 9 input channels), tiny-inpaint (32, 9 input channels)" \
+        in str(info.value)
