@@ -67,6 +67,18 @@ def _add_generation_flags(p, *, size: bool) -> None:
     p.add_argument("--quality", type=int, default=None,
                    help="JPEG / WebP quality, 0 to 100 (default: 90); not for PNG, which is lossless")
     p.add_argument("--no-optimize", action="store_true", help="run the stock diffusers pipeline")
+    p.add_argument("--controlnet", action="append", default=None, metavar="MODEL",
+                   help="a ControlNet: a ControlNetModel folder, a .safetensors file, a hub id or random:<name> "
+                        "(e.g. random:controlnet-sd15); repeat it for several (multi-ControlNet)")
+    p.add_argument("--control-image", action="append", default=None, metavar="FILE",
+                   help="the control image of each --controlnet, in the same order (e.g. a canny edge map)")
+    p.add_argument("--controlnet-scale", action="append", type=float, default=None, metavar="S",
+                   help="controlnet_conditioning_scale: once for all, or once per --controlnet (default: "
+                        "diffusers' for the task: 1.0 txt2img, 0.8 img2img, 0.5 SD inpainting)")
+    p.add_argument("--control-start", type=float, default=0.0,
+                   help="control_guidance_start: the fraction of the steps before the ControlNets apply (default: 0)")
+    p.add_argument("--control-end", type=float, default=1.0,
+                   help="control_guidance_end: the fraction of the steps after which they stop (default: 1)")
 
 
 def _add_txt2img(sub) -> None:
@@ -139,7 +151,9 @@ def _check_steps_before_load(steps: int, scheduler: str | None) -> None:
 # The txt2img / img2img flag of each engine argument, for the error messages (``--steps: must be ...``).
 _FLAGS = {"num_inference_steps": "--steps", "guidance_scale": "--guidance", "height": "--size", "width": "--size",
           "seed": "--seed", "num_images_per_prompt": "--n", "negative_prompt": "--negative", "scheduler": "--scheduler",
-          "strength": "--strength", "image": "image", "mask_image": "mask"}
+          "strength": "--strength", "image": "image", "mask_image": "mask", "control_image": "--control-image",
+          "controlnet_conditioning_scale": "--controlnet-scale", "control_guidance_start": "--control-start",
+          "control_guidance_end": "--control-end"}
 
 
 def _flag_error(e) -> str:
@@ -169,7 +183,7 @@ def _generate(args) -> int:
     model = args.model or default_model()
     # The request, validated once, before the (slow) load, so bad input answers at once; the engine runs it as is.
     common = dict(negative_prompt=args.negative, num_inference_steps=args.steps, guidance_scale=args.guidance,
-                  seed=args.seed, num_images_per_prompt=args.n, scheduler=args.scheduler)
+                  seed=args.seed, num_images_per_prompt=args.n, scheduler=args.scheduler, **_control_flags(args))
     if args.command == "img2img":
         request = Img2ImgRequest.build(_read_image(args.image), args.prompt, strength=args.strength, **common)
     elif args.command == "inpaint":
@@ -193,7 +207,8 @@ def _generate(args) -> int:
         get_architecture(model.split(":", 1)[1])
         print(RANDOM_NOTE.format(model=model), file=sys.stderr)
     t0 = time.perf_counter()
-    engine = sdfast.load(model, optimize=not args.no_optimize)
+    controlnet = None if not args.controlnet else args.controlnet[0] if len(args.controlnet) == 1 else args.controlnet
+    engine = sdfast.load(model, optimize=not args.no_optimize, controlnet=controlnet)
     print(f"loaded {model} on {engine.device} ({str(engine.dtype).replace('torch.', '')}) in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     t1 = time.perf_counter()
     images = engine.run(request, progress=True)
@@ -207,6 +222,10 @@ def _generate(args) -> int:
             params.update(init_image=str(args.image), strength=args.strength)
         if args.command == "inpaint":
             params.update(mask_image=str(args.mask))
+        if args.controlnet:
+            params.update(controlnet=args.controlnet, control_image=args.control_image,
+                          controlnet_conditioning_scale=args.controlnet_scale,
+                          control_guidance_start=args.control_start, control_guidance_end=args.control_end)
         save_image(img, path, format=fmt, quality=args.quality, parameters=params)
         print(f"saved {path} ({img.width}x{img.height}, seed {img.info['seed']}) in {took:.2f} s")
     return 0
@@ -273,6 +292,25 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"sdfast: error: {message} (see: {self.prog} --help)\n")
+
+
+def _control_flags(args) -> dict:
+    """The request's ControlNet arguments from ``--controlnet`` / ``--control-image`` / ``--controlnet-scale`` /
+    ``--control-start`` / ``--control-end``; ValueError (before the load) unless there is one control image per
+    ControlNet."""
+    nets, images = args.controlnet or [], args.control_image or []
+    if len(images) != len(nets):
+        raise ValueError(f"--control-image: one per --controlnet, in the same order (got {len(nets)} ControlNet(s) "
+                         f"and {len(images)} image(s))")
+    if not nets:
+        if args.controlnet_scale is not None:
+            raise ValueError("--controlnet-scale: only with --controlnet")
+        return {}
+    read = [_read_image(path, "--control-image") for path in images]
+    scale = args.controlnet_scale
+    return dict(control_image=read[0] if len(read) == 1 else read,
+                controlnet_conditioning_scale=None if scale is None else scale[0] if len(scale) == 1 else scale,
+                control_guidance_start=args.control_start, control_guidance_end=args.control_end)
 
 
 def _read_image(path: str, what: str = "image"):

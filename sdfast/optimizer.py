@@ -92,6 +92,7 @@ def _install_graphs(pipe, state: OptimizeState) -> None:
         if getattr(pipe, name, None) is not None:
             cache.install(name, getattr(pipe, name))
     cache.install("vae_decoder", pipe.vae.decoder)
+    cache.install("vae_encoder", pipe.vae.encoder)  # img2img and inpainting: captured at their first call
     _check_graphs_before_denoising(pipe, cache)
     state.graphs = cache
     host_timesteps.keep_on_host(pipe.scheduler)  # no GPU->host sync per step in the scheduler (PNDM)

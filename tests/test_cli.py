@@ -333,3 +333,46 @@ def test_inpaint_writes_the_images_and_a_mask_of_another_size_is_one_line(tmp_pa
     Image.fromarray(m[:32]).save(mask)
     assert main(["inpaint", str(init), str(mask), "a cat", "--out", str(tmp_path / "x.png")]) == 2
     assert "sdfast: error: mask: must be the image's size, 48x40, got 48x32" in capsys.readouterr().err
+
+
+def test_txt2img_with_a_controlnet_writes_the_engines_image_and_its_parameters(tmp_path):
+    import numpy as np
+
+    import sdfast
+    from sdfast.png import read_parameters
+
+    control, out = _init_png(tmp_path, (32, 32)), tmp_path / "cn.png"
+    assert main(["txt2img", "a cat", "--controlnet", "random:tiny-controlnet", "--control-image", str(control),
+                 "--controlnet-scale", "0.7", "--steps", "2", "--seed", "1", "--no-optimize", "--out", str(out)]) == 0
+    engine = sdfast.load("random:tiny", controlnet="random:tiny-controlnet", optimize=False)
+    with Image.open(control) as c:
+        ref = engine.txt2img("a cat", control_image=c.convert("RGB"), controlnet_conditioning_scale=0.7,
+                             num_inference_steps=2, seed=1)[0]
+    with Image.open(out) as img:
+        assert img.size == (32, 32) and np.array_equal(np.asarray(img), np.asarray(ref))  # the control image's size
+        params = read_parameters(img)
+    assert params["controlnet"] == ["random:tiny-controlnet"] and params["controlnet_conditioning_scale"] == [0.7]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--controlnet", "random:tiny-controlnet"], "--control-image: one per --controlnet"),
+    (["--control-image", "{init}"], "--control-image: one per --controlnet"),
+    (["--controlnet-scale", "0.5"], "--controlnet-scale: only with --controlnet"),
+    (["--controlnet", "random:tiny-controlnet", "--control-image", "{missing}"], "--control-image: cannot read"),
+    (["--controlnet", "random:tiny-controlnet", "--control-image", "{init}", "--controlnet-scale", "-1"],
+     "--controlnet-scale: must be a number in [0, 10]"),
+    (["--controlnet", "random:tiny-controlnet", "--control-image", "{init}", "--control-start", "0.6",
+      "--control-end", "0.5"], "--control-start: must be below control_guidance_end"),
+])
+def test_controlnet_bad_input_is_one_line_exit_2_before_the_load(tmp_path, capsys, monkeypatch, args, message):
+    import sdfast
+
+    monkeypatch.setattr(sdfast, "load", lambda *a, **k: pytest.fail("the model was loaded before the input was checked"))
+    args = [a.format(missing=tmp_path / "nope.png", init=_init_png(tmp_path)) for a in args]
+    try:
+        code = main(["txt2img", "a cat", *args, "--out", str(tmp_path / "x.png")])
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("sdfast: error:") and message in err[-1], err

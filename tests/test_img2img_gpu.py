@@ -1,6 +1,6 @@
 """img2img and inpainting on the GPU, on the real architectures (random weights): the optimized engine (CUDA graphs
-over the UNet, text encoders and VAE decoder; the VAE encoder eager) gives stock diffusers' img2img and inpaint
-images, and img2img replays the txt2img graphs at the same size."""
+over the UNet, text encoders, VAE decoder and encoder) gives stock diffusers' img2img and inpaint images, and img2img
+replays the txt2img graphs at the same size."""
 
 import gc
 
@@ -45,7 +45,10 @@ def test_img2img_parity_and_graph_reuse(model, side):
     print(f"{model} img2img PSNR vs stock fp16 {p:.2f} dB")
     assert ours.size == (side, side) and p >= 35
     assert psnr(again, ours) < 40  # another strength, another image
-    assert captured > 0 and captures() == captured  # img2img replays the txt2img graphs: same shapes
+    # img2img replays the txt2img graphs (same shapes) and captures the VAE encoder's once
+    stats = graphs.stats()
+    assert captured > 0 and captures() == captured + 1 and stats["vae_encoder"]["captures"] == 1
+    assert stats["vae_encoder"]["replays"] == 2 and not stats["vae_encoder"]["failures"]
     del fast
     gc.collect()
     torch.cuda.empty_cache()
