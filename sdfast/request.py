@@ -259,8 +259,9 @@ class Img2ImgRequest(Txt2ImgRequest):
     ``strength`` of the way into the schedule, and denoised for the last ``int(num_inference_steps * strength)``
     steps. Make one with ``Img2ImgRequest.build``; run it with ``Engine.run``.
 
-    image: the init image, RGB (``PIL.Image.Image``), as given; height, width: its size in pixels rounded down to
-    multiples of 8 (the size of the images that come back: diffusers' image processor resizes to it).
+    image: the init image, RGB (``PIL.Image.Image``), as given (after ``concat``: a list, one per output image);
+    height, width: its size in pixels rounded down to multiples of 8 (the size of the images that come back:
+    diffusers' image processor resizes to it).
     strength: in (0, 1]; 1 ignores the image's content (but not its size).
     """
 
@@ -268,6 +269,7 @@ class Img2ImgRequest(Txt2ImgRequest):
     strength: float = 0.8
 
     task = "img2img"
+    image_fields = ("image",)  # what ``concat`` lists per output image; a class attribute, not a field
 
     def pipeline_kwargs(self, height: int, width: int) -> dict:
         """The image and strength (the image sets the size: diffusers resizes it to ``height`` x ``width``); with
@@ -315,8 +317,22 @@ class Img2ImgRequest(Txt2ImgRequest):
 
     @classmethod
     def concat(cls, requests):
-        """Not batchable: each img2img request runs as its own call (raises ``ValueError``)."""
-        raise ValueError("concat: img2img requests are not batched into one call; run each on its own")
+        """Requests batched into one engine call (the HTTP service's batches): ``Txt2ImgRequest.concat``'s texts,
+        seeds and tokens, and each of ``image_fields`` as a list of one image per output image, in order. diffusers
+        then encodes image ``i`` with generator ``i`` (the VAE's latent sample before the noise), so each output
+        image is its seed's image alone; a request of n prompts gets n copies of its image. Raises ``ValueError``
+        unless the requests have the same strength (and ``Txt2ImgRequest.concat``'s settings, the size included)."""
+        base = super().concat(requests)
+        if any(r.strength != base.strength for r in requests):
+            raise ValueError("concat: img2img requests batched into one call need the same strength")
+        return dataclasses.replace(base, **{name: [im for r in requests for im in _per_image(r, name)]
+                                            for name in cls.image_fields})
+
+
+def _per_image(request, name: str) -> list:
+    """The image field ``name`` of ``request`` as one image per output image (a concatenated request has its list)."""
+    value = getattr(request, name)
+    return list(value) if isinstance(value, (list, tuple)) else [value] * request.num_images
 
 
 def check_image(image, field: str = "image"):
@@ -344,13 +360,15 @@ class InpaintRequest(Img2ImgRequest):
     inpainting UNet, 9 input channels: mask and masked image go in as conditioning; with a plain 4-channel UNet the
     unmasked latents are blended back at every step). Make one with ``InpaintRequest.build``.
 
-    mask_image: ``L`` mode ``PIL.Image.Image`` of ``image``'s size; white (255) is repainted, black kept.
+    mask_image: ``L`` mode ``PIL.Image.Image`` of ``image``'s size; white (255) is repainted, black kept (after
+    ``concat``: a list, as ``image``).
     strength: as img2img's, default 1.0 (the masked part starts from noise).
     """
 
     mask_image: object = None
 
     task = "inpaint"
+    image_fields = ("image", "mask_image")
 
     def pipeline_kwargs(self, height: int, width: int) -> dict:
         """The image, mask, strength and size (and the ControlNet inputs)."""

@@ -10,13 +10,19 @@ Endpoints (every one but ``/health`` answers 401 without the key when an API key
   ``response_format: "b64_json"``, ``Txt2ImgResponse`` (each image as base64 PNG with its seed, and timings);
 - ``POST /v1/images/generations``: the OpenAI Images API (``prompt``, ``n``, ``size``, ``output_format``,
   ... see ``ImagesGenerationsRequest``) -> ``{"created", "data": [{"b64_json"}], "output_format", "size"}``;
+- ``POST /v1/img2img`` / ``POST /v1/inpaint``: ``Img2ImgRequest`` / ``InpaintRequest`` (``Txt2ImgRequest``'s fields,
+  ``image``, ``strength``, inpainting's ``mask_image``: white = repaint), as JSON (images in base64) or
+  ``multipart/form-data`` (images as files) -> what ``/v1/txt2img`` answers;
+- ``POST /v1/images/edits``: the OpenAI Images API edit (multipart; ``image``, ``mask``: its fully transparent
+  pixels are repainted; see ``ImagesEditsRequest``) -> what ``/v1/images/generations`` answers;
 - ``GET``/``HEAD /health``: ``{"status"}``; with the key (or when no key is set) also the model, device and GPU,
   queue depth (503 if the worker thread is gone);
 - ``GET /metrics``: Prometheus text format (see ``server.metrics``);
 - ``GET``/``HEAD /``: the web page (``server/static/index.html``), with a Content-Security-Policy;
 - ``GET /openapi.json``: the API's schema (no ``/docs``: Swagger UI would load its assets from a CDN).
 
-Request bodies are parsed and validated off the event loop, with bounded work (``server.parse``).
+Request bodies are parsed and validated off the event loop, with bounded work (``server.parse``); a body with
+images may be ``schemas.MAX_UPLOAD_BYTES`` long, others 1 MiB (413 past that).
 Errors are JSON in the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``:
 422 bad input (``param`` names the field; ``detail`` lists at most ``MAX_DETAIL`` errors), 401 no/wrong key,
 429 queue full (answered at once), 503 GPU out of memory (the service goes on), 504 deadline passed,
@@ -54,14 +60,27 @@ from starlette.requests import ClientDisconnect
 from sdfast.png import encode_image, encode_png
 
 from .metrics import Metrics, MetricsMiddleware
-from .parse import MAX_DETAIL, json_body, openapi_body
+from .parse import (
+    MAX_DETAIL,
+    ImageBody,
+    image_body,
+    json_body,
+    openapi_body,
+    openapi_image_body,
+    prepare_images,
+    transparent_mask,
+)
 from .schemas import (
     MAX_SEED,
+    MAX_UPLOAD_BYTES,
     Health,
     HealthStatus,
+    Img2ImgRequest,
     ImageOut,
+    ImagesEditsRequest,
     ImagesGenerationsRequest,
     ImagesGenerationsResponse,
+    InpaintRequest,
     OpenAIImage,
     OversizedInt,
     Timings,
@@ -75,7 +94,11 @@ log = logging.getLogger("sdfast.server")
 STATIC = Path(__file__).parent / "static"
 API_KEY_ENV = "SDFAST_API_KEY"
 PUBLIC_PATHS = frozenset({"/health"})
-ENDPOINTS = ("/", "/v1/txt2img", "/v1/images/generations", "/health", "/metrics")
+# The body model of each POST endpoint (its 422 for an unknown field lists the model's fields).
+BODIES = {"/v1/txt2img": Txt2ImgRequest, "/v1/images/generations": ImagesGenerationsRequest,
+          "/v1/img2img": Img2ImgRequest, "/v1/inpaint": InpaintRequest, "/v1/images/edits": ImagesEditsRequest}
+UPLOAD_PATHS = ("/v1/img2img", "/v1/inpaint", "/v1/images/edits")  # bodies with images: MAX_UPLOAD_BYTES
+ENDPOINTS = ("/", *BODIES, "/health", "/metrics")
 DEFAULT_TIMEOUT_S = 300.0  # seconds a request may wait for its images, queue and generation (--request-timeout)
 REQUEST_TIMEOUT_ENV = "SDFAST_REQUEST_TIMEOUT"
 CLIENT_CLOSED = 499  # nginx's "client closed request": recorded in metrics, never seen by the client
@@ -140,32 +163,39 @@ MAX_BODY_BYTES = 1 << 20  # a request is a prompt of <= 1000 characters and a fe
 
 
 class BodyLimitMiddleware:
-    """Pure ASGI middleware: 413 for a body over ``max_bytes``, before anything parses it: at once from
-    ``Content-Length``, else while a chunked body streams in (buffered up to the limit, then replayed)."""
+    """Pure ASGI middleware: 413 for a body over ``max_bytes`` (``upload_bytes`` on ``upload_paths``, the endpoints
+    that take images), before anything parses it: at once from ``Content-Length``, else while a chunked body streams
+    in (buffered up to the limit, then replayed)."""
 
-    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES):
+    def __init__(self, app, max_bytes: int = MAX_BODY_BYTES, upload_bytes: int = MAX_UPLOAD_BYTES,
+                 upload_paths=UPLOAD_PATHS):
         self.app = app
         self.max_bytes = max_bytes
+        self.upload_bytes = upload_bytes
+        self.upload_paths = frozenset(upload_paths)
 
-    async def _too_large(self, scope, receive, send) -> None:
-        response = error_response(413, f"request body over {self.max_bytes} bytes", "invalid_request_error", "body")
+    async def _too_large(self, scope, receive, send, limit: int) -> None:
+        what = "with images " if limit != self.max_bytes else ""
+        response = error_response(413, f"request body {what}over {limit} bytes ({limit / 2**20:g} MiB)",
+                                  "invalid_request_error", "body")
         await response(scope, receive, send)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.upload_bytes if scope.get("path") in self.upload_paths else self.max_bytes
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None:
-            if not length.isdigit() or int(length) > self.max_bytes:
-                return await self._too_large(scope, receive, send)
+            if not length.isdigit() or int(length) > limit:
+                return await self._too_large(scope, receive, send, limit)
             return await self.app(scope, receive, send)
         messages, size = [], 0
         while True:
             message = await receive()
             messages.append(message)
             size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                return await self._too_large(scope, receive, send)
+            if size > limit:
+                return await self._too_large(scope, receive, send, limit)
             if message["type"] != "http.request" or not message.get("more_body"):
                 break
 
@@ -257,11 +287,15 @@ class Service:
 
     async def generate(self, request: Request, *, prompt: str, negative_prompt: str | None, seed: int | None,
                        num_images: int, width: int | None, height: int | None, num_inference_steps: int,
-                       guidance_scale: float, scheduler: str | None,
-                       images_field: str = "num_images") -> tuple[Job, JobResult] | None:
+                       guidance_scale: float, scheduler: str | None, images_field: str = "num_images",
+                       task: dict | None = None, fields: dict | None = None) -> tuple[Job, JobResult] | None:
         """Queue one request and wait for it. Returns None if the client disconnected (its job is
         cancelled); raises ``ServiceError`` (429 full, 504 deadline, 503/500/422 from the worker; 422 naming
-        ``images_field`` for more images than ``max_batch``, the most one engine call may take)."""
+        ``images_field`` for more images than ``max_batch``, the most one engine call may take).
+
+        ``task``: None (txt2img), or img2img's ``{"image", "strength"}`` (inpainting's with ``"mask_image"``): the
+        prepared images (``server.parse.prepare_images``), whose size replaces ``width`` / ``height``. ``fields``:
+        the endpoint's names of the engine's fields, for its 422s (e.g. ``{"mask_image": "mask"}``)."""
         self._check_steps(num_inference_steps, scheduler)
         if num_images > self.worker.max_batch:
             raise InvalidRequest(
@@ -276,7 +310,8 @@ class Service:
                 f"{MAX_SEED - num_images + 1} (got {seed}; seeds are at most {MAX_SEED})", field="seed")
         job = self._job(prompt=prompt, negative_prompt=negative_prompt, seed=seed, num_images=num_images,
                         width=width, height=height, num_inference_steps=num_inference_steps,
-                        guidance_scale=guidance_scale, scheduler=scheduler, images_field=images_field)
+                        guidance_scale=guidance_scale, scheduler=scheduler, images_field=images_field,
+                        task=task, fields=fields)
         self.worker.submit(job)  # QueueFull -> 429 at once
         waiter = asyncio.wrap_future(job.future)
         try:
@@ -305,23 +340,33 @@ class Service:
 
     def _job(self, *, prompt: str, negative_prompt: str | None, seed: int, num_images: int, width: int | None,
              height: int | None, num_inference_steps: int, guidance_scale: float, scheduler: str | None,
-             images_field: str) -> Job:
-        """The job of one request: its ``sdfast.request.Txt2ImgRequest`` (one prompt per image, so that a batch is
-        the concatenation of its jobs' requests), built once here with the texts tokenized once (the worker and
-        the engine take it as it is). The schemas' limits are within the engine's, so building raises only on
-        an inconsistency, as a 422 naming the service's field."""
+             images_field: str, task: dict | None = None, fields: dict | None = None) -> Job:
+        """The job of one request: its ``sdfast.request.Txt2ImgRequest`` (``Img2ImgRequest`` / ``InpaintRequest``
+        with a ``task``; one prompt per image, so that a batch is the concatenation of its jobs' requests), built
+        once here with the texts tokenized once (the worker and the engine take it as it is). The schemas' limits
+        are within the engine's, so building raises only on an inconsistency or on what only the engine checks
+        (``strength`` x steps under one step), as a 422 naming the service's field."""
         from sdfast.errors import InvalidRequestError
-        from sdfast.request import Txt2ImgRequest
+        from sdfast.request import Img2ImgRequest, InpaintRequest, Txt2ImgRequest
 
+        common = dict(
+            negative_prompt=None if negative_prompt is None else [negative_prompt] * num_images,
+            seed=[seed + i for i in range(num_images)], num_inference_steps=num_inference_steps,
+            guidance_scale=float(guidance_scale), num_images_per_prompt=1, scheduler=scheduler,
+            tokenize=self._tokenize)
+        names = {"num_images_per_prompt": images_field, **(fields or {})}
         try:
-            request = Txt2ImgRequest.build(
-                [prompt] * num_images, negative_prompt=None if negative_prompt is None else [negative_prompt] * num_images,
-                seed=[seed + i for i in range(num_images)], width=width or self.default_size,
-                height=height or self.default_size, num_inference_steps=num_inference_steps,
-                guidance_scale=float(guidance_scale), num_images_per_prompt=1, scheduler=scheduler,
-                tokenize=self._tokenize)
+            if task is None:
+                request = Txt2ImgRequest.build([prompt] * num_images, width=width or self.default_size,
+                                               height=height or self.default_size, **common)
+            elif task.get("mask_image") is None:
+                request = Img2ImgRequest.build(task["image"], [prompt] * num_images, strength=task["strength"],
+                                               **common)
+            else:
+                request = InpaintRequest.build(task["image"], task["mask_image"], [prompt] * num_images,
+                                               strength=task["strength"], **common)
         except InvalidRequestError as e:
-            field = images_field if e.field == "num_images_per_prompt" else e.field
+            field = names.get(e.field, e.field)
             raise InvalidRequest(f"{field}: {e.reason}", field=field) from None
         windows = request.tokens.windows() if request.tokens is not None else (1, 1)
         return Job(request=request, timeout_s=self.request_timeout_s, text_windows=windows)
@@ -373,9 +418,12 @@ def _tokenizer_for(engine):
 
 
 def _params(job: Job, seed: int) -> dict:
-    return {"prompt": job.prompt, "negative_prompt": job.negative_prompt, "seed": seed,
-            "steps": job.num_inference_steps, "guidance_scale": job.guidance_scale, "scheduler": job.scheduler,
-            "width": job.width, "height": job.height}
+    params = {"prompt": job.prompt, "negative_prompt": job.negative_prompt, "seed": seed,
+              "steps": job.num_inference_steps, "guidance_scale": job.guidance_scale, "scheduler": job.scheduler,
+              "width": job.width, "height": job.height}
+    if job.request.task != "txt2img":  # img2img, inpainting: what else made the image
+        params.update(task=job.request.task, strength=job.request.strength)
+    return params
 
 
 def _timings(result: JobResult, arrived: float) -> Timings:
@@ -397,11 +445,12 @@ def _validation_response(request: Request, exc: RequestValidationError) -> JSONR
         if isinstance(err.get("input"), OversizedInt):
             msg = f"{err['input']!r} is out of range"
         elif err.get("type") == "extra_forbidden":
-            model = ImagesGenerationsRequest if request.url.path == "/v1/images/generations" else Txt2ImgRequest
+            model = BODIES.get(request.url.path, Txt2ImgRequest)
             msg = f"unknown field; this endpoint accepts: {', '.join(model.model_fields)}"
         elif err.get("type") == "json_invalid":
             field, msg = "body", f"not valid JSON ({err.get('ctx', {}).get('error', msg)})"
-        elif field == "body" and "json" not in request.headers.get("content-type", ""):
+        elif (field == "body" and err.get("type") == "model_attributes_type"
+              and "json" not in request.headers.get("content-type", "")):
             msg = "send a JSON object with the header 'content-type: application/json'"
         items.append({"field": field, "message": f"{field}: {msg}"})
     first = items[0] if items else {"field": "body", "message": "body: invalid request"}
@@ -506,7 +555,7 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
     # No /docs or /redoc: Swagger UI and ReDoc load their assets from a CDN, so they do not render offline;
     # /openapi.json stays.
     app = FastAPI(title="sdfast", version=_version(), lifespan=lifespan, docs_url=None, redoc_url=None,
-                  description="Stable Diffusion image generation (txt2img) on one loaded model.")
+                  description="Stable Diffusion image generation (txt2img, img2img, inpainting) on one loaded model.")
     app.state.service = service
 
     @app.exception_handler(ServiceError)
@@ -540,20 +589,14 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
             return JSONResponse(body, status_code=422)
         return error_response(exc.status_code, str(exc.detail), "http_error", headers=getattr(exc, "headers", None))
 
-    @app.post("/v1/txt2img", responses={200: {"content": {"image/png": {}}, "model": Txt2ImgResponse}},
-              openapi_extra=openapi_body(Txt2ImgRequest))
-    async def txt2img(request: Request, body: Txt2ImgRequest = Depends(json_body(Txt2ImgRequest))):
-        """Generate ``num_images`` images; ``png`` returns the image file, ``b64_json`` a JSON list."""
-        arrived = time.monotonic()
+    def _one_png(body) -> None:
         if body.response_format == "png" and body.num_images != 1:
             raise InvalidRequest(
                 f"num_images: response_format 'png' returns one image (got num_images={body.num_images}); "
                 "use response_format 'b64_json' for several", field="num_images")
-        out = await service.generate(
-            request, prompt=body.prompt, negative_prompt=body.negative_prompt, seed=body.seed,
-            num_images=body.num_images, width=body.width, height=body.height,
-            num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale,
-            scheduler=body.scheduler)
+
+    async def _answer(body, out, arrived: float):
+        """``/v1/txt2img``'s answer (and img2img's, inpainting's): the PNG, or JSON with every image."""
         if out is None:
             return Response(status_code=CLIENT_CLOSED)
         job, result = out
@@ -571,6 +614,59 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
                   for p, s in zip(pngs, job.seeds)]
         return Txt2ImgResponse(images=images, timings=timings, model=service.model)
 
+    async def _openai_answer(body, out):
+        """``/v1/images/generations``' answer (and the edits'): each file in ``output_format``, base64."""
+        if out is None:
+            return Response(status_code=CLIENT_CLOSED)
+        job, result = out
+        files = await run_in_threadpool(
+            lambda: [encode_image(img, body.image_format, quality=body.image_quality, parameters=_params(job, s))
+                     for img, s in zip(result.images, job.seeds)])
+        return ImagesGenerationsResponse(created=int(time.time()), data=[OpenAIImage(b64_json=_b64(f)) for f in files],
+                                         output_format=body.image_format, size=f"{job.width}x{job.height}")
+
+    @app.post("/v1/txt2img", responses={200: {"content": {"image/png": {}}, "model": Txt2ImgResponse}},
+              openapi_extra=openapi_body(Txt2ImgRequest))
+    async def txt2img(request: Request, body: Txt2ImgRequest = Depends(json_body(Txt2ImgRequest))):
+        """Generate ``num_images`` images; ``png`` returns the image file, ``b64_json`` a JSON list."""
+        arrived = time.monotonic()
+        _one_png(body)
+        out = await service.generate(
+            request, prompt=body.prompt, negative_prompt=body.negative_prompt, seed=body.seed,
+            num_images=body.num_images, width=body.width, height=body.height,
+            num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale,
+            scheduler=body.scheduler)
+        return await _answer(body, out, arrived)
+
+    async def _from_image(request: Request, parsed: ImageBody):
+        """img2img, or inpainting with a ``mask_image``: the images prepared (``prepare_images``, off the event loop),
+        then as ``txt2img``."""
+        arrived = time.monotonic()
+        body = parsed.fields
+        _one_png(body)
+        image, mask = await run_in_threadpool(prepare_images, parsed.images["image"], parsed.images.get("mask_image"),
+                                              width=body.width, height=body.height)
+        out = await service.generate(
+            request, prompt=body.prompt, negative_prompt=body.negative_prompt, seed=body.seed,
+            num_images=body.num_images, width=None, height=None, num_inference_steps=body.num_inference_steps,
+            guidance_scale=body.guidance_scale, scheduler=body.scheduler,
+            task={"image": image, "mask_image": mask, "strength": body.strength})
+        return await _answer(body, out, arrived)
+
+    @app.post("/v1/img2img", responses={200: {"content": {"image/png": {}}, "model": Txt2ImgResponse}},
+              openapi_extra=openapi_image_body(Img2ImgRequest))
+    async def img2img(request: Request, parsed: ImageBody = Depends(image_body(Img2ImgRequest))):
+        """img2img: ``image`` noised to ``strength`` and denoised for ``prompt``; JSON (the image in base64) or
+        multipart (the image a file). Answers as ``/v1/txt2img``."""
+        return await _from_image(request, parsed)
+
+    @app.post("/v1/inpaint", responses={200: {"content": {"image/png": {}}, "model": Txt2ImgResponse}},
+              openapi_extra=openapi_image_body(InpaintRequest))
+    async def inpaint(request: Request, parsed: ImageBody = Depends(image_body(InpaintRequest))):
+        """Inpainting: the white part of ``mask_image`` repainted, the black part kept; JSON or multipart, as
+        ``/v1/img2img``. Answers as ``/v1/txt2img``."""
+        return await _from_image(request, parsed)
+
     @app.post("/v1/images/generations", response_model=ImagesGenerationsResponse,
               openapi_extra=openapi_body(ImagesGenerationsRequest))
     async def images_generations(
@@ -584,14 +680,33 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
             request, prompt=body.prompt, negative_prompt=body.negative_prompt, seed=body.seed, num_images=body.n,
             width=width, height=height, num_inference_steps=body.num_inference_steps,
             guidance_scale=body.guidance_scale, scheduler=None, images_field="n")
-        if out is None:
-            return Response(status_code=CLIENT_CLOSED)
-        job, result = out
-        files = await run_in_threadpool(
-            lambda: [encode_image(img, body.image_format, quality=body.image_quality, parameters=_params(job, s))
-                     for img, s in zip(result.images, job.seeds)])
-        return ImagesGenerationsResponse(created=int(time.time()), data=[OpenAIImage(b64_json=_b64(f)) for f in files],
-                                         output_format=body.image_format, size=f"{job.width}x{job.height}")
+        return await _openai_answer(body, out)
+
+    @app.post("/v1/images/edits", response_model=ImagesGenerationsResponse,
+              openapi_extra=openapi_image_body(ImagesEditsRequest, multipart_only=True))
+    async def images_edits(
+            request: Request, parsed: ImageBody = Depends(image_body(ImagesEditsRequest, multipart_only=True))):
+        """The OpenAI Images API edit (multipart, as the official client sends it): inpainting of the fully
+        transparent pixels of ``mask`` (or, without a mask, of ``image``), at ``size`` (the image and mask resized
+        to it; default: the image's size). Answers as ``/v1/images/generations``; see ``ImagesEditsRequest``."""
+        body = parsed.fields
+        width, height = body.dimensions()
+        image = parsed.images["image"]
+
+        def prepare():
+            if "mask" in parsed.images:
+                mask = transparent_mask(parsed.images["mask"], "mask")
+            else:
+                mask = transparent_mask(image, "image", also=" and no mask was sent")
+            return prepare_images(image, mask, width=width, height=height, mask_field="mask", resize_fields="size")
+
+        image, mask = await run_in_threadpool(prepare)
+        out = await service.generate(
+            request, prompt=body.prompt, negative_prompt=body.negative_prompt, seed=body.seed, num_images=body.n,
+            width=None, height=None, num_inference_steps=body.num_inference_steps,
+            guidance_scale=body.guidance_scale, scheduler=None, images_field="n",
+            task={"image": image, "mask_image": mask, "strength": body.strength}, fields={"mask_image": "mask"})
+        return await _openai_answer(body, out)
 
     key = api_key.encode() if api_key else None
 

@@ -18,7 +18,14 @@ accept always builds an ``sdfast.request.Txt2ImgRequest`` (``server.app``) witho
   seed + i, so with n images the seed is at most 2**32 - n (checked by ``server.app``: every seed the
   service returns is one it accepts);
 - ``scheduler``: one of ``sdfast.SCHEDULERS`` or null (the model's own);
-- ``output_compression`` (OpenAI endpoint): [0, 100].
+- ``output_compression`` (OpenAI endpoint): [0, 100];
+- ``strength`` (img2img, inpainting): in (0, 1] (the engine's range), and ``int(num_inference_steps * strength)``
+  at least 1 (checked when the engine's request is built);
+- uploaded images (``image``, ``mask_image``, ``mask``): PNG, JPEG or WebP files of at most ``MAX_UPLOAD_PIXELS``
+  pixels (4096 x 4096) and sides of at most ``MAX_UPLOAD_SIDE`` (the engine's ``MAX_SIDE``), read from the file's
+  header before any pixel is decoded; 8-bit modes only (``UPLOAD_MODES``); the image the engine gets (resized, or
+  its own size rounded down to multiples of 8) has sides in [64, 2048] like ``width``/``height``. A request body
+  with images may be ``MAX_UPLOAD_BYTES`` (32 MiB) long (other endpoints: 1 MiB); longer is a 413.
 
 Numbers: a JSON integer of more than ``MAX_INT_DIGITS`` digits is out of every range above; the body parser
 (``server.parse``) turns it into an ``OversizedInt``, refused naming its field.
@@ -27,7 +34,7 @@ Numbers: a JSON integer of more than ``MAX_INT_DIGITS`` digits is out of every r
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -56,6 +63,14 @@ MAX_STEPS = SERVICE_MAX_STEPS  # the engine's bound is the scheduler's: ``server
 MAX_IMAGES = _within("SERVICE_MAX_IMAGES", SERVICE_MAX_IMAGES, 1, engine_limits.MAX_IMAGES)
 MAX_GUIDANCE = _within("SERVICE_MAX_GUIDANCE", SERVICE_MAX_GUIDANCE, 0.0, engine_limits.MAX_GUIDANCE)
 MAX_SEED = _within("SERVICE_MAX_SEED", SERVICE_MAX_SEED, 0, engine_limits.MAX_SEED)
+SERVICE_MAX_UPLOAD_PIXELS = 4096 * 4096  # an uploaded image, before resizing: 64 MiB as RGBA, a 12-megapixel photo fits
+MAX_UPLOAD_PIXELS = _within("SERVICE_MAX_UPLOAD_PIXELS", SERVICE_MAX_UPLOAD_PIXELS, MAX_SIDE**2, engine_limits.MAX_SIDE**2)
+MAX_UPLOAD_SIDE = engine_limits.MAX_SIDE  # an uploaded image's longest side (a 8192 x 2048 panorama fits)
+MAX_UPLOAD_BYTES = 32 << 20  # a body with images: a 2048 x 2048 photo as PNG or base64 JPEG, and a mask
+UPLOAD_FORMATS = ("PNG", "JPEG", "WEBP")  # the decoders an upload may reach (PIL knows dozens more)
+# 8-bit modes, converted to RGB (images) or L (masks) as the engine does; 16-bit ("I;16", "I") and float ("F")
+# images are refused: PIL's conversion clips them to 8 bits, a silently wrong picture.
+UPLOAD_MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr")
 MAX_PROMPT_CHARS = 1000  # the engine takes any length (in 77-token windows); this bounds a request's work
 MAX_INT_DIGITS = 20  # every integer field's range is far below 10**20
 # Why the prompt limit exists, quoted in the 422 message.
@@ -134,6 +149,13 @@ def check_seed(v: int | None) -> int | None:
     return v if v is None else _in_range(v, 0, MAX_SEED, "an integer")
 
 
+def check_strength(v: float) -> float:
+    """The engine's range, (0, 1] (``sdfast.request.Img2ImgRequest``)."""
+    if not 0 < v <= 1:  # NaN fails too
+        raise ValueError(f"must be a number in (0, 1] (got {v}): the fraction of the schedule the image is noised to")
+    return v
+
+
 class Txt2ImgRequest(BaseModel):
     """``POST /v1/txt2img``. Defaults: the model's native size, 30 steps, guidance 7.5, a random seed."""
 
@@ -164,6 +186,43 @@ class Txt2ImgRequest(BaseModel):
     _guidance = field_validator("guidance_scale")(staticmethod(check_guidance))
     _num_images = field_validator("num_images")(staticmethod(check_images))
     _seed = field_validator("seed")(staticmethod(check_seed))
+
+
+IMAGE_INPUT = ("JSON: the file as base64 or a data URL (data:image/png;base64,...); multipart/form-data: the file. "
+               f"PNG, JPEG or WebP, at most {MAX_UPLOAD_PIXELS} pixels")
+
+
+class Img2ImgRequest(Txt2ImgRequest):
+    """``POST /v1/img2img``, as JSON or as ``multipart/form-data``: ``Txt2ImgRequest``'s fields, the init ``image``
+    and ``strength``. The images come back at ``width`` x ``height``: the image is resized to them first (a side
+    left out keeps the image's); by default the image's own size rounded down to multiples of 8 (diffusers' image
+    processor resizes it to that)."""
+
+    image: str = Field(description="the init image; " + IMAGE_INPUT)
+    strength: float = Field(0.8, strict=True, description="how far into the schedule the image is noised, in (0, 1]; "
+                            "int(num_inference_steps * strength) steps run")
+    width: int | None = Field(None, strict=True, description="pixels, a multiple of 8 in [64, 2048]: the image is "
+                              "resized to it; default: the image's width rounded down to a multiple of 8")
+    height: int | None = Field(None, strict=True, description="pixels, a multiple of 8 in [64, 2048]: the image is "
+                               "resized to it; default: the image's height rounded down to a multiple of 8")
+
+    _strength = field_validator("strength")(staticmethod(check_strength))
+
+    image_fields: ClassVar[tuple[str, ...]] = ("image",)  # the uploads, decoded by ``server.parse``
+
+
+class InpaintRequest(Img2ImgRequest):
+    """``POST /v1/inpaint``: ``Img2ImgRequest``'s fields and ``mask_image`` (diffusers' convention: white is
+    repainted, black kept; any mode is converted to L, grey levels are binarized at 50 %), of the image's size
+    (both are resized together)."""
+
+    mask_image: str = Field(description="white = repaint, black = keep; the image's size; " + IMAGE_INPUT)
+    strength: float = Field(1.0, strict=True, description="how far into the schedule the masked part is noised, in "
+                            "(0, 1]; 1: it starts from pure noise")
+
+    _strength = field_validator("strength")(staticmethod(check_strength))
+
+    image_fields: ClassVar[tuple[str, ...]] = ("image", "mask_image")
 
 
 _SIZE = re.compile(r"^ *([0-9]+) *[xX] *([0-9]+) *$")  # ASCII digits only: "６４x６４" is not a size
@@ -327,6 +386,35 @@ class ImagesGenerationsRequest(BaseModel):
         if self.image_format == "png":
             return None
         return 100 if self.output_compression is None else self.output_compression
+
+
+class ImagesEditsRequest(ImagesGenerationsRequest):
+    """``POST /v1/images/edits``: the OpenAI Images API edit request, ``multipart/form-data`` (as the official
+    client sends it). It runs inpainting: OpenAI's mask convention, the fully transparent pixels (alpha 0) of
+    ``mask`` (a PNG with an alpha channel, the image's size) are repainted, the others kept; without ``mask``, the
+    image's own fully transparent pixels are the mask. An image with no fully transparent pixel and no mask is
+    refused (422 naming ``image``), as OpenAI refuses it: there is nothing to edit. ``image`` is one file (the
+    client's ``image`` or a one-element ``image[]``; several images are refused). ``size`` (``WIDTHxHEIGHT``)
+    resizes the image and mask to it; ``auto`` or none: the image's size rounded down to multiples of 8.
+
+    The other fields are ``ImagesGenerationsRequest``'s, honoured, ignored or refused as there; ``input_fidelity``
+    is accepted and ignored; ``markup`` is refused. sdfast extension: ``strength`` (default 1.0)."""
+
+    image: str = Field(description="the image to edit: a PNG, JPEG or WebP file (one)")
+    mask: str | None = Field(None, description="a PNG whose fully transparent pixels (alpha 0) mark what to repaint")
+    strength: float = Field(1.0, strict=True, description="sdfast extension: (0, 1], how far the masked part is noised")
+    input_fidelity: Literal["high", "low"] | None = Field(None, description="ignored (OpenAI compatibility)")
+    markup: str | None = Field(None, description="refused: use mask")
+
+    _strength = field_validator("strength")(staticmethod(check_strength))
+
+    @field_validator("markup")
+    @classmethod
+    def _markup(cls, v):
+        return _must_be_absent(v, "markup images are not supported: send a mask whose fully transparent pixels mark "
+                                  "what to repaint")
+
+    image_fields: ClassVar[tuple[str, ...]] = ("image", "mask", "markup")
 
 
 class Timings(BaseModel):

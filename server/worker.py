@@ -4,9 +4,11 @@ HTTP handlers run on the event loop; they never touch the engine. They ``submit`
 wait on its ``future``. The worker thread takes the oldest live job, adds every later queued job
 with the same ``BatchKey`` while the batch stays within ``max_batch`` images, and runs them as one
 ``engine.run`` call: the jobs' built requests concatenated (``Txt2ImgRequest.concat``: a list of prompts, one
-seed per image, the token ids the service computed). The engine draws image
-``i``'s noise from its own seeded CPU generator, so each job's images are the ones it would get
-alone (up to batch-size-dependent float rounding: at most 1/255 on the CPU).
+seed per image, the token ids the service computed; img2img and inpainting requests with the same strength by
+``Img2ImgRequest.concat``, which also lists one init image and mask per image). The engine draws image
+``i``'s noise (and its VAE latent sample) from its own seeded CPU generator, so each job's images are the ones it
+would get alone (up to batch-size-dependent float rounding: at most 1/255 on the CPU). Requests of different
+tasks never share a call.
 
 Failure isolation: after ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``) the worker drops every
 reference to what the failed call held (the exception and its traceback are not kept), returns cached blocks
@@ -89,6 +91,8 @@ class BatchKey:
     ``text_windows``: 77-token CLIP windows of the prompt and of the negative prompt. The engine pads
     every prompt of a call to the longest one's windows, which would change a shorter prompt's
     image, so only equal counts share a call.
+    ``task``: the request's (``"txt2img"``, ``"img2img"``, ``"inpaint"``: each runs its own pipeline);
+    ``strength``: img2img's and inpainting's (it sets the timesteps that run), None for txt2img.
     """
 
     width: int
@@ -98,6 +102,8 @@ class BatchKey:
     scheduler: str | None
     has_negative: bool
     text_windows: tuple[int, int] = (1, 1)
+    task: str = "txt2img"
+    strength: float | None = None
 
 
 @dataclass
@@ -113,9 +119,9 @@ class JobResult:
 
 @dataclass(eq=False)
 class Job:
-    """One HTTP request: its built ``sdfast.request.Txt2ImgRequest`` (one prompt per image, each image's seed,
-    the size resolved, the texts tokenized when the engine has tokenizers), handed to the engine as it is
-    (concatenated with the other requests of its batch: ``Txt2ImgRequest.concat``).
+    """One HTTP request: its built ``sdfast.request.Txt2ImgRequest`` (or ``Img2ImgRequest`` / ``InpaintRequest``; one
+    prompt per image, each image's seed, the size resolved, the texts tokenized when the engine has tokenizers),
+    handed to the engine as it is (concatenated with the other requests of its batch: its class's ``concat``).
 
     ``text_windows``: 77-token windows of the prompt and of the negative prompt (``PromptTokens.windows``).
     """
@@ -170,8 +176,10 @@ class Job:
 
     @property
     def key(self) -> BatchKey:
+        strength = getattr(self.request, "strength", None)
         return BatchKey(self.width, self.height, self.num_inference_steps, float(self.guidance_scale),
-                        self.scheduler, self.negative_prompt is not None, tuple(self.text_windows))
+                        self.scheduler, self.negative_prompt is not None, tuple(self.text_windows),
+                        self.request.task, None if strength is None else float(strength))
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -395,7 +403,7 @@ class Worker:
         outcome = "ok"
         images = None
         try:
-            request = Txt2ImgRequest.concat([job.request for job in batch])
+            request = type(batch[0].request).concat([job.request for job in batch])
             images = self.engine.run(request, should_stop=should_stop)
             if len(images) != len(seeds):
                 raise RuntimeError(f"the engine returned {len(images)} images for {len(seeds)} seeds")

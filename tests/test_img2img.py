@@ -100,14 +100,20 @@ def test_bad_input_raises_before_any_step(engines, image, kwargs, field):
     assert info.value.field == field
 
 
-def test_request_round_trip_and_no_batching():
+def test_request_round_trip_and_concat():
     r = Img2ImgRequest.build(_image(51, 43), ["a", "b"], strength=0.25, num_inference_steps=8, seed=5)
     assert (r.width, r.height, r.denoising_steps, r.seeds) == (48, 40, 2, (5, 6))
     again = Img2ImgRequest.build(**r.as_kwargs())
     assert again == r
     assert r.task == "img2img" and r.pipeline_kwargs(40, 48) == {"image": r.image, "strength": 0.25}
-    with pytest.raises(ValueError, match="not batched"):
-        Img2ImgRequest.concat([r, r])
+    other = Img2ImgRequest.build(_image(48, 40, seed=1), "c", strength=0.25, num_inference_steps=8, seed=9)
+    both = Img2ImgRequest.concat([r, other])  # one init image per output image, in order (the service's batches)
+    assert both.prompts == ("a", "b", "c") and both.seeds == (5, 6, 9) and both.image == [r.image, r.image, other.image]
+    assert Img2ImgRequest.concat([both]).image == both.image
+    with pytest.raises(ValueError, match="same strength"):
+        Img2ImgRequest.concat([r, Img2ImgRequest.build(_image(), "c", strength=0.5, num_inference_steps=8, seed=9)])
+    with pytest.raises(ValueError, match="same size"):
+        Img2ImgRequest.concat([r, Img2ImgRequest.build(_image(64, 40), "c", strength=0.25, num_inference_steps=8, seed=9)])
 
 
 def test_share_leaves_an_unoptimized_pipeline_as_it_is(engines):
@@ -219,6 +225,8 @@ def test_inpaint_request_round_trip():
     r = InpaintRequest.build(_image(), _mask().convert("RGB"), "a cat", num_inference_steps=8, seed=1)
     assert r.strength == 1.0 and r.mask_image.mode == "L" and r.denoising_steps == 8
     assert InpaintRequest.build(**r.as_kwargs()) == r
+    both = InpaintRequest.concat([r, r])
+    assert both.image == [r.image] * 2 and both.mask_image == [r.mask_image] * 2
     assert r.task == "inpaint" and r.pipeline_kwargs(40, 48) == dict(
         image=r.image, mask_image=r.mask_image, strength=1.0, height=40, width=48)
 

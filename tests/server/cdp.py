@@ -135,6 +135,12 @@ class Chromium:
                       " e.focus(); e.select(); })()")
         self.send("Input.insertText", {"text": text})
 
+    def set_files(self, selector: str, paths) -> None:
+        """Choose ``paths`` in the file input ``selector``, as the file dialog would (its change event fires)."""
+        root = self.send("DOM.getDocument")["root"]["nodeId"]
+        node = self.send("DOM.querySelector", {"nodeId": root, "selector": selector})["nodeId"]
+        self.send("DOM.setFileInputFiles", {"files": [str(p) for p in paths], "nodeId": node})
+
     def click(self, selector: str) -> None:
         """A real mouse click (press + release) at the centre of ``selector``."""
         box = self.evaluate(

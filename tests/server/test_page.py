@@ -58,3 +58,82 @@ def test_page_generates_an_image(live):
         assert browser.evaluate("document.querySelector('#result img') === null")
         assert browser.evaluate("document.querySelector('#time').textContent") == ""
         assert browser.console_errors() == []
+
+
+def _result_png(browser) -> bytes:
+    import base64
+
+    src = browser.evaluate("document.querySelector('#result img').src")
+    assert src.startswith("data:image/png;base64,")
+    return base64.b64decode(src.split(",", 1)[1])
+
+
+def test_page_img2img_and_inpainting_upload_and_submit(live, tmp_path):
+    """Issue 31: the mode picker shows the image upload and strength (img2img) and the mask upload (inpainting); a
+    chosen image sets the size; the page sends them as multipart, and its result is the API's for the same input."""
+    import io
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.RandomState(0)
+    image, mask = tmp_path / "init.png", tmp_path / "mask.png"
+    Image.fromarray((rng.rand(64, 96, 3) * 255).astype(np.uint8)).save(image)
+    m = np.zeros((64, 96), np.uint8)
+    m[16:48, 24:72] = 255
+    Image.fromarray(m).save(mask)
+
+    def pick(mode):
+        browser.evaluate(f"(() => {{ const s = document.querySelector('#mode'); s.value = '{mode}';"
+                         " s.dispatchEvent(new Event('change')); })()")
+
+    def shown(box):
+        return not browser.evaluate(f"document.querySelector('#{box}').hidden")
+
+    def generate_and_read():
+        browser.evaluate("document.querySelector('#result').replaceChildren()")
+        browser.click("#generate")
+        browser.wait_for("(() => { const i = document.querySelector('#result img'); return i && i.complete"
+                         " && i.naturalWidth; })() || document.querySelector('#status').textContent", timeout=60)
+        assert browser.evaluate("document.querySelector('#status').textContent") == ""
+        png = _result_png(browser)
+        return png, json.loads(Image.open(io.BytesIO(png)).text["sdfast"])
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    with Chromium(CHROMIUM) as browser:
+        browser.navigate(live.url + "/", headers={"Authorization": f"Bearer {live.key}"})
+        browser.wait_for("document.querySelector('#width').value === '64'", timeout=10)
+        assert not any(shown(b) for b in ("image-box", "mask-box", "strength-box"))  # txt2img: none of them
+        pick("img2img")
+        assert shown("image-box") and shown("strength-box") and not shown("mask-box")
+        assert browser.evaluate("document.querySelector('#strength').value") == "0.8"
+        browser.set_files("#image", [image])
+        browser.wait_for("document.querySelector('#width').value === '96'", timeout=10)  # the image's size
+        browser.type_into("#prompt", "a watercolor")
+        browser.type_into("#steps", "4")
+        browser.type_into("#seed", "7")
+        browser.type_into("#strength", "0.5")
+        _, params = generate_and_read()
+        assert (params["task"], params["strength"], params["seed"], params["width"], params["height"]) == (
+            "img2img", 0.5, 7, 96, 64)
+
+        pick("inpaint")
+        assert shown("mask-box") and browser.evaluate("document.querySelector('#strength').value") == "1"
+        browser.set_files("#mask", [mask])
+        png, params = generate_and_read()
+        assert (params["task"], params["strength"], params["width"]) == ("inpaint", 1.0, 96)
+        with live.client() as c:  # the same request through the API: the same image
+            r = c.post("/v1/inpaint", files={"image": image.read_bytes(), "mask_image": mask.read_bytes()},
+                       data={"prompt": "a watercolor", "num_inference_steps": "4", "seed": "7", "width": "96",
+                             "height": "64", "guidance_scale": "7.5"})
+        assert r.status_code == 200, r.text
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(png))), np.asarray(Image.open(io.BytesIO(r.content))))
+
+        browser.type_into("#strength", "0")  # the service's 422 names the field, which is marked
+        browser.click("#generate")
+        status = browser.wait_for("document.querySelector('#status').textContent", timeout=30)
+        assert status.startswith("422: strength:"), status
+        assert browser.evaluate("document.querySelector('#strength').classList.contains('invalid')")
+        browser.screenshot(ARTIFACTS / "server_page_inpaint.png")
+        assert browser.console_errors() == []
