@@ -371,8 +371,12 @@ class InpaintRequest(Img2ImgRequest):
     image_fields = ("image", "mask_image")
 
     def pipeline_kwargs(self, height: int, width: int) -> dict:
-        """The image, mask, strength and size (and the ControlNet inputs)."""
-        return dict(image=self.image, mask_image=self.mask_image, strength=self.strength, height=height, width=width,
+        """The image, mask, strength and size (and the ControlNet inputs). With several output images, the image and
+        mask once per output image: diffusers' inpaint pipelines VAE-encode one image with the first generator only
+        and repeat its latents, so image ``i`` would not be its seed's image alone."""
+        image, mask = (self.image, self.mask_image) if self.num_images == 1 else (
+            _per_image(self, "image"), _per_image(self, "mask_image"))
+        return dict(image=image, mask_image=mask, strength=self.strength, height=height, width=width,
                     **self._control_kwargs("control_image"))
 
     @classmethod
@@ -455,7 +459,7 @@ class ControlInputs:
                                                        f"{controlnets}, got {len(self.images)}")
 
 
-def _per_image(field: str, value, n: int, lo: float, hi: float) -> tuple[float, ...]:
+def _per_controlnet(field: str, value, n: int, lo: float, hi: float) -> tuple[float, ...]:
     values = list(value) if isinstance(value, (list, tuple)) else [value] * n
     if len(values) != n:
         raise InvalidRequestError(field, f"one value, or a list of one per control image ({n}), got {len(values)}")
@@ -479,10 +483,10 @@ def check_control(control_image, conditioning_scale=None, guidance_start=0.0, gu
         raise InvalidRequestError("control_image", f"1 to {MAX_CONTROLNETS} control images, got {len(raw)}")
     images = tuple(check_image(im, f"control_image[{i}]" if many else "control_image") for i, im in enumerate(raw))
     n = len(images)
-    scale = None if conditioning_scale is None else _per_image(
+    scale = None if conditioning_scale is None else _per_controlnet(
         "controlnet_conditioning_scale", conditioning_scale, n, 0.0, MAX_CONTROLNET_SCALE)
-    start = _per_image("control_guidance_start", guidance_start, n, 0.0, 1.0)
-    end = _per_image("control_guidance_end", guidance_end, n, 0.0, 1.0)
+    start = _per_controlnet("control_guidance_start", guidance_start, n, 0.0, 1.0)
+    end = _per_controlnet("control_guidance_end", guidance_end, n, 0.0, 1.0)
     if any(a >= b for a, b in zip(start, end)):
         raise InvalidRequestError("control_guidance_start", f"must be below control_guidance_end (got {list(start)} "
                                                             f"and {list(end)})")

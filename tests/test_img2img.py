@@ -205,6 +205,14 @@ def test_inpaint_same_pixels_as_diffusers(arch, cls):
     assert ours[0].size == (48, 40) and np.array_equal(_px(ours[0]), _px(ref[0]))
 
 
+def test_inpaint_image_i_of_a_batch_is_its_seed_alone(engines):
+    _, stock = engines  # what the engine hands diffusers; the optimized kernels are checked above
+    kw = dict(num_inference_steps=2, guidance_scale=5.0, strength=0.75)
+    two = stock.inpaint(_image(32, 32), _mask(32, 32), "a cat", seed=5, num_images_per_prompt=2, **kw)
+    alone = stock.inpaint(_image(32, 32), _mask(32, 32), "a cat", seed=6, **kw)
+    assert np.array_equal(_px(two[1]), _px(alone[0])) and not np.array_equal(_px(two[0]), _px(two[1]))
+
+
 @pytest.mark.parametrize("mask, field", [
     (Image.new("L", (48, 32)), "mask_image"),
     (np.zeros((40, 48), np.float32), "mask_image"),
