@@ -113,7 +113,8 @@ def load(model, *, device=None, dtype=None, seed: int = 0, optimize: "bool | Opt
     """Load ``model`` into an ``Engine``.
 
     ``model``: a diffusers pipeline folder, a single-file ``.safetensors`` checkpoint, a hub id
-    (``owner/name``), ``random:tiny|sd15|sd21|sdxl`` (real architecture, weights seeded by ``seed``),
+    (``owner/name``), ``random:<arch>`` (a built-in architecture, ``sdfast.architectures.ARCHITECTURES``: tiny, tiny-v,
+    tiny-xl, sd15, sd21, sdxl and their ``-inpaint`` checkpoints; weights seeded by ``seed``),
     or a diffusers pipeline object. ``device``/``dtype`` default to CUDA+fp16 with a GPU, else CPU+fp32.
     ``optimize``: True (default ``OptimizeConfig``), an ``OptimizeConfig``, or False for the stock pipeline.
     ``controlnet``: None, or a ControlNet (a ``ControlNetModel`` folder, a ``.safetensors`` file, a hub id,
