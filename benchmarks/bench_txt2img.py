@@ -239,7 +239,8 @@ def _from_pipe(sd_class: str, xl_class: str) -> Callable:
 
 @dataclass(frozen=True)
 class Task:
-    """One workload: ``method`` is the ``Engine`` method that runs it (every system runs it so, on its engine);
+    """One workload: ``method`` is the ``Engine`` method that runs it (every system runs it so, on its engine) and
+    the task of the pipeline it runs (``Engine.pipeline_for(method)``, whose modules are timed);
     ``stock_pipeline(pipe)`` builds stock diffusers' pipeline of the task from a loaded txt2img pipeline (the fidelity
     reference, called directly); ``inputs(width, height)`` gives the extra call arguments of both (init image, mask,
     a control image), the same for every system; ``strength``: the default strength, None for a task without one.
@@ -769,7 +770,7 @@ def _run_task(task: Task, row: dict, engine, system: System, spec: ModelSpec, ct
         stage = "timed generations"
         if ctx.cuda:
             torch.cuda.reset_peak_memory_stats(ctx.device)
-        pipe = engine.pipeline_for(task.name)
+        pipe = engine.pipeline_for(task.method)  # the diffusers pipeline the method runs: its modules are timed
         timer = UnetTimer(pipe.unet, cuda=ctx.cuda, capture=ctx.profile and task.name == "txt2img")
         steps = {name: timer if name == "unet" else UnetTimer(getattr(pipe, name), cuda=ctx.cuda)
                  for name in task.step_modules}
