@@ -154,9 +154,10 @@ def _broken(spec, ctx):
 
 @pytest.fixture(scope="module")
 def task_run(tmp_path_factory):
-    """txt2img, img2img and inpaint on stock and sdfast in one run (tasks given out of order), images saved."""
+    """txt2img, img2img and inpaint on stock and sdfast in one run (tasks given out of order), images saved, at a
+    size that is not the model's native one (64x64): the stock inpaint pipeline must be given it."""
     out = tmp_path_factory.mktemp("bench-tasks")
-    rc, text = _quiet_main([*TINY, "--task", "inpaint,img2img,txt2img", "--systems", "stock,sdfast", "--no-fp32-ref",
+    rc, text = _quiet_main([*TINY, "--size", "96x64", "--task", "inpaint,img2img,txt2img", "--systems", "stock,sdfast", "--no-fp32-ref",
                             "--save-images", "--out", str(out)])
     return rc, text, out
 
@@ -176,7 +177,7 @@ def test_tasks_give_one_row_per_system_and_task(task_run):
     by = {(r["system"], r["task"]): r for r in rows}
     for (system, task), r in by.items():
         assert r["error"] is None, (system, task, r["error"])
-        assert r["size"] == "64x64" and r["steps"] == 2 and r["e2e_s"] > 0 and r["unet_ms_step"] > 0
+        assert r["size"] == "96x64" and r["steps"] == 2 and r["e2e_s"] > 0 and r["unet_ms_step"] > 0
         assert r["peak_gib"] > 0 and r["config"]["optimize"] is (system == "sdfast")
         base = by[(system, "txt2img")]
         # one build and one txt2img warm-up per system, shared by its rows
@@ -214,8 +215,8 @@ def test_task_fidelity_is_against_stock_diffusers_pipeline_of_the_task(task_run)
         assert by[("stock", task)]["psnr_db"] == "inf"  # the stock engine runs that pipeline (CPU: deterministic)
         assert by[("sdfast", task)]["psnr_db"] == "inf" or by[("sdfast", task)]["psnr_db"] >= 35
     init, mask = _image(out, "tiny-img2img-image"), _image(out, "tiny-inpaint-mask_image")
-    assert np.array_equal(np.asarray(init), np.asarray(bench_txt2img.init_image(64, 64)))
-    assert np.array_equal(np.asarray(mask), np.asarray(bench_txt2img.centre_mask(64, 64)))
+    assert np.array_equal(np.asarray(init), np.asarray(bench_txt2img.init_image(96, 64)))
+    assert np.array_equal(np.asarray(mask), np.asarray(bench_txt2img.centre_mask(96, 64)))
     pipe = sdfast.load("random:tiny", optimize=False).pipe
     def common():  # a fresh generator per call: the pipelines draw from it
         return dict(prompt=bench_txt2img.PROMPT, num_inference_steps=2, guidance_scale=7.5,
@@ -223,7 +224,7 @@ def test_task_fidelity_is_against_stock_diffusers_pipeline_of_the_task(task_run)
 
     img2img = StableDiffusionImg2ImgPipeline.from_pipe(pipe)(image=init, strength=0.6, **common()).images[0]
     inpaint = StableDiffusionInpaintPipeline.from_pipe(pipe)(image=init, mask_image=mask, strength=1.0, height=64,
-                                                             width=64, **common()).images[0]
+                                                             width=96, **common()).images[0]
     assert bench_txt2img.psnr(img2img, _image(out, "tiny-stock_diffusers-img2img")) == math.inf
     assert bench_txt2img.psnr(inpaint, _image(out, "tiny-stock_diffusers-inpaint")) == math.inf
     # the tasks' images are not txt2img's, nor each other's: a wrong reference would show in the PSNR
@@ -236,8 +237,8 @@ def test_task_fidelity_is_against_stock_diffusers_pipeline_of_the_task(task_run)
 def test_task_table_labels_the_tasks(task_run):
     _, text, out = task_run
     header = "| " + " | ".join(h for _, h in bench_txt2img.TASK_TABLE_COLUMNS) + " |"
-    assert header in text and "| stock | tiny | img2img | 0.600 | 64x64 | 2 | 1 |" in text
-    assert "| sdfast | tiny | txt2img | — | 64x64 | 2 | 2 |" in text
+    assert header in text and "| stock | tiny | img2img | 0.600 | 96x64 | 2 | 1 |" in text
+    assert "| sdfast | tiny | txt2img | — | 96x64 | 2 | 2 |" in text
     assert "| tiny/sdfast/inpaint |" in text  # the breakdown's rows, with the task
     assert (out / "txt2img.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
