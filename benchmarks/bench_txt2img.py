@@ -1,4 +1,5 @@
-"""txt2img benchmark: sdfast against stock diffusers and torch.compile, beside published reference figures.
+"""End-to-end benchmark (txt2img, img2img, inpainting): sdfast against stock diffusers and torch.compile, beside
+published reference figures.
 
 For each model (SD1.5 at 512², 50 steps; SDXL at 1024², 30 steps; batch 1, CFG 7.5, the same seed and
 the same seeded random weights, or a real model folder with ``--model``) and each system of ``SYSTEMS``:
@@ -17,13 +18,33 @@ the same seeded random weights, or a real model folder with ``--model``) and eac
 - ``second_size_s`` (with ``--second-size``): after the timed runs, the first image at width + 128, wall
   clock: what a new resolution costs an engine that is already warm (its graphs or recompilation).
 
-A system that fails gives a row with ``error`` filled, and the run goes on. Pipelines are freed between
-systems. Published figures (``benchmarks.reference``) are printed beside, never mixed with, measured rows.
+Tasks (``--task``, a comma list, default txt2img; one row per system, model and task): each system is built and
+warmed up once, with a txt2img image (``load_s`` and ``warmup_s`` are that, on each of its rows), then each task
+runs on the same loaded system, txt2img first. img2img and inpaint (``TASKS``) take the same init image for every
+system (``init_image``: seeded and smooth, at the run's size) and inpaint a centred rectangle mask (``centre_mask``);
+``--strength`` (default: the task's, img2img 0.6, inpaint 1.0). Their rows add:
+
+- ``first_image_s``: the first image of this task after the txt2img warm-up, wall clock (the task's pipeline built
+  from the loaded one, its new modules' CUDA graphs or compilation);
+- ``steps_run`` = ``int(steps * strength)``, the denoising steps that run; ``unet_ms_step`` is over those calls
+  only, and ``step_vs_txt2img`` is it over the same system's txt2img ``unet_ms_step`` (issue 31's bar: <= 1.05);
+- ``e2e_s`` with the VAE encode of the init image (``vae_encoder_ms`` in ``e2e_breakdown``); peak memory as above;
+- ``psnr_db`` against stock diffusers' pipeline of the task (``Task.stock_pipeline``: e.g.
+  ``StableDiffusionImg2ImgPipeline.from_pipe(pipe)``, called directly, not through the engine) on the same weights,
+  inputs and seed; for stock itself, its engine's image against that pipeline's.
+
+``--fp32-ref``, ``--second-size`` and ``--profile`` measure txt2img only. ``--save-images`` writes each row's image,
+stock diffusers' reference images, the init image and the mask under ``--out``/images.
+
+A system that fails gives a row with ``error`` filled (a task that fails: that task's row), and the run goes on.
+Pipelines are freed between systems. Published figures (``benchmarks.reference``) are printed beside, never mixed
+with, measured rows.
 
     python -m benchmarks.bench_txt2img --out benchmarks/results/h200      # or: sdfast bench ...
     python -m benchmarks.bench_txt2img --models tiny --steps 2 --size 64 --systems stock,sdfast
+    python -m benchmarks.bench_txt2img --models sd15 --steps 30 --task txt2img,img2img,inpaint --no-fp32-ref
 
-Adding a system (e.g. an sdfast preset) is one line in ``SYSTEMS``.
+Adding a system (e.g. an sdfast preset) is one line in ``SYSTEMS``; adding a task is one ``Task`` in ``TASKS``.
 """
 
 from __future__ import annotations
@@ -31,6 +52,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import inspect
 import json
 import statistics
 import sys
@@ -57,6 +79,13 @@ TABLE_COLUMNS = [
     ("psnr_db", "PSNR dB"), ("second_size_s", "2nd size s"),
 ]
 MEASURED_KEYS = [k for k, _ in TABLE_COLUMNS]
+# The same with a task other than txt2img among the rows: which task, its strength, and its own figures.
+TASK_TABLE_COLUMNS = [
+    ("system", "system"), ("model", "model"), ("task", "task"), ("strength", "strength"), ("size", "size"),
+    ("steps", "steps"), ("steps_run", "steps run"), ("warmup_s", "warmup s"), ("first_image_s", "first image s"),
+    ("unet_ms_step", "UNet ms/step"), ("step_vs_txt2img", "step / txt2img's"), ("e2e_s", "e2e s"),
+    ("img_s", "img/s"), ("peak_gib", "peak GiB"), ("psnr_db", "PSNR dB"), ("second_size_s", "2nd size s"),
+]
 
 
 # ----------------------------------------------------------------------------- context and models
@@ -75,6 +104,8 @@ class Context:
     repeats: int = 3
     profile: bool = False
     second_size: bool = False  # also time the first image at a second resolution (width + 128)
+    strength: float | None = None  # every task's strength (None: each task's own default, ``Task.strength``)
+    image_dir: Path | None = None  # where to save the images (``--save-images``), or None
 
     def __post_init__(self):
         from sdfast.loading import default_device_dtype
@@ -162,6 +193,131 @@ def gen_kwargs(spec: ModelSpec, ctx: Context) -> dict:
     return dict(prompt=ctx.prompt, negative_prompt=None, num_inference_steps=spec.steps,
                 guidance_scale=ctx.guidance_scale, height=spec.height, width=spec.width, seed=ctx.image_seed,
                 num_images_per_prompt=ctx.batch)
+
+
+# ----------------------------------------------------------------------------- tasks
+
+INIT_IMAGE_SEED = 2024  # the init image's seed: one image for every system, whatever --seed is
+
+
+def init_image(width: int, height: int, seed: int = INIT_IMAGE_SEED):
+    """The init image of img2img and inpainting: RGB, ``width`` x ``height`` pixels, smooth and photo-like, the same
+    for every system: a vertical gradient from sky blue to earth brown, plus a seeded 6x6 grid of colour offsets
+    (+-48) resized bicubic by PIL (a landscape's low frequencies; no flat or all-zero area)."""
+    import numpy as np
+    from PIL import Image
+
+    offsets = np.random.default_rng(seed).integers(0, 97, size=(6, 6, 3), dtype=np.uint8)
+    smooth = np.asarray(Image.fromarray(offsets).resize((width, height), Image.Resampling.BICUBIC), np.float64) - 48
+    t = np.linspace(0.0, 1.0, height)[:, None, None]
+    gradient = (1 - t) * np.array([135.0, 180.0, 230.0]) + t * np.array([115.0, 90.0, 60.0])
+    return Image.fromarray(np.clip(gradient + smooth, 0, 255).round().astype(np.uint8))
+
+
+def centre_mask(width: int, height: int):
+    """The inpainting mask: ``L`` mode, ``width`` x ``height``, white (repainted) over the centred rectangle of half
+    the width and half the height, black (kept) around it."""
+    from PIL import Image, ImageDraw
+
+    mask = Image.new("L", (width, height), 0)
+    ImageDraw.Draw(mask).rectangle([width // 4, height // 4, width - width // 4 - 1, height - height // 4 - 1],
+                                   fill=255)
+    return mask
+
+
+def _from_pipe(sd_class: str, xl_class: str) -> Callable:
+    """``pipe -> diffusers.<class>.from_pipe(pipe)``: ``xl_class`` for an SDXL pipeline (it has ``text_encoder_2``),
+    else ``sd_class``. The components are shared, so a torch.compile'd UNet stays compiled."""
+    def build(pipe):
+        import diffusers
+
+        xl = getattr(pipe, "text_encoder_2", None) is not None
+        return getattr(diffusers, xl_class if xl else sd_class).from_pipe(pipe)
+
+    return build
+
+
+@dataclass(frozen=True)
+class Task:
+    """One workload: ``method`` is the ``Engine`` method that runs it (every system runs it so, on its engine) and
+    the task of the pipeline it runs (``Engine.pipeline_for(method)``, whose modules are timed);
+    ``stock_pipeline(pipe)`` builds stock diffusers' pipeline of the task from a loaded txt2img pipeline (the fidelity
+    reference, called directly); ``inputs(width, height)`` gives the extra call arguments of both (init image, mask,
+    a control image), the same for every system; ``strength``: the default strength, None for a task without one.
+    ``step_modules``: the pipeline's modules that one denoising step runs, in their order within the step (each timed
+    by hooks; ``unet`` is ``unet_ms_step``); ``phases``: extra modules of the breakdown, name -> dotted attribute
+    path on the pipeline (e.g. the VAE encoder)."""
+
+    name: str
+    method: str
+    stock_pipeline: Callable
+    inputs: Callable[[int, int], dict] = lambda width, height: {}
+    strength: float | None = None
+    step_modules: tuple[str, ...] = ("unet",)
+    phases: tuple[tuple[str, str], ...] = ()
+
+    def steps_run(self, steps: int, strength: float | None) -> int:
+        """The denoising steps that run: ``steps``, or ``int(steps * strength)`` (diffusers' ``get_timesteps``)."""
+        return steps if strength is None else min(int(steps * strength), steps)
+
+
+_VAE_ENCODE = (("vae_encoder", "vae.encoder"),)
+TASKS: dict[str, Task] = {
+    "txt2img": Task("txt2img", "txt2img", lambda pipe: pipe),
+    "img2img": Task("img2img", "img2img",
+                    _from_pipe("StableDiffusionImg2ImgPipeline", "StableDiffusionXLImg2ImgPipeline"),
+                    lambda width, height: {"image": init_image(width, height)}, strength=0.6, phases=_VAE_ENCODE),
+    "inpaint": Task("inpaint", "inpaint",
+                    _from_pipe("StableDiffusionInpaintPipeline", "StableDiffusionXLInpaintPipeline"),
+                    lambda width, height: {"image": init_image(width, height), "mask_image": centre_mask(width, height)},
+                    strength=1.0, phases=_VAE_ENCODE),
+}
+SIZE_ARGS = ("height", "width")  # given only to a call that takes them (img2img's size is its image's)
+
+
+def parse_tasks(text: str) -> list[str]:
+    """``--task``: a comma list of ``TASKS``, duplicates dropped, txt2img first (then in the order given)."""
+    names = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    unknown = [t for t in names if t not in TASKS]
+    if unknown or not names:
+        raise ValueError(f"unknown task(s) {unknown}; known: {', '.join(TASKS)}")
+    return sorted(names, key=lambda t: t != "txt2img")
+
+
+def task_strength(task: Task, ctx: Context) -> float | None:
+    return None if task.strength is None else (task.strength if ctx.strength is None else ctx.strength)
+
+
+def _call(fn, kwargs: dict):
+    """``fn(**kwargs)``, less the ``SIZE_ARGS`` that ``fn`` does not take."""
+    params = inspect.signature(fn).parameters
+    return fn(**{k: v for k, v in kwargs.items() if k not in SIZE_ARGS or k in params})
+
+
+def task_kwargs(task: Task, spec: ModelSpec, ctx: Context, inputs: dict) -> dict:
+    """The engine method's keyword arguments: ``gen_kwargs`` with the task's inputs and strength."""
+    strength = task_strength(task, ctx)
+    return {**gen_kwargs(spec, ctx), **inputs, **({} if strength is None else {"strength": strength})}
+
+
+def generate(engine, task: Task, kwargs: dict) -> list:
+    """The task's images on ``engine`` (``Engine.<task.method>``)."""
+    return _call(getattr(engine, task.method), kwargs)
+
+
+def stock_reference(pipe, task: Task, kwargs: dict, size: tuple[int, int]):
+    """Stock diffusers' image of ``task``: ``task.stock_pipeline(pipe)`` called directly with the engine call's
+    arguments (``task_kwargs``), the size (``(width, height)``, where the pipeline takes it) and the engine's
+    generators (image ``i``: a CPU generator seeded ``seed + i``). Returns the first image (PIL)."""
+    import torch
+
+    kw = dict(kwargs)
+    seed, n = kw.pop("seed"), kw["num_images_per_prompt"]
+    kw["width"], kw["height"] = size
+    stock = task.stock_pipeline(pipe)
+    stock.set_progress_bar_config(disable=True)
+    out = _call(stock, {**kw, "generator": [torch.Generator("cpu").manual_seed(seed + i) for i in range(n)]})
+    return out.images[0]
 
 
 # ----------------------------------------------------------------------------- systems
@@ -432,34 +588,48 @@ class UnetTimer:
         return [(e - s) * 1e3 for s, e in self.pairs]
 
 
-def _phase_modules(pipe) -> dict:
-    """The modules whose calls make up one image besides the UNet: text encoder(s), VAE decoder."""
+def _phase_modules(pipe, extra: tuple[tuple[str, str], ...] = ()) -> dict:
+    """The modules whose calls make up one image besides the denoising step: text encoder(s), VAE decoder, and
+    ``extra`` (name, dotted attribute path on ``pipe``: a task's ``Task.phases``, e.g. the VAE encoder)."""
     mods = {name: getattr(pipe, name, None) for name in ("text_encoder", "text_encoder_2")}
     vae = getattr(pipe, "vae", None)
     mods["vae_decoder"] = getattr(vae, "decoder", None)
+    for name, path in extra:
+        mods[name] = _attribute(pipe, path)
     return {k: m for k, m in mods.items() if m is not None}
 
 
-def e2e_breakdown(unet_timer: UnetTimer, phase_timers: dict, e2e_s: list[float], repeats: int) -> dict:
-    """Where one image's wall time goes, per image (ms): text encoder(s) and VAE decoder (their forwards'
-    spans), the denoising loop's span from the first UNet call's start to the last one's end, the UNet
-    calls' sum inside it (``loop_gaps_ms`` = span - sum: scheduler steps, input copies and idle GPU), and
-    ``rest_ms`` = e2e - the three spans (host work before/after, image conversion). CUDA-event spans are
-    GPU-timeline spans, so they include any idle GPU time between their two events."""
-    pairs = unet_timer.pairs
-    if not pairs or not repeats or len(pairs) % repeats:
+def _attribute(obj, path: str):
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
+
+
+def e2e_breakdown(step_timers, phase_timers: dict, e2e_s: list[float], repeats: int) -> dict:
+    """Where one image's wall time goes, per image (ms): text encoder(s), VAE decoder (and a task's phases, e.g.
+    the VAE encoder: their forwards' spans), the denoising loop's span from the first step module's first call's
+    start to the last step module's last call's end, the UNet calls' sum inside it (``unet_sum_ms``; another step
+    module's sum ``<name>_sum_ms``, e.g. a ControlNet's), ``loop_gaps_ms`` = span - those sums (scheduler steps,
+    input copies and idle GPU), and ``rest_ms`` = e2e - the spans (host work before/after, image conversion).
+    ``step_timers``: the UNet's ``UnetTimer``, or a dict name -> ``UnetTimer`` of the step modules in their order
+    within a step (``Task.step_modules``). CUDA-event spans are GPU-timeline spans, so they include any idle GPU
+    time between their two events."""
+    if isinstance(step_timers, UnetTimer):
+        step_timers = {"unet": step_timers}
+    timers = list(step_timers.values())
+    if not repeats or any(not t.pairs or len(t.pairs) % repeats for t in timers):
         return {}
-    per = len(pairs) // repeats
-    times = unet_timer.times_ms()
-    spans, sums = [], []
+    first, last = timers[0], timers[-1]
+    spans = []
     for i in range(repeats):
-        chunk = pairs[i * per:(i + 1) * per]
-        span = chunk[0][0].elapsed_time(chunk[-1][1]) if unet_timer.cuda else (chunk[-1][1] - chunk[0][0]) * 1e3
-        spans.append(span)
-        sums.append(sum(times[i * per:(i + 1) * per]))
-    out = {"e2e_ms": statistics.median(e2e_s) * 1e3, "denoise_loop_ms": statistics.median(spans),
-           "unet_sum_ms": statistics.median(sums)}
-    out["loop_gaps_ms"] = out["denoise_loop_ms"] - out["unet_sum_ms"]
+        start = first.pairs[i * (len(first.pairs) // repeats)][0]
+        end = last.pairs[(i + 1) * (len(last.pairs) // repeats) - 1][1]
+        spans.append(start.elapsed_time(end) if first.cuda else (end - start) * 1e3)
+    out = {"e2e_ms": statistics.median(e2e_s) * 1e3, "denoise_loop_ms": statistics.median(spans)}
+    for name, t in step_timers.items():
+        per, times = len(t.pairs) // repeats, t.times_ms()
+        out[f"{name}_sum_ms"] = statistics.median(sum(times[i * per:(i + 1) * per]) for i in range(repeats))
+    out["loop_gaps_ms"] = out["denoise_loop_ms"] - sum(out[f"{n}_sum_ms"] for n in step_timers)
     for name, t in phase_timers.items():
         out[f"{name}_ms"] = sum(t.times_ms()) / repeats
     out["rest_ms"] = out["e2e_ms"] - out["denoise_loop_ms"] - sum(out[f"{n}_ms"] for n in phase_timers)
@@ -502,13 +672,17 @@ def _peak_memory(ctx: Context) -> tuple[float, float, str]:
     return rss, rss, "process peak RSS (CPU run)"
 
 
-def base_row(system: System, spec: ModelSpec, ctx: Context) -> dict:
+def base_row(system: System, spec: ModelSpec, ctx: Context, task: Task | None = None) -> dict:
+    task = task or TASKS["txt2img"]
+    strength = task_strength(task, ctx)
     return {
         "system": system.name, "model": spec.label, "arch": spec.arch, "source": spec.source,
         "size": None if spec.height is None else f"{spec.width}x{spec.height}",
         "steps": spec.steps, "batch": ctx.batch, "guidance_scale": ctx.guidance_scale, "device": str(ctx.device),
         "dtype": str(ctx.dtype).replace("torch.", ""), "description": system.description,
-        "warmup_s": None, "load_s": None, "unet_ms_step": None, "unet_calls_per_image": None, "e2e_s": None,
+        "task": task.name, "strength": strength, "steps_run": task.steps_run(spec.steps, strength),
+        "warmup_s": None, "load_s": None, "first_image_s": None, "unet_ms_step": None, "step_vs_txt2img": None,
+        "unet_calls_per_image": None, "e2e_s": None,
         "img_s": None, "peak_gib": None, "peak_reserved_gib": None, "psnr_db": None, "fp32_check": None,
         "err_fp32_step": None, "err_fp32_step_ratio": None, "err_fp32_steps": None, "err_fp32_steps_ratio": None,
         "e2e_all_s": None, "unet_timing": None, "memory_source": None,
@@ -516,17 +690,19 @@ def base_row(system: System, spec: ModelSpec, ctx: Context) -> dict:
     }
 
 
-def run_system(system: System, spec: ModelSpec, ctx: Context, refs: dict) -> dict:
-    """Build, warm up, time and check one system on one model; returns its row (``error`` set on failure).
+def run_system(system: System, spec: ModelSpec, ctx: Context, refs: dict, tasks: list[Task] | None = None) -> list[dict]:
+    """Build, warm up (one txt2img image), then time and check each task of ``tasks`` (default: txt2img) on one
+    model; returns one row per task (``error`` set on failure: every row when the build or the warm-up failed,
+    else the row of the task that failed).
 
-    ``refs``: the stock fp16 image (``"fp16"``) and fp32 image (``"fp32"``) to compare with; the stock
-    system fills them. Frees the pipeline before returning.
+    ``refs``: the images to compare with, by task: stock fp16's txt2img image (``"fp16"``), the fp32 reference
+    (``"fp32"``) and stock diffusers' image of every other task (its name); the stock system fills them. Frees the
+    pipeline before returning.
     """
-    import torch
-
-    row = base_row(system, spec, ctx)
+    tasks = tasks or [TASKS["txt2img"]]
+    rows = [base_row(system, spec, ctx, task) for task in tasks]
     kw = gen_kwargs(spec, ctx)
-    built = engine = timer = None
+    built = engine = None
     stage = "build"
     free(None)  # whatever a previous system left must not count in this one's memory
     t_start = time.perf_counter()
@@ -534,31 +710,79 @@ def run_system(system: System, spec: ModelSpec, ctx: Context, refs: dict) -> dic
         ctx.sync()
         t0 = time.perf_counter()
         built = system.build(spec, ctx)
-        row["config"] = built.config
+        for row in rows:
+            row["config"] = built.config
         ctx.sync()
-        row["load_s"] = time.perf_counter() - t0
+        load_s = time.perf_counter() - t0
         engine = built.engine
         stage = "warm-up"
         first = engine.txt2img(**kw)
         ctx.sync()
-        row["warmup_s"] = time.perf_counter() - t0
+        warmup_s = time.perf_counter() - t0
         w, h = first[0].size
-        row["size"] = f"{w}x{h}"
-        log(f"[{spec.label}/{system.name}] load {row['load_s']:.1f} s, first image after {row['warmup_s']:.1f} s")
+        for row in rows:
+            row.update(load_s=load_s, warmup_s=warmup_s, size=f"{w}x{h}")
+        log(f"[{spec.label}/{system.name}] load {load_s:.1f} s, first image after {warmup_s:.1f} s")
+        for task, row in zip(tasks, rows):
+            _run_task(task, row, engine, system, spec, ctx, refs, first[0])
+        info = built.info()
+        for row in rows:
+            row["info"] = info
+    except Exception as e:  # a failed build or warm-up gives every row of this system the error; the run goes on
+        for row in rows:
+            row["error"] = row["error"] or f"{stage}: {type(e).__name__}: {e}".strip()[:500]
+        log(f"[{spec.label}/{system.name}] FAILED in {stage}:\n{traceback.format_exc()}")
+    finally:
+        engine = None  # drop every local reference to the pipeline before freeing it
+        free(built)
+        built = None
+    wall_s = time.perf_counter() - t_start
+    base = next((r for r in rows if r["task"] == "txt2img"), None)
+    for row in rows:
+        row["wall_s"] = wall_s
+        if row is not base and base is not None and row["unet_ms_step"] and base["unet_ms_step"]:
+            row["step_vs_txt2img"] = row["unet_ms_step"] / base["unet_ms_step"]
+    return rows
+
+
+def _run_task(task: Task, row: dict, engine, system: System, spec: ModelSpec, ctx: Context, refs: dict,
+              warmup_image) -> None:
+    """Time and check one task on a warmed-up engine, into ``row`` (``error`` set when a stage fails)."""
+    import torch
+
+    label = f"{spec.label}/{system.name}" + ("" if task.name == "txt2img" else f"/{task.name}")
+    w, h = warmup_image.size
+    inputs = task.inputs(w, h)
+    kw = task_kwargs(task, spec, ctx, inputs)
+    timer = None
+    stage = "first image"
+    try:
+        if task.name == "txt2img":
+            first = warmup_image
+        else:
+            ctx.sync()
+            t = time.perf_counter()
+            first = generate(engine, task, kw)[0]
+            ctx.sync()
+            row["first_image_s"] = time.perf_counter() - t
+            log(f"[{label}] first image after the txt2img warm-up: {row['first_image_s']:.2f} s")
 
         stage = "timed generations"
         if ctx.cuda:
             torch.cuda.reset_peak_memory_stats(ctx.device)
-        timer = UnetTimer(engine.pipe.unet, cuda=ctx.cuda, capture=ctx.profile)
-        phases = {k: UnetTimer(m, cuda=ctx.cuda) for k, m in _phase_modules(engine.pipe).items()}
+        pipe = engine.pipeline_for(task.method)  # the diffusers pipeline the method runs: its modules are timed
+        timer = UnetTimer(pipe.unet, cuda=ctx.cuda, capture=ctx.profile and task.name == "txt2img")
+        steps = {name: timer if name == "unet" else UnetTimer(getattr(pipe, name), cuda=ctx.cuda)
+                 for name in task.step_modules}
+        phases = {k: UnetTimer(m, cuda=ctx.cuda) for k, m in _phase_modules(pipe, task.phases).items()}
         e2e = []
         with contextlib.ExitStack() as stack:
-            for tm in (timer, *phases.values()):
+            for tm in (*steps.values(), *phases.values()):
                 stack.enter_context(tm)
             for _ in range(ctx.repeats):
                 ctx.sync()
                 t = time.perf_counter()
-                images = engine.txt2img(**kw)
+                images = generate(engine, task, kw)
                 ctx.sync()
                 e2e.append(time.perf_counter() - t)
         unet_ms = timer.times_ms()
@@ -568,24 +792,35 @@ def run_system(system: System, spec: ModelSpec, ctx: Context, refs: dict) -> dic
         row["img_s"] = ctx.batch / row["e2e_s"]
         row["unet_ms_step"] = statistics.median(unet_ms) if unet_ms else None
         row["unet_calls_per_image"] = len(unet_ms) / ctx.repeats
+        for name, t in steps.items():
+            if name != "unet" and t.times_ms():
+                row[f"{name}_ms_step"] = statistics.median(t.times_ms())
         row["unet_timing"] = "cuda events (hooks)" if ctx.cuda else "wall clock (hooks, CPU)"
-        row["e2e_breakdown"] = e2e_breakdown(timer, phases, e2e, ctx.repeats)
-        log(f"[{spec.label}/{system.name}] e2e {row['e2e_s']:.3f} s, UNet {row['unet_ms_step']:.2f} ms/step")
+        row["e2e_breakdown"] = e2e_breakdown(steps, phases, e2e, ctx.repeats)
+        log(f"[{label}] e2e {row['e2e_s']:.3f} s, UNet {row['unet_ms_step']:.2f} ms/step")
 
         stage = "fidelity"
         image = images[0]
-        if system.name == "stock":
-            refs["fp16"] = first[0]
-        if refs.get("fp16") is not None:
-            row["psnr_db"] = psnr(image, refs["fp16"])
-        if spec.fp32_ref and system.name == "stock":
-            refs["fp32"] = fidelity_reference(engine, spec, ctx)
-        if refs.get("fp32") is not None:
-            from benchmarks import fidelity
+        if ctx.image_dir is not None:
+            _save(ctx, f"{spec.label}-{system.name}-{task.name}", image)
+        if task.name == "txt2img":
+            if system.name == "stock":
+                refs["fp16"] = first
+            if refs.get("fp16") is not None:
+                row["psnr_db"] = psnr(image, refs["fp16"])
+            if spec.fp32_ref and system.name == "stock":
+                refs["fp32"] = fidelity_reference(engine, spec, ctx)
+            if refs.get("fp32") is not None:
+                from benchmarks import fidelity
 
-            row.update(fidelity.compare(engine, refs["fp32"]))
+                row.update(fidelity.compare(engine, refs["fp32"]))
+        else:
+            if system.name == "stock":
+                task_reference(engine, task, spec, ctx, refs, (w, h))
+            if refs.get(task.name) is not None:
+                row["psnr_db"] = psnr(image, refs[task.name])
 
-        if ctx.second_size:
+        if ctx.second_size and task.name == "txt2img":
             stage = "second size"
             kw2 = dict(kw, width=w + 128, height=h)
             ctx.sync()
@@ -594,23 +829,35 @@ def run_system(system: System, spec: ModelSpec, ctx: Context, refs: dict) -> dic
             ctx.sync()
             row["second_size_s"] = time.perf_counter() - t
             row["second_size"] = f"{w + 128}x{h}"
-            log(f"[{spec.label}/{system.name}] first image at {row['second_size']}: {row['second_size_s']:.2f} s")
+            log(f"[{label}] first image at {row['second_size']}: {row['second_size_s']:.2f} s")
 
         if ctx.profile and timer.captured is not None:
             stage = "profile"
             from benchmarks.unet_profile import profile_unet_step
 
             row["profile"] = profile_unet_step(engine.pipe.unet, *timer.captured)
-        row["info"] = built.info()
-    except Exception as e:  # one failing system gives an error row; the run goes on
+    except Exception as e:  # one failing task gives an error row; the other tasks go on
         row["error"] = f"{stage}: {type(e).__name__}: {e}".strip()[:500]
-        log(f"[{spec.label}/{system.name}] FAILED in {stage}:\n{traceback.format_exc()}")
+        log(f"[{label}] FAILED in {stage}:\n{traceback.format_exc()}")
     finally:
-        engine = timer = None  # drop every local reference to the pipeline before freeing it
-        free(built)
-        built = None
-    row["wall_s"] = time.perf_counter() - t_start
-    return row
+        timer = None
+
+
+def task_reference(engine, task: Task, spec: ModelSpec, ctx: Context, refs: dict, size: tuple[int, int]) -> None:
+    """``refs[task.name]``: stock diffusers' image of ``task`` (``stock_reference``) on a stock engine's pipeline,
+    with the task's inputs at ``size`` (width, height)."""
+    kw = task_kwargs(task, spec, ctx, task.inputs(*size))
+    refs[task.name] = stock_reference(engine.pipe, task, kw, size)
+    if ctx.image_dir is not None:
+        _save(ctx, f"{spec.label}-stock_diffusers-{task.name}", refs[task.name])
+        for name, value in kw.items():
+            if name in ("image", "mask_image"):
+                _save(ctx, f"{spec.label}-{task.name}-{name}", value)
+
+
+def _save(ctx: Context, name: str, image) -> None:
+    ctx.image_dir.mkdir(parents=True, exist_ok=True)
+    image.save(ctx.image_dir / f"{name}.png")
 
 
 def fidelity_reference(engine, spec: ModelSpec, ctx: Context):
@@ -621,14 +868,18 @@ def fidelity_reference(engine, spec: ModelSpec, ctx: Context):
                               width=spec.width, batch=ctx.batch)
 
 
-def reference_only(spec: ModelSpec, ctx: Context, refs: dict) -> None:
-    """Stock fp16 (and fp32) reference images when 'stock' is not among the measured systems."""
+def reference_only(spec: ModelSpec, ctx: Context, refs: dict, tasks: list[Task] | None = None) -> None:
+    """Stock fp16 (and fp32) reference images when 'stock' is not among the measured systems: its txt2img image,
+    and stock diffusers' image of every other task of ``tasks``."""
     built = None
     try:
         built = build_stock(spec, ctx)
         refs["fp16"] = built.engine.txt2img(**gen_kwargs(spec, ctx))[0]
         if spec.fp32_ref:
             refs["fp32"] = fidelity_reference(built.engine, spec, ctx)
+        for task in tasks or []:
+            if task.name != "txt2img":
+                task_reference(built.engine, task, spec, ctx, refs, refs["fp16"].size)
     except Exception as e:
         log(f"[{spec.label}] stock reference image failed: {type(e).__name__}: {e}")
     finally:
@@ -642,6 +893,15 @@ def log(msg: str) -> None:
 # ----------------------------------------------------------------------------- output
 
 
+def _task(row: dict) -> str:
+    return row.get("task") or "txt2img"  # result files from before --task have no task: txt2img
+
+
+def _label(row: dict) -> str:
+    """'model/system', and '/task' for a task other than txt2img."""
+    return f"{row['model']}/{row['system']}" + ("" if _task(row) == "txt2img" else f"/{_task(row)}")
+
+
 def render(rows: list[dict], env: dict, *, profile: bool = False) -> str:
     """The stdout report: measured table, failures, fidelity vs fp32, TensorRT note, published rows."""
     from benchmarks import reference
@@ -649,16 +909,23 @@ def render(rows: list[dict], env: dict, *, profile: bool = False) -> str:
     from benchmarks.report import fmt, markdown_table, tensorrt_note
 
     gpu = env.get("gpu") or f"CPU ({env.get('platform', '')})"
+    tasks = any(_task(r) != "txt2img" for r in rows)
     out = [f"## Measured here: {gpu}, torch {env.get('torch')}, diffusers {env.get('diffusers')}, "
            f"{rows[0]['dtype'] if rows else ''}, batch {rows[0]['batch'] if rows else ''}, CFG "
            f"{rows[0]['guidance_scale'] if rows else ''}", "",
-           markdown_table(rows, TABLE_COLUMNS), "",
+           markdown_table(rows, TASK_TABLE_COLUMNS if tasks else TABLE_COLUMNS), "",
            "warmup: load (+ optimize/compile/capture) to the first image; UNet ms/step: median over every UNet call "
            "of the timed generations; e2e: prompt to PIL, median; peak: max allocated over the timed generations; "
            "PSNR: against stock fp16's image, same seed (stock: a timed image against its first, inf = deterministic)."]
+    if tasks:
+        out.append("Tasks other than txt2img: warmup is the system's txt2img warm-up; first image: the task's first "
+                   "image after it; steps run: int(steps x strength), the UNet calls the median is over; step / "
+                   "txt2img's: UNet ms/step over the same system's txt2img one; e2e includes the VAE encode of the "
+                   "init image; PSNR: against stock diffusers' pipeline of the task (from_pipe, called directly), same "
+                   "inputs and seed (stock: its engine's image against that pipeline's).")
     failed = [r for r in rows if r.get("error")]
     for r in failed:
-        out.append(f"- {r['model']}/{r['system']} failed: {r['error']}")
+        out.append(f"- {_label(r)} failed: {r['error']}")
     for model in dict.fromkeys(r["model"] for r in rows):
         fp32 = [r for r in rows if r["model"] == model and r.get("fp32_check") is not None]
         if fp32:
@@ -676,8 +943,7 @@ def render(rows: list[dict], env: dict, *, profile: bool = False) -> str:
     split = [r for r in rows if r.get("e2e_breakdown")]
     if split:
         keys = list(dict.fromkeys(k for r in split for k in r["e2e_breakdown"]))
-        table = [dict(system=f"{r['model']}/{r['system']}", **{k: r["e2e_breakdown"].get(k) for k in keys})
-                 for r in split]
+        table = [dict(system=_label(r), **{k: r["e2e_breakdown"].get(k) for k in keys}) for r in split]
         out += ["", "### Where one image's time goes (ms, per image; see `e2e_breakdown`)", "",
                 markdown_table(table, ["system", *keys])]
     if profile:
@@ -727,7 +993,8 @@ def write_outputs(out_dir, rows: list[dict], env: dict, args: dict, text: str) -
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sdfast bench", description="txt2img benchmark: sdfast vs stock diffusers vs torch.compile")
+    p = argparse.ArgumentParser(prog="sdfast bench", description="end-to-end benchmark (txt2img, img2img, inpainting): "
+                                                          "sdfast vs stock diffusers vs torch.compile")
     p.add_argument("--model", default=None, help="a real model (folder, .safetensors, hub id); else --models random archs")
     p.add_argument("--models", default="sd15,sdxl", help="random architectures: tiny, sd15, sd21, sdxl (default sd15,sdxl)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default 50 for SD1.x/2.x, 30 for SDXL)")
@@ -742,6 +1009,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="write txt2img.csv/.json/.png/.md here")
     p.add_argument("--profile", action="store_true", help="per-kernel-category breakdown of one UNet step per system")
     p.add_argument("--device", default=None, help="cuda / cuda:1 / cpu (default: cuda if available)")
+    p.add_argument("--task", default="txt2img",
+                   help=f"comma list of {', '.join(TASKS)} (default txt2img): each runs on the same loaded systems, "
+                        "after one txt2img warm-up; txt2img first")
+    p.add_argument("--strength", type=float, default=None,
+                   help="strength of every task that takes one (default: img2img "
+                        f"{TASKS['img2img'].strength}, inpaint {TASKS['inpaint'].strength})")
+    p.add_argument("--save-images", action="store_true",
+                   help="with --out: save each row's image, stock diffusers' reference images, the init image and the "
+                        "mask under OUT/images")
     p.add_argument("--second-size", action="store_true",
                    help="after the timed runs, time the first image at a second resolution (width + 128): what a new "
                         "shape costs once warmed up (graph capture / recompilation)")
@@ -756,11 +1032,21 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         systems = parse_systems(args.systems)
+        tasks = [TASKS[t] for t in parse_tasks(args.task)]
         if args.repeats < 1 or args.batch < 1 or (args.steps is not None and args.steps < 1):
             raise ValueError("--repeats, --batch and --steps must be >= 1")
+        if args.strength is not None and not 0 < args.strength <= 1:
+            raise ValueError(f"--strength must be in (0, 1], got {args.strength}")
         ctx = Context(device=args.device, image_seed=args.seed, batch=args.batch, guidance_scale=args.guidance,
-                      repeats=args.repeats, profile=args.profile, second_size=args.second_size)
+                      repeats=args.repeats, profile=args.profile, second_size=args.second_size,
+                      strength=args.strength,
+                      image_dir=Path(args.out) / "images" if args.out and args.save_images else None)
         specs = model_specs(args, ctx)
+        for spec in specs:
+            for task in tasks:
+                if task.steps_run(spec.steps, task_strength(task, ctx)) < 1:
+                    raise ValueError(f"--task {task.name}: {spec.steps} steps at strength {task_strength(task, ctx)} "
+                                     "run no denoising step (int(steps * strength) = 0)")
     except ValueError as e:
         parser.error(str(e))
     t_run = time.perf_counter()
@@ -770,9 +1056,9 @@ def main(argv=None) -> int:
     for spec in specs:
         refs: dict = {}
         if "stock" not in order:
-            reference_only(spec, ctx, refs)
+            reference_only(spec, ctx, refs, tasks)
         for name in order:
-            rows.append(run_system(SYSTEMS[name], spec, ctx, refs))
+            rows.extend(run_system(SYSTEMS[name], spec, ctx, refs, tasks))
             if args.out:  # after every row: a run cut by a time limit keeps what it measured
                 write_outputs(args.out, rows, env, {**vars(args), "partial": True}, render(rows, env, profile=args.profile))
     text = render(rows, env, profile=args.profile)

@@ -5,7 +5,7 @@
 # On the device machine (see README "GPU runs"):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 && bash benchmarks/gpu_suite.sh tests kernels txt2img
-# Stages: env tests kernels txt2img server presets warmup warmup2 hostwarm trace tune tuneln (default: env tests kernels txt2img server). Extra args:
+# Stages: env tests kernels txt2img server presets tasks warmup warmup2 hostwarm trace tune tuneln (default: env tests kernels txt2img server). Extra args:
 # PYTEST_ARGS, KERNEL_ARGS, BENCH_ARGS, SERVER_ARGS, PRESET_ARGS, TUNE_ARGS, TRACE_ARGS; per-stage time limits in seconds: T_<stage>
 # (default 540). All stages do not fit one 600 s device call. Measured on the H200 (2026-11-29, run 4): tests ~270 s
 # (files in parallel; the user-case file alone ~245 s), server ~70 s, kernels: attention ~35 s, sparse ~150 s,
@@ -16,6 +16,8 @@
 #   KERNEL_ARGS="--only attention,sparse,norm" bash benchmarks/gpu_suite.sh kernels warmup
 # Quantized / 2:4 presets at model level (issues 7, 8), SD1.5 then SDXL into presets-sd15/ and presets-sdxl/:
 #   T_presets=560 PRESET_MODELS=sd15 bash benchmarks/gpu_suite.sh presets   (then PRESET_MODELS=sdxl)
+# txt2img, img2img and inpaint on stock, sdfast and torch.compile (issue 31), into tasks-sd15/ and tasks-sdxl/:
+#   T_tasks=560 PRESET_MODELS=sd15 bash benchmarks/gpu_suite.sh tasks   (then PRESET_MODELS=sdxl)
 set -uo pipefail
 OUT=${OUT:-$PWD/out/gpu}
 RAW=$OUT/raw
@@ -41,6 +43,7 @@ for stage in $stages; do
     txt2img) run txt2img python3 -m benchmarks.bench_txt2img --out "$RAW" ${BENCH_ARGS:-} ;;
     server) run server python3 -m benchmarks.bench_server --out "$RAW" ${SERVER_ARGS:-} ;;
     presets) run presets bash benchmarks/presets.sh "$RAW" ;;
+    tasks) run tasks bash benchmarks/presets.sh "$RAW" tasks ;;
     warmup) run warmup python3 -m benchmarks.profile_warmup --cold --out "$RAW/warmup" ;;
     warmup2) run warmup2 python3 -m benchmarks.profile_warmup --second-size --out "$RAW/warmup2" ;;
     hostwarm) run hostwarm python3 -m benchmarks.profile_warmup --warm --out "$RAW/hostwarm" ;;
@@ -54,5 +57,5 @@ tar -czf "$OUT/results.tgz" -C "$RAW" .
 echo
 echo "=== summary (stage | exit | seconds)"
 cat "$summary"
-for f in "$RAW"/txt2img.md "$RAW"/kernels.md "$RAW"/presets-*/txt2img.md "$RAW"/warmup/warmup.txt "$RAW"/warmup2/warmup.txt "$RAW"/hostwarm/warmup.txt "$RAW"/trace-*/trace_e2e.txt; do [ -f "$f" ] && { echo "--- $(basename "$f")"; cat "$f"; }; done
+for f in "$RAW"/txt2img.md "$RAW"/kernels.md "$RAW"/presets-*/txt2img.md "$RAW"/tasks-*/txt2img.md "$RAW"/warmup/warmup.txt "$RAW"/warmup2/warmup.txt "$RAW"/hostwarm/warmup.txt "$RAW"/trace-*/trace_e2e.txt; do [ -f "$f" ] && { echo "--- $(basename "$f")"; cat "$f"; }; done
 exit 0

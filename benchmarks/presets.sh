@@ -3,8 +3,20 @@
 # (rows are written as they finish, so a time limit keeps what was measured). PRESET_MODELS (default "sd15 sdxl"),
 # PRESET_SYSTEMS (a comma list for every model instead of the defaults below), PRESET_ARGS (extra
 # bench_txt2img arguments). Usage: bash benchmarks/presets.sh OUT_DIR
+# Tasks (issue 31): `bash benchmarks/presets.sh OUT_DIR tasks` runs txt2img, img2img (strength 0.6) and inpaint
+# (strength 1.0) on the same loaded stock, sdfast and torch.compile systems (compile last: the slowest, cut first by
+# a time limit), 30 steps, per model into OUT_DIR/tasks-<model>/; the same PRESET_* variables apply.
 set -uo pipefail
 out=${1:-out/gpu}
+mode=${2:-presets}
+if [ "$mode" = tasks ]; then
+  for model in ${PRESET_MODELS:-sd15 sdxl}; do
+    python3 -m benchmarks.bench_txt2img --models "$model" --steps 30 --repeats 2 --no-fp32-ref \
+      --systems "${PRESET_SYSTEMS:-stock,sdfast,compile}" --task txt2img,img2img,inpaint --out "$out/tasks-$model" \
+      ${PRESET_ARGS:-}
+  done
+  exit 0
+fi
 declare -A systems=(
   [sd15]=sdfast,sdfast-fp8-static,sdfast-w8a8,sdfast-fp8,sdfast-sparsegpt,sdfast-sparse24,sdfast-w4a16,sdfast-w4a16-gptq,sdfast-int8-outlier
   [sdxl]=sdfast,sdfast-fp8-static,sdfast-fp8,sdfast-w8a8,sdfast-sparsegpt,sdfast-sparse24

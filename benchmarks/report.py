@@ -236,7 +236,8 @@ def plot_txt2img(path, rows: list[dict], reference: list[dict]) -> Path:
     """PNG: per model, end-to-end seconds and UNet ms/step per measured system (coloured bars), with the
     published reference rows of that architecture as grey hatched bars labelled 'published, <GPU>'.
 
-    ``rows``: measured rows (keys system, model, arch, e2e_s, unet_ms_step, size, steps, error);
+    ``rows``: measured rows (keys system, model, arch, e2e_s, unet_ms_step, size, steps, error; task, strength and
+    steps_run for a task other than txt2img);
     ``reference``: rows of ``benchmarks.reference.REFERENCE`` (keys arch, system, gpu, e2e_s, unet_ms_step).
     """
     import matplotlib
@@ -263,6 +264,8 @@ def plot_txt2img(path, rows: list[dict], reference: list[dict]) -> Path:
             labels, values, colors, hatches = [], [], [], []
             for r in measured:
                 desc = f"{r['system']}, {r.get('steps', '')} steps"
+                if r.get("task") not in (None, "txt2img"):  # another task: its name, strength and the steps it ran
+                    desc = f"{r['system']} {r['task']} (strength {r.get('strength')}), {r.get('steps_run')} of {r.get('steps')} steps"
                 labels.append(desc if r.get(key) is not None else f"{desc}: {'failed' if r.get('error') else 'n/a'}")
                 values.append(r.get(key) or 0.0)
                 colors.append(palette(systems.index(r["system"]) % 10))

@@ -128,6 +128,188 @@ def test_csv_has_measured_and_labelled_reference_rows(tiny_run):
     assert json.loads(measured[0]["config"])["optimize"] is False
 
 
+# ----------------------------------------------------------------------------- img2img and inpainting (issue 31)
+
+
+def _quiet_main(argv, monkeypatch=None, tasks=None):
+    """``bench_txt2img.main(argv)`` with sdfast's kernels on their PyTorch references (as ``tiny_run``), extra
+    ``tasks`` put in ``TASKS``; returns (exit code, stdout)."""
+    import io
+    from contextlib import redirect_stdout
+
+    buf = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "0")
+        mp.setitem(bench_txt2img.SYSTEMS, "broken", bench_txt2img.System("broken", _broken, "fails at build (test)"))
+        for task in tasks or []:
+            mp.setitem(bench_txt2img.TASKS, task.name, task)
+        with redirect_stdout(buf):
+            rc = bench_txt2img.main(argv)
+    return rc, buf.getvalue()
+
+
+def _broken(spec, ctx):
+    raise RuntimeError("deliberately broken system")
+
+
+@pytest.fixture(scope="module")
+def task_run(tmp_path_factory):
+    """txt2img, img2img and inpaint on stock and sdfast in one run (tasks given out of order), images saved, at a
+    size that is not the model's native one (64x64): the stock inpaint pipeline must be given it."""
+    out = tmp_path_factory.mktemp("bench-tasks")
+    rc, text = _quiet_main([*TINY, "--size", "96x64", "--task", "inpaint,img2img,txt2img", "--systems", "stock,sdfast", "--no-fp32-ref",
+                            "--save-images", "--out", str(out)])
+    return rc, text, out
+
+
+def _image(out, name):
+    from PIL import Image
+
+    return Image.open(out / "images" / f"{name}.png")
+
+
+def test_tasks_give_one_row_per_system_and_task(task_run):
+    rc, _, out = task_run
+    assert rc == 0
+    rows = _rows(out)["rows"]
+    assert [(r["system"], r["task"]) for r in rows] == [(s, t) for s in ("stock", "sdfast")  # txt2img first
+                                                        for t in ("txt2img", "inpaint", "img2img")]
+    by = {(r["system"], r["task"]): r for r in rows}
+    for (system, task), r in by.items():
+        assert r["error"] is None, (system, task, r["error"])
+        assert r["size"] == "96x64" and r["steps"] == 2 and r["e2e_s"] > 0 and r["unet_ms_step"] > 0
+        assert r["peak_gib"] > 0 and r["config"]["optimize"] is (system == "sdfast")
+        base = by[(system, "txt2img")]
+        # one build and one txt2img warm-up per system, shared by its rows
+        assert (r["load_s"], r["warmup_s"], r["info"]) == (base["load_s"], base["warmup_s"], base["info"])
+        # only the steps that run are timed: int(steps * strength); PNDM (skip_prk_steps) adds one UNet call
+        assert r["unet_calls_per_image"] - r["steps_run"] == base["unet_calls_per_image"] - base["steps"] == 1
+        if task == "txt2img":
+            assert (r["strength"], r["steps_run"], r["first_image_s"], r["step_vs_txt2img"]) == (None, 2, None, None)
+            assert "vae_encoder_ms" not in r["e2e_breakdown"]
+        else:
+            assert r["first_image_s"] > 0
+            assert math.isclose(r["step_vs_txt2img"], r["unet_ms_step"] / base["unet_ms_step"])
+            assert r["e2e_breakdown"]["vae_encoder_ms"] > 0  # the init image's encode: a phase of its own
+            assert r["e2e_breakdown"]["rest_ms"] >= 0
+    assert (by[("sdfast", "img2img")]["strength"], by[("sdfast", "img2img")]["steps_run"]) == (0.6, 1)
+    assert (by[("sdfast", "inpaint")]["strength"], by[("sdfast", "inpaint")]["steps_run"]) == (1.0, 2)
+    with (out / "txt2img.csv").open() as f:
+        measured = [r for r in csv.DictReader(f) if not r.get("published")]
+    assert [(r["system"], r["task"], r["strength"]) for r in measured][:3] == [
+        ("stock", "txt2img", ""), ("stock", "inpaint", "1.0"), ("stock", "img2img", "0.6")]
+
+
+def test_task_fidelity_is_against_stock_diffusers_pipeline_of_the_task(task_run):
+    """Each task's PSNR is against diffusers' own pipeline of that task (not txt2img's image): made again here,
+    straight from diffusers, it is the saved reference pixel for pixel."""
+    import numpy as np
+    import torch
+    from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionInpaintPipeline
+
+    import sdfast
+
+    _, _, out = task_run
+    by = {(r["system"], r["task"]): r for r in _rows(out)["rows"]}
+    for task in ("img2img", "inpaint"):
+        assert by[("stock", task)]["psnr_db"] == "inf"  # the stock engine runs that pipeline (CPU: deterministic)
+        assert by[("sdfast", task)]["psnr_db"] == "inf" or by[("sdfast", task)]["psnr_db"] >= 35
+    init, mask = _image(out, "tiny-img2img-image"), _image(out, "tiny-inpaint-mask_image")
+    assert np.array_equal(np.asarray(init), np.asarray(bench_txt2img.init_image(96, 64)))
+    assert np.array_equal(np.asarray(mask), np.asarray(bench_txt2img.centre_mask(96, 64)))
+    pipe = sdfast.load("random:tiny", optimize=False).pipe
+    def common():  # a fresh generator per call: the pipelines draw from it
+        return dict(prompt=bench_txt2img.PROMPT, num_inference_steps=2, guidance_scale=7.5,
+                    generator=[torch.Generator("cpu").manual_seed(0)])
+
+    img2img = StableDiffusionImg2ImgPipeline.from_pipe(pipe)(image=init, strength=0.6, **common()).images[0]
+    inpaint = StableDiffusionInpaintPipeline.from_pipe(pipe)(image=init, mask_image=mask, strength=1.0, height=64,
+                                                             width=96, **common()).images[0]
+    assert bench_txt2img.psnr(img2img, _image(out, "tiny-stock_diffusers-img2img")) == math.inf
+    assert bench_txt2img.psnr(inpaint, _image(out, "tiny-stock_diffusers-inpaint")) == math.inf
+    # the tasks' images are not txt2img's, nor each other's: a wrong reference would show in the PSNR
+    txt2img = _image(out, "tiny-stock-txt2img")
+    assert bench_txt2img.psnr(img2img, txt2img) < 30 and bench_txt2img.psnr(inpaint, txt2img) < 30
+    assert bench_txt2img.psnr(img2img, inpaint) < 30
+    assert bench_txt2img.psnr(_image(out, "tiny-sdfast-img2img"), img2img) >= 35
+
+
+def test_task_table_labels_the_tasks(task_run):
+    _, text, out = task_run
+    header = "| " + " | ".join(h for _, h in bench_txt2img.TASK_TABLE_COLUMNS) + " |"
+    assert header in text and "| stock | tiny | img2img | 0.600 | 96x64 | 2 | 1 |" in text
+    assert "| sdfast | tiny | txt2img | — | 96x64 | 2 | 2 |" in text
+    assert "| tiny/sdfast/inpaint |" in text  # the breakdown's rows, with the task
+    assert (out / "txt2img.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_result_rows_from_before_tasks_render_as_txt2img(tiny_run):
+    """Old result files (rows without task, strength, ...) render with txt2img's columns, as they did."""
+    from benchmarks import report
+
+    _, _, out = tiny_run
+    data = _rows(out)
+    new = {"task", "strength", "steps_run", "first_image_s", "step_vs_txt2img"}
+    old = [{k: v for k, v in r.items() if k not in new} for r in data["rows"]]
+    text = bench_txt2img.render(old, data["env"])
+    assert "| " + " | ".join(h for _, h in bench_txt2img.TABLE_COLUMNS) + " |" in text
+    assert "first image s" not in text and "tiny/broken failed: build:" in text
+    report.plot_txt2img(out / "old.png", old, reference.REFERENCE)
+
+
+def test_a_task_is_one_table_entry_and_stock_references_come_without_stock(tmp_path):
+    """A new task is one ``Task``; without 'stock' among the systems its reference is still stock diffusers'
+    pipeline of the task; --strength sets every task's strength; a broken system fails each of its task rows."""
+    variation = bench_txt2img.Task("variation", "img2img", bench_txt2img.TASKS["img2img"].stock_pipeline,
+                                   bench_txt2img.TASKS["img2img"].inputs, strength=0.9)
+    rc, text = _quiet_main([*TINY, "--task", "variation", "--strength", "0.5", "--systems", "sdfast,broken",
+                            "--no-fp32-ref", "--out", str(tmp_path)], tasks=[variation])
+    assert rc == 0
+    rows = _rows(tmp_path)["rows"]
+    assert [(r["system"], r["task"]) for r in rows] == [("sdfast", "variation"), ("broken", "variation")]
+    r = rows[0]
+    assert r["error"] is None and (r["strength"], r["steps_run"]) == (0.5, 1)
+    assert r["psnr_db"] == "inf" or r["psnr_db"] >= 35
+    assert r["step_vs_txt2img"] is None and r["warmup_s"] > 0 and r["first_image_s"] > 0  # txt2img warmed it up
+    assert rows[1]["error"] == "build: RuntimeError: deliberately broken system"
+    assert "tiny/broken/variation failed: build: RuntimeError" in text
+
+
+def test_init_image_and_mask_are_deterministic_smooth_and_centred():
+    import numpy as np
+
+    a = np.asarray(bench_txt2img.init_image(96, 64), np.float64)
+    assert a.shape == (64, 96, 3) and np.array_equal(a, np.asarray(bench_txt2img.init_image(96, 64)))
+    assert a.std() > 20 and a.min() >= 0 and (a > 0).all(axis=-1).mean() > 0.99  # not flat, not black
+    assert np.abs(np.diff(a, axis=0)).mean() < 4 and np.abs(np.diff(a, axis=1)).mean() < 4  # smooth
+    assert not np.array_equal(a, np.asarray(bench_txt2img.init_image(96, 64, seed=1)))
+    m = np.asarray(bench_txt2img.centre_mask(96, 64))
+    assert m.shape == (64, 96) and set(np.unique(m)) == {0, 255}
+    assert (m == 255).mean() == 0.25 and m[32, 48] == 255 and m[0, 0] == m[-1, -1] == 0
+    assert np.array_equal(m, m[::-1, ::-1])  # centred
+
+
+def test_e2e_breakdown_with_a_second_step_module():
+    """A step that runs a second model before the UNet (a ControlNet): the loop's span starts at its first call,
+    both sums are reported and only the rest is counted as gaps."""
+    def timer(pairs):
+        t = bench_txt2img.UnetTimer(None, cuda=False)
+        t.pairs = pairs
+        return t
+
+    # seconds; two images of two steps: controlnet then unet in each step
+    control = timer([(0.0, 0.1), (0.35, 0.45), (1.0, 1.1), (1.35, 1.45)])
+    unet = timer([(0.1, 0.3), (0.45, 0.65), (1.1, 1.3), (1.45, 1.65)])
+    phases = {"vae_decoder": timer([(0.7, 0.8), (1.7, 1.8)])}
+    b = bench_txt2img.e2e_breakdown({"controlnet": control, "unet": unet}, phases, [0.9, 0.9], 2)
+    assert math.isclose(b["denoise_loop_ms"], 650) and math.isclose(b["controlnet_sum_ms"], 200)
+    assert math.isclose(b["unet_sum_ms"], 400) and math.isclose(b["loop_gaps_ms"], 50)
+    assert math.isclose(b["vae_decoder_ms"], 100) and math.isclose(b["rest_ms"], 900 - 650 - 100)
+    only = bench_txt2img.e2e_breakdown(unet, phases, [0.9, 0.9], 2)  # txt2img's: the keys and order as before
+    assert list(only) == ["e2e_ms", "denoise_loop_ms", "unet_sum_ms", "loop_gaps_ms", "vae_decoder_ms", "rest_ms"]
+    assert math.isclose(only["denoise_loop_ms"], 550) and math.isclose(only["loop_gaps_ms"], 150)
+
+
 def test_cli_bench_forwards_its_arguments(monkeypatch):
     from sdfast.cli import main
 
@@ -141,6 +323,9 @@ def test_cli_bench_forwards_its_arguments(monkeypatch):
     (["--systems", "stock,nope"], "unknown system"),
     (["--models", "nope"], "random:tiny"),
     (["--repeats", "0"], ">= 1"),
+    (["--task", "txt2img,video"], "unknown task(s) ['video']"),
+    (["--task", "img2img", "--strength", "0"], "(0, 1]"),
+    (["--models", "tiny", "--steps", "1", "--task", "img2img", "--strength", "0.5"], "run no denoising step"),
 ])
 def test_bad_arguments_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
@@ -161,6 +346,9 @@ def test_defaults_match_the_issue():
     assert bench_txt2img.parse_systems(args.systems) == ["stock", "compile", "sdfast"]
     assert bench_txt2img.COMPILE_KWARGS == {"mode": "reduce-overhead", "fullgraph": True}
     assert bench_txt2img.parse_size("768x512") == (512, 768) and bench_txt2img.parse_size("64") == (64, 64)
+    assert args.task == "txt2img" and args.strength is None  # txt2img alone, as before
+    assert bench_txt2img.parse_tasks("inpaint,txt2img,img2img,inpaint") == ["txt2img", "inpaint", "img2img"]
+    assert (bench_txt2img.TASKS["img2img"].strength, bench_txt2img.TASKS["inpaint"].strength) == (0.6, 1.0)
 
 
 def test_psnr_and_error():
