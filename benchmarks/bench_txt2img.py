@@ -134,6 +134,14 @@ class ModelSpec:
     height: int | None = None  # None: the model's native size
     width: int | None = None
     fp32_ref: bool = False
+    controlnet: tuple[str, ...] = ()  # ControlNets loaded with the model (``--controlnet``): every task takes control
+
+    @property
+    def side(self) -> int:
+        """The model's native side in pixels (its UNet's sample size x 8)."""
+        from sdfast.architectures import get_architecture
+
+        return get_architecture(self.arch)["unet"]["sample_size"] * 8
 
 
 def _detect_arch(source: str) -> str:
@@ -178,9 +186,11 @@ def model_specs(args, ctx: Context) -> list[ModelSpec]:
             pairs.append((name, f"random:{name}", name))
     specs = []
     fp32 = getattr(args, "fp32_ref", None)
+    controlnet = tuple(getattr(args, "controlnet", None) or ())
     for label, source, arch in pairs:
         specs.append(ModelSpec(
-            label=label, source=source, arch=arch,
+            label=label + "".join(f"+{Path(c).name.removeprefix('random:')}" for c in controlnet),
+            source=source, arch=arch, controlnet=controlnet,
             steps=getattr(args, "steps", None) or DEFAULT_STEPS.get(arch, 50),
             height=height, width=width,
             fp32_ref=True if fp32 is None else fp32,
@@ -189,10 +199,16 @@ def model_specs(args, ctx: Context) -> list[ModelSpec]:
 
 
 def gen_kwargs(spec: ModelSpec, ctx: Context) -> dict:
-    """``Engine.txt2img`` keyword arguments of every generation of this benchmark."""
-    return dict(prompt=ctx.prompt, negative_prompt=None, num_inference_steps=spec.steps,
-                guidance_scale=ctx.guidance_scale, height=spec.height, width=spec.width, seed=ctx.image_seed,
-                num_images_per_prompt=ctx.batch)
+    """``Engine.txt2img`` keyword arguments of every generation of this benchmark (with ControlNets: one control
+    image each, ``control_image``, at the run's size)."""
+    kwargs = dict(prompt=ctx.prompt, negative_prompt=None, num_inference_steps=spec.steps,
+                  guidance_scale=ctx.guidance_scale, height=spec.height, width=spec.width, seed=ctx.image_seed,
+                  num_images_per_prompt=ctx.batch)
+    if spec.controlnet:
+        images = [control_image(spec.width or spec.side, spec.height or spec.side, seed=CONTROL_IMAGE_SEED + i)
+                  for i in range(len(spec.controlnet))]
+        kwargs["control_image"] = images[0] if len(images) == 1 else images
+    return kwargs
 
 
 # ----------------------------------------------------------------------------- tasks
@@ -214,6 +230,25 @@ def init_image(width: int, height: int, seed: int = INIT_IMAGE_SEED):
     return Image.fromarray(np.clip(gradient + smooth, 0, 255).round().astype(np.uint8))
 
 
+CONTROL_IMAGE_SEED = 7  # the control images' seeds (ControlNet i: + i)
+
+
+def control_image(width: int, height: int, seed: int = CONTROL_IMAGE_SEED):
+    """A control image as a canny edge map looks: RGB, ``width`` x ``height``, white one-to-three-pixel strokes
+    (seeded rectangles' outlines) on black, the same for every system."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    image = Image.new("RGB", (width, height), 0)
+    draw = ImageDraw.Draw(image)
+    for _ in range(16):
+        x0, y0 = int(rng.integers(0, width)), int(rng.integers(0, height))
+        x1, y1 = x0 + int(rng.integers(width // 16, width // 3)), y0 + int(rng.integers(height // 16, height // 3))
+        draw.rectangle([x0, y0, x1, y1], outline=(255, 255, 255), width=int(rng.integers(1, 4)))
+    return image
+
+
 def centre_mask(width: int, height: int):
     """The inpainting mask: ``L`` mode, ``width`` x ``height``, white (repainted) over the centred rectangle of half
     the width and half the height, black (kept) around it."""
@@ -225,14 +260,17 @@ def centre_mask(width: int, height: int):
     return mask
 
 
-def _from_pipe(sd_class: str, xl_class: str) -> Callable:
-    """``pipe -> diffusers.<class>.from_pipe(pipe)``: ``xl_class`` for an SDXL pipeline (it has ``text_encoder_2``),
-    else ``sd_class``. The components are shared, so a torch.compile'd UNet stays compiled."""
+def _from_pipe(sd_class: str, xl_class: str, sd_controlnet_class: str, xl_controlnet_class: str) -> Callable:
+    """``pipe -> diffusers.<class>.from_pipe(pipe)``: the XL class for an SDXL pipeline (it has ``text_encoder_2``),
+    the ControlNet class for a pipeline with a ``controlnet``. The components are shared, so a torch.compile'd UNet
+    stays compiled."""
     def build(pipe):
         import diffusers
 
         xl = getattr(pipe, "text_encoder_2", None) is not None
-        return getattr(diffusers, xl_class if xl else sd_class).from_pipe(pipe)
+        classes = ((sd_controlnet_class, xl_controlnet_class) if getattr(pipe, "controlnet", None) is not None
+                   else (sd_class, xl_class))
+        return getattr(diffusers, classes[xl]).from_pipe(pipe)
 
     return build
 
@@ -265,10 +303,12 @@ _VAE_ENCODE = (("vae_encoder", "vae.encoder"),)
 TASKS: dict[str, Task] = {
     "txt2img": Task("txt2img", "txt2img", lambda pipe: pipe),
     "img2img": Task("img2img", "img2img",
-                    _from_pipe("StableDiffusionImg2ImgPipeline", "StableDiffusionXLImg2ImgPipeline"),
+                    _from_pipe("StableDiffusionImg2ImgPipeline", "StableDiffusionXLImg2ImgPipeline",
+                               "StableDiffusionControlNetImg2ImgPipeline", "StableDiffusionXLControlNetImg2ImgPipeline"),
                     lambda width, height: {"image": init_image(width, height)}, strength=0.6, phases=_VAE_ENCODE),
     "inpaint": Task("inpaint", "inpaint",
-                    _from_pipe("StableDiffusionInpaintPipeline", "StableDiffusionXLInpaintPipeline"),
+                    _from_pipe("StableDiffusionInpaintPipeline", "StableDiffusionXLInpaintPipeline",
+                               "StableDiffusionControlNetInpaintPipeline", "StableDiffusionXLControlNetInpaintPipeline"),
                     lambda width, height: {"image": init_image(width, height), "mask_image": centre_mask(width, height)},
                     strength=1.0, phases=_VAE_ENCODE),
 }
@@ -343,7 +383,8 @@ class System:
 def _load(spec: ModelSpec, ctx: Context, optimize):
     import sdfast
 
-    return sdfast.load(spec.source, device=ctx.device, seed=ctx.weight_seed, optimize=optimize)
+    controlnet = None if not spec.controlnet else list(spec.controlnet) if len(spec.controlnet) > 1 else spec.controlnet[0]
+    return sdfast.load(spec.source, device=ctx.device, seed=ctx.weight_seed, optimize=optimize, controlnet=controlnet)
 
 
 def build_stock(spec: ModelSpec, ctx: Context) -> Built:
@@ -360,8 +401,12 @@ def build_compile(spec: ModelSpec, ctx: Context) -> Built:
 
     engine = _load(spec, ctx, False)
     engine.pipe.unet = torch.compile(engine.pipe.unet, **COMPILE_KWARGS)
+    compiled = ["unet"]
+    if len(engine.controlnets) == 1 and not hasattr(engine.pipe.controlnet, "nets"):  # one ControlNet: compiled too
+        engine.pipe.controlnet = torch.compile(engine.pipe.controlnet, **COMPILE_KWARGS)
+        compiled.append("controlnet")
     return Built(engine, {"optimize": False, "dtype": str(engine.dtype), "torch.compile": dict(COMPILE_KWARGS),
-                          "compiled": ["unet"], "torch": torch.__version__},
+                          "compiled": compiled, "torch": torch.__version__},
                  cleanup=torch.compiler.reset)
 
 
@@ -772,8 +817,9 @@ def _run_task(task: Task, row: dict, engine, system: System, spec: ModelSpec, ct
             torch.cuda.reset_peak_memory_stats(ctx.device)
         pipe = engine.pipeline_for(task.method)  # the diffusers pipeline the method runs: its modules are timed
         timer = UnetTimer(pipe.unet, cuda=ctx.cuda, capture=ctx.profile and task.name == "txt2img")
+        step_modules = (("controlnet",) if getattr(pipe, "controlnet", None) is not None else ()) + task.step_modules
         steps = {name: timer if name == "unet" else UnetTimer(getattr(pipe, name), cuda=ctx.cuda)
-                 for name in task.step_modules}
+                 for name in step_modules}
         phases = {k: UnetTimer(m, cuda=ctx.cuda) for k, m in _phase_modules(pipe, task.phases).items()}
         e2e = []
         with contextlib.ExitStack() as stack:
@@ -996,6 +1042,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sdfast bench", description="end-to-end benchmark (txt2img, img2img, inpainting): "
                                                           "sdfast vs stock diffusers vs torch.compile")
     p.add_argument("--model", default=None, help="a real model (folder, .safetensors, hub id); else --models random archs")
+    p.add_argument("--controlnet", action="append", default=None, metavar="MODEL",
+                   help="load every model with this ControlNet (repeat for several; e.g. random:controlnet-sd15): "
+                        "every task then runs diffusers' ControlNet pipeline of the task with a control image, and "
+                        "the step time adds the ControlNets' (controlnet_ms_step)")
     p.add_argument("--models", default="sd15,sdxl", help="random architectures: tiny, sd15, sd21, sdxl (default sd15,sdxl)")
     p.add_argument("--steps", type=int, default=None, help="denoising steps (default 50 for SD1.x/2.x, 30 for SDXL)")
     p.add_argument("--size", default=None, help="N or WIDTHxHEIGHT pixels (default: the model's native size)")

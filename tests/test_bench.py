@@ -591,3 +591,21 @@ def test_gemm_benchmark_candidates_run_on_cpu(epilogue):
         rel = ((out.float() - ref).norm() / ref.norm()).item()
         assert rel < (0.12 if "w4a16" in name or "fp8" in name else 0.03), f"{name}: rel err {rel:.3f}"
     assert bench.run.__doc__ and bench._shapes(True) and len(bench._shapes(False)) == 20
+
+
+def test_a_controlnet_run_times_the_controlnet_and_compares_with_stock_controlnet_pipelines(tmp_path):
+    out = tmp_path / "cn"
+    rc, _ = _quiet_main([*TINY, "--size", "32x32", "--controlnet", "random:tiny-controlnet", "--task", "txt2img,img2img",
+                         "--systems", "stock,sdfast", "--no-fp32-ref", "--out", str(out)])
+    assert rc == 0
+    rows = _rows(out)["rows"]
+    assert [(r["system"], r["task"], r["model"]) for r in rows] == [
+        (s, t, "tiny+tiny-controlnet") for s in ("stock", "sdfast") for t in ("txt2img", "img2img")]
+    for r in rows:
+        assert r["error"] is None, r["error"]
+        assert r["controlnet_ms_step"] > 0 and r["unet_ms_step"] > 0 and r["size"] == "32x32"
+        assert r["e2e_breakdown"]["controlnet_sum_ms"] > 0
+    by = {(r["system"], r["task"]): r for r in rows}
+    # the references are stock diffusers' ControlNet pipelines (txt2img: the stock engine's own image)
+    assert float(by[("stock", "img2img")]["psnr_db"]) == float("inf")  # JSON holds it as "inf"
+    assert float(by[("sdfast", "txt2img")]["psnr_db"]) >= 35 and float(by[("sdfast", "img2img")]["psnr_db"]) >= 35
