@@ -17,6 +17,28 @@ pytestmark = pytest.mark.gpu
 PROMPT = "a photo of an astronaut riding a horse on mars"
 
 
+def _signatures(graphs) -> dict:
+    """Each graph runner's captured signatures (its graph keys)."""
+    return {name: list(r.graphs) for name, r in graphs.runners.items()}
+
+
+def _report_new_signatures(before: dict, graphs) -> None:
+    """Print, per runner, the signatures captured since ``before`` and how each differs from an earlier one (which
+    leaves of the call changed), so a failing graph-reuse assertion says why."""
+    for name, keys in _signatures(graphs).items():
+        for key in [k for k in keys if k not in before.get(name, [])]:
+            old = before.get(name) or []
+            if not old:
+                print(f"  {name}: first signature")
+                continue
+            spec, leaves, autocast = key
+            ref_spec, ref_leaves, ref_autocast = old[0]
+            diff = [(i, a, b) for i, (a, b) in enumerate(zip(leaves, ref_leaves)) if a != b]
+            print(f"  {name}: new signature; spec {'same' if spec == ref_spec else 'differs'}, "
+                  f"{len(leaves)} vs {len(ref_leaves)} leaves, autocast {autocast} vs {ref_autocast}; "
+                  f"differing leaves (index, new, old): {diff[:6]}")
+
+
 def _init_image(side):
     y, x = np.mgrid[0:side, 0:side] / side
     return Image.fromarray((np.stack([x, y, (x + y) / 2], -1) * 255).astype(np.uint8))
@@ -38,8 +60,10 @@ def test_img2img_parity_and_graph_reuse(model, side):
     fast.txt2img(PROMPT, seed=0, num_inference_steps=2)  # the txt2img graphs at this size
     graphs = fast.pipe._sdfast.graphs
     captures = lambda: sum(r["captures"] for r in graphs.stats().values())  # noqa: E731
-    captured = captures()
+    captured, before = captures(), _signatures(graphs)
     ours = fast.img2img(image, PROMPT, seed=0, **kw)[0]
+    print(f"{model} img2img: captures per runner {[(n, r['captures']) for n, r in graphs.stats().items()]}")
+    _report_new_signatures(before, graphs)
     again = fast.img2img(image, PROMPT, seed=0, **dict(kw, strength=0.3))[0]
     p = psnr(ours, ref)
     print(f"{model} img2img PSNR vs stock fp16 {p:.2f} dB")
