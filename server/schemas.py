@@ -38,7 +38,6 @@ Numbers: a JSON integer of more than ``MAX_INT_DIGITS`` digits is out of every r
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -186,7 +185,7 @@ def _check_control_image(v):
 
 def _per_controlnet(lo: float, hi: float, *, nullable: bool):
     """The validator of a per-ControlNet number: one number (for every ControlNet) or a list of 1 to
-    ``MAX_CONTROL_IMAGES`` (one per control image), each finite and in [lo, hi]; null (when ``nullable``) for the
+    ``MAX_CONTROL_IMAGES`` (one per control image), each in [lo, hi] (so finite); null (when ``nullable``) for the
     engine's default.
     JSON: numbers only (no strings, no booleans). multipart/form-data (``model_validate_strings``): the text of a
     number, or numbers separated by commas (``server.parse`` joins a field's repeated parts so)."""
@@ -206,7 +205,7 @@ def _per_controlnet(lo: float, hi: float, *, nullable: bool):
         if many and not 1 <= len(values) <= MAX_CONTROL_IMAGES:
             raise ValueError(f"a list of 1 to {MAX_CONTROL_IMAGES} numbers, one per control image (got {len(values)})")
         for x in values:
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) or not lo <= x <= hi:
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not lo <= x <= hi:  # NaN and inf too
                 raise ValueError(f"must be a number in [{lo:g}, {hi:g}], or a list of one per control image "
                                  f"(got {x!r})")
         values = [float(x) for x in values]
