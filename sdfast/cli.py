@@ -251,6 +251,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                    help="comma-separated Host header names accepted, '*.example.com' for subdomains, '*' for any "
                         "(default: localhost, 127.0.0.1, [::1] when --host is loopback, else any)")
+    p.add_argument("--controlnet", action="append", default=None, metavar="MODEL",
+                   help="load the model with this ControlNet (as for txt2img); repeat it for several: every request "
+                        "then sends one control_image per ControlNet, in this order")
     p.set_defaults(func=cmd_serve)
 
 
@@ -262,7 +265,7 @@ def cmd_serve(args) -> int:
     return serve(model=args.model or default_model(), host=args.host, port=args.port,
                  max_batch=args.max_batch, queue_size=args.queue, request_timeout_s=args.request_timeout,
                  read_timeout_s=args.read_timeout, max_connections=args.max_connections,
-                 allowed_hosts=args.allowed_hosts) or 0
+                 allowed_hosts=args.allowed_hosts, controlnet=args.controlnet) or 0
 
 
 def _add_bench(sub) -> None:

@@ -6,8 +6,9 @@
 
 Endpoints (every one but ``/health`` answers 401 without the key when an API key is set):
 
-- ``POST /v1/txt2img``: ``Txt2ImgRequest`` -> ``image/png`` (one image) or, with
-  ``response_format: "b64_json"``, ``Txt2ImgResponse`` (each image as base64 PNG with its seed, and timings);
+- ``POST /v1/txt2img``: ``Txt2ImgRequest`` (JSON, or ``multipart/form-data`` for control images as files) ->
+  ``image/png`` (one image) or, with ``response_format: "b64_json"``, ``Txt2ImgResponse`` (each image as base64 PNG
+  with its seed, and timings);
 - ``POST /v1/images/generations``: the OpenAI Images API (``prompt``, ``n``, ``size``, ``output_format``,
   ... see ``ImagesGenerationsRequest``) -> ``{"created", "data": [{"b64_json"}], "output_format", "size"}``;
 - ``POST /v1/img2img`` / ``POST /v1/inpaint``: ``Img2ImgRequest`` / ``InpaintRequest`` (``Txt2ImgRequest``'s fields,
@@ -15,14 +16,20 @@ Endpoints (every one but ``/health`` answers 401 without the key when an API key
   ``multipart/form-data`` (images as files) -> what ``/v1/txt2img`` answers;
 - ``POST /v1/images/edits``: the OpenAI Images API edit (multipart; ``image``, ``mask``: its fully transparent
   pixels are repainted; see ``ImagesEditsRequest``) -> what ``/v1/images/generations`` answers;
-- ``GET``/``HEAD /health``: ``{"status"}``; with the key (or when no key is set) also the model, device and GPU,
-  queue depth (503 if the worker thread is gone);
+- ``GET``/``HEAD /health``: ``{"status"}``; with the key (or when no key is set) also the model, its ControlNets,
+  device and GPU, queue depth (503 if the worker thread is gone);
 - ``GET /metrics``: Prometheus text format (see ``server.metrics``);
 - ``GET``/``HEAD /``: the web page (``server/static/index.html``), with a Content-Security-Policy;
 - ``GET /openapi.json``: the API's schema (no ``/docs``: Swagger UI would load its assets from a CDN).
 
+ControlNet (``create_app(..., controlnet=...)``, ``sdfast serve --controlnet MODEL``): every generation endpoint takes
+the ControlNet fields (``schemas.CONTROL_FIELDS``: ``control_image``, one per ControlNet, required; the scale and the
+guidance window); they are checked against the service's ControlNets before any image is decoded, and a request with
+control images runs in an engine call of its own (``server.worker``).
+
 Request bodies are parsed and validated off the event loop, with bounded work (``server.parse``); a body with
-images may be ``schemas.MAX_UPLOAD_BYTES`` long, others 1 MiB (413 past that).
+images may be ``schemas.MAX_UPLOAD_BYTES`` long, others 1 MiB (413 past that; on a service with ControlNets, the
+txt2img and generations bodies may hold control images: ``MAX_UPLOAD_BYTES``).
 Errors are JSON in the OpenAI shape ``{"error": {"message", "type", "param", "code"}}``:
 422 bad input (``param`` names the field; ``detail`` lists at most ``MAX_DETAIL`` errors), 401 no/wrong key,
 429 queue full (answered at once), 503 GPU out of memory (the service goes on), 504 deadline passed,
@@ -62,15 +69,16 @@ from sdfast.png import encode_image, encode_png
 from .metrics import Metrics, MetricsMiddleware
 from .parse import (
     MAX_DETAIL,
+    MAX_PLAIN_JSON_BYTES,
     ImageBody,
     image_body,
-    json_body,
     openapi_body,
     openapi_image_body,
     prepare_images,
     transparent_mask,
 )
 from .schemas import (
+    CONTROL_VALUE_FIELDS,
     MAX_SEED,
     MAX_UPLOAD_BYTES,
     Health,
@@ -98,6 +106,7 @@ PUBLIC_PATHS = frozenset({"/health"})
 BODIES = {"/v1/txt2img": Txt2ImgRequest, "/v1/images/generations": ImagesGenerationsRequest,
           "/v1/img2img": Img2ImgRequest, "/v1/inpaint": InpaintRequest, "/v1/images/edits": ImagesEditsRequest}
 UPLOAD_PATHS = ("/v1/img2img", "/v1/inpaint", "/v1/images/edits")  # bodies with images: MAX_UPLOAD_BYTES
+CONTROL_PATHS = ("/v1/txt2img", "/v1/images/generations")  # with ControlNets, these bodies hold images too
 ENDPOINTS = ("/", *BODIES, "/health", "/metrics")
 DEFAULT_TIMEOUT_S = 300.0  # seconds a request may wait for its images, queue and generation (--request-timeout)
 REQUEST_TIMEOUT_ENV = "SDFAST_REQUEST_TIMEOUT"
@@ -265,11 +274,13 @@ def _b64(data: bytes) -> str:
 class Service:
     """What the endpoints share: the engine's description, the worker, the metrics, the deadline."""
 
-    def __init__(self, engine, *, max_batch: int, queue_size: int, request_timeout_s: float, poll_s: float):
+    def __init__(self, engine, *, max_batch: int, queue_size: int, request_timeout_s: float, poll_s: float,
+                 controlnet_names=None):
         if not request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0 (got {request_timeout_s!r})")
         self.engine = engine
         self.model = str(getattr(engine, "name", type(engine).__name__))
+        self.controlnets = _controlnet_names(engine, controlnet_names)
         device = getattr(engine, "device", None)
         self.device = str(device) if device is not None else "cpu"
         self.gpu = None
@@ -288,14 +299,16 @@ class Service:
     async def generate(self, request: Request, *, prompt: str, negative_prompt: str | None, seed: int | None,
                        num_images: int, width: int | None, height: int | None, num_inference_steps: int,
                        guidance_scale: float, scheduler: str | None, images_field: str = "num_images",
-                       task: dict | None = None, fields: dict | None = None) -> tuple[Job, JobResult] | None:
+                       task: dict | None = None, fields: dict | None = None,
+                       control: dict | None = None) -> tuple[Job, JobResult] | None:
         """Queue one request and wait for it. Returns None if the client disconnected (its job is
         cancelled); raises ``ServiceError`` (429 full, 504 deadline, 503/500/422 from the worker; 422 naming
         ``images_field`` for more images than ``max_batch``, the most one engine call may take).
 
         ``task``: None (txt2img), or img2img's ``{"image", "strength"}`` (inpainting's with ``"mask_image"``): the
         prepared images (``server.parse.prepare_images``), whose size replaces ``width`` / ``height``. ``fields``:
-        the endpoint's names of the engine's fields, for its 422s (e.g. ``{"mask_image": "mask"}``)."""
+        the endpoint's names of the engine's fields, for its 422s (e.g. ``{"mask_image": "mask"}``). ``control``:
+        None, or the ControlNet arguments of the engine's requests (``control_inputs``)."""
         self._check_steps(num_inference_steps, scheduler)
         if num_images > self.worker.max_batch:
             raise InvalidRequest(
@@ -311,7 +324,7 @@ class Service:
         job = self._job(prompt=prompt, negative_prompt=negative_prompt, seed=seed, num_images=num_images,
                         width=width, height=height, num_inference_steps=num_inference_steps,
                         guidance_scale=guidance_scale, scheduler=scheduler, images_field=images_field,
-                        task=task, fields=fields)
+                        task=task, fields=fields, control=control)
         self.worker.submit(job)  # QueueFull -> 429 at once
         waiter = asyncio.wrap_future(job.future)
         try:
@@ -340,12 +353,14 @@ class Service:
 
     def _job(self, *, prompt: str, negative_prompt: str | None, seed: int, num_images: int, width: int | None,
              height: int | None, num_inference_steps: int, guidance_scale: float, scheduler: str | None,
-             images_field: str, task: dict | None = None, fields: dict | None = None) -> Job:
+             images_field: str, task: dict | None = None, fields: dict | None = None,
+             control: dict | None = None) -> Job:
         """The job of one request: its ``sdfast.request.Txt2ImgRequest`` (``Img2ImgRequest`` / ``InpaintRequest``
         with a ``task``; one prompt per image, so that a batch is the concatenation of its jobs' requests), built
         once here with the texts tokenized once (the worker and the engine take it as it is). The schemas' limits
         are within the engine's, so building raises only on an inconsistency or on what only the engine checks
-        (``strength`` x steps under one step), as a 422 naming the service's field."""
+        (``strength`` x steps under one step; the ControlNet values' counts and window, ``check_control``), as a 422
+        naming the service's field."""
         from sdfast.errors import InvalidRequestError
         from sdfast.request import Img2ImgRequest, InpaintRequest, Txt2ImgRequest
 
@@ -353,7 +368,7 @@ class Service:
             negative_prompt=None if negative_prompt is None else [negative_prompt] * num_images,
             seed=[seed + i for i in range(num_images)], num_inference_steps=num_inference_steps,
             guidance_scale=float(guidance_scale), num_images_per_prompt=1, scheduler=scheduler,
-            tokenize=self._tokenize)
+            tokenize=self._tokenize, **(control or {}))
         names = {"num_images_per_prompt": images_field, **(fields or {})}
         try:
             if task is None:
@@ -384,8 +399,29 @@ class Service:
         except InvalidRequestError as e:
             raise InvalidRequest(str(e), field=e.field) from None
 
+    def check_control(self, fields, uploads: dict) -> None:
+        """A parsed body's ControlNet fields against the service's ControlNets, before any image is decoded
+        (``server.parse.parse_image_request``'s ``check``): with ControlNets, one control image per ControlNet;
+        without, no control image and no other ControlNet field. Raises ``InvalidRequest`` (422) naming the field."""
+        given = uploads.get("control_image")
+        count = 0 if given is None else len(given) if isinstance(given, list) else 1
+        nets = len(self.controlnets)
+        if not nets:
+            if count:
+                raise InvalidRequest("control_image: this service has no ControlNet (start it with `sdfast serve "
+                                     "--controlnet MODEL`); leave control_image out", field="control_image")
+            stray = [name for name in CONTROL_VALUE_FIELDS if name in fields.model_fields_set]
+            if stray:
+                raise InvalidRequest(f"{stray[0]}: only with control_image, on a service with ControlNets (this one "
+                                     "has none)", field=stray[0])
+        elif count != nets:
+            what = "is required" if not count else f"got {count}"
+            raise InvalidRequest(f"control_image: {what}: this service runs {nets} ControlNet(s) "
+                                 f"({', '.join(self.controlnets)}); send one control image per ControlNet, in that "
+                                 "order", field="control_image")
+
     def health(self, details: bool) -> HealthStatus:
-        """The status; with ``details``, also the model, device, GPU and queue (``Health``)."""
+        """The status; with ``details``, also the model, its ControlNets, device, GPU and queue (``Health``)."""
         from sdfast.schedulers import SCHEDULERS
 
         alive = self.worker.alive
@@ -395,8 +431,56 @@ class Service:
             status="ok" if alive else "degraded", model=self.model, model_loaded=self.engine is not None,
             device=self.device, gpu=self.gpu, dtype=self.dtype, default_size=self.default_size,
             queue_depth=self.worker.depth, queue_size=self.worker.queue_size, max_batch=self.worker.max_batch,
-            busy=self.worker.busy, worker_alive=alive, schedulers=sorted(SCHEDULERS),
+            busy=self.worker.busy, worker_alive=alive, schedulers=sorted(SCHEDULERS), controlnets=self.controlnets,
         )
+
+
+def _controlnet_names(engine, names) -> list[str]:
+    """What ``/health`` calls the engine's ControlNets: ``names`` (a string or a list, one per ControlNet: what they
+    were loaded from), else each one's ``_name_or_path`` (diffusers records the folder or hub id it loaded), else
+    ``controlnet[i]``. Raises ``ValueError`` when ``names`` does not have one name per ControlNet."""
+    nets = list(getattr(engine, "controlnets", None) or [])
+    if names is not None:
+        names = list(names) if isinstance(names, (list, tuple)) else [names]
+        if len(names) != len(nets):
+            raise ValueError(f"controlnet: {len(names)} name(s) for the engine's {len(nets)} ControlNet(s)")
+        return [os.fspath(n) if isinstance(n, (str, os.PathLike)) else type(n).__name__ for n in names]
+
+    def loaded_from(net, i: int) -> str:
+        config = getattr(net, "config", None)
+        path = config.get("_name_or_path") if hasattr(config, "get") else None
+        return str(path) if path else f"controlnet[{i}]"
+
+    return [loaded_from(net, i) for i, net in enumerate(nets)]
+
+
+def control_inputs(parsed: ImageBody) -> dict | None:
+    """The ControlNet arguments of the engine's requests (``sdfast.request.check_control``'s) from a parsed body:
+    None without a control image; else the control image(s) as RGB ``PIL.Image.Image`` s (one, or a list as sent:
+    EXIF-upright, alpha dropped, as the other images) and the three values as validated."""
+    images = parsed.images.get("control_image")
+    if images is None:
+        return None
+    body = parsed.fields
+    rgb = [im.convert("RGB") for im in images] if isinstance(images, list) else images.convert("RGB")
+    return dict(control_image=rgb, controlnet_conditioning_scale=body.controlnet_conditioning_scale,
+                control_guidance_start=body.control_guidance_start, control_guidance_end=body.control_guidance_end)
+
+
+def control_size(control: dict, resize_fields: str) -> tuple[int, int]:
+    """(width, height) of a txt2img request with ``control`` and no size: the first control image's, rounded down to
+    multiples of 8 (as the engine and diffusers' ControlNet pipelines take it). Raises ``InvalidRequest`` naming the
+    image when that is outside the service's sides, [``MIN_SIDE``, ``MAX_SIDE``]."""
+    from .schemas import MAX_SIDE, MIN_SIDE
+
+    images = control["control_image"]
+    first, field = (images[0], "control_image[0]") if isinstance(images, list) else (images, "control_image")
+    width, height = first.width // 8 * 8, first.height // 8 * 8
+    if not (MIN_SIDE <= width <= MAX_SIDE and MIN_SIDE <= height <= MAX_SIDE):
+        raise InvalidRequest(f"{field}: is {first.width}x{first.height}: without {resize_fields}, the images come at "
+                             f"its size rounded down to multiples of 8, whose sides must be in [{MIN_SIDE}, {MAX_SIDE}]"
+                             f" pixels; send {resize_fields}", field=field)
+    return width, height
 
 
 def _tokenizer_for(engine):
@@ -417,12 +501,18 @@ def _tokenizer_for(engine):
     return functools.partial(prompts.tokenize, pipe, tokenizers=tokenizers)
 
 
-def _params(job: Job, seed: int) -> dict:
+def _params(job: Job, seed: int, controlnets=()) -> dict:
     params = {"prompt": job.prompt, "negative_prompt": job.negative_prompt, "seed": seed,
               "steps": job.num_inference_steps, "guidance_scale": job.guidance_scale, "scheduler": job.scheduler,
               "width": job.width, "height": job.height}
     if job.request.task != "txt2img":  # img2img, inpainting: what else made the image
         params.update(task=job.request.task, strength=job.request.strength)
+    control = job.request.control
+    if control is not None:  # one value per ControlNet, in their order
+        scale = None if control.conditioning_scale is None else list(control.conditioning_scale)
+        params.update(controlnets=list(controlnets), controlnet_conditioning_scale=scale,
+                      control_guidance_start=list(control.guidance_start),
+                      control_guidance_end=list(control.guidance_end))
     return params
 
 
@@ -449,9 +539,6 @@ def _validation_response(request: Request, exc: RequestValidationError) -> JSONR
             msg = f"unknown field; this endpoint accepts: {', '.join(model.model_fields)}"
         elif err.get("type") == "json_invalid":
             field, msg = "body", f"not valid JSON ({err.get('ctx', {}).get('error', msg)})"
-        elif (field == "body" and err.get("type") == "model_attributes_type"
-              and "json" not in request.headers.get("content-type", "")):
-            msg = "send a JSON object with the header 'content-type: application/json'"
         items.append({"field": field, "message": f"{field}: {msg}"})
     first = items[0] if items else {"field": "body", "message": "body: invalid request"}
     body = _error_body(422, first["message"], "invalid_request_error", first["field"])
@@ -518,7 +605,7 @@ def page_headers(html: str) -> dict[str, str]:
 
 def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api_key: str | None = None,
                request_timeout_s: float = DEFAULT_TIMEOUT_S, poll_interval_s: float = 0.05,
-               allowed_hosts: list[str] | None = None) -> FastAPI:
+               allowed_hosts: list[str] | None = None, controlnet=None) -> FastAPI:
     """The FastAPI app serving ``engine_or_model`` (an ``sdfast.Engine``, or anything ``sdfast.load`` takes).
 
     Args:
@@ -531,18 +618,21 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
         poll_interval_s: how often a waiting request checks whether its client is still connected.
         allowed_hosts: ``Host`` header names accepted (Starlette's ``TrustedHostMiddleware``: others get 400
             "Invalid host header"); None: any. ``serve`` passes ``allowed_hosts_for(host, ...)``.
-    Raises ``ValueError`` for a bad ``max_batch``/``queue_size``/``request_timeout_s``, and what
-    ``sdfast.load`` raises for a bad model.
+        controlnet: with a model name, the ControlNet(s) to load it with (``sdfast.load``'s ``controlnet``: a
+            name, or a list for several); with an engine, the names its ControlNets were loaded from (one per
+            ControlNet), which ``/health`` reports (default: each ControlNet's ``_name_or_path``).
+    Raises ``ValueError`` for a bad ``max_batch``/``queue_size``/``request_timeout_s`` (or a ``controlnet`` list of
+    another length than the engine's ControlNets), and what ``sdfast.load`` raises for a bad model.
     """
     engine = engine_or_model
     if isinstance(engine_or_model, (str, os.PathLike)):
         import sdfast
 
-        engine = sdfast.load(os.fspath(engine_or_model))
+        engine = sdfast.load(os.fspath(engine_or_model), controlnet=controlnet)
     if api_key is None:
         api_key = os.environ.get(API_KEY_ENV) or None
-    service = Service(engine, max_batch=max_batch, queue_size=queue_size,
-                      request_timeout_s=request_timeout_s, poll_s=poll_interval_s)
+    service = Service(engine, max_batch=max_batch, queue_size=queue_size, request_timeout_s=request_timeout_s,
+                      poll_s=poll_interval_s, controlnet_names=controlnet)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -601,7 +691,7 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
             return Response(status_code=CLIENT_CLOSED)
         job, result = out
         pngs = await run_in_threadpool(
-            lambda: [encode_png(img, _params(job, s)) for img, s in zip(result.images, job.seeds)])
+            lambda: [encode_png(img, _params(job, s, service.controlnets)) for img, s in zip(result.images, job.seeds)])
         timings = _timings(result, arrived)
         if body.response_format == "png":
             headers = {
@@ -620,22 +710,31 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
             return Response(status_code=CLIENT_CLOSED)
         job, result = out
         files = await run_in_threadpool(
-            lambda: [encode_image(img, body.image_format, quality=body.image_quality, parameters=_params(job, s))
+            lambda: [encode_image(img, body.image_format, quality=body.image_quality, parameters=_params(job, s, service.controlnets))
                      for img, s in zip(result.images, job.seeds)])
         return ImagesGenerationsResponse(created=int(time.time()), data=[OpenAIImage(b64_json=_b64(f)) for f in files],
                                          output_format=body.image_format, size=f"{job.width}x{job.height}")
 
+    # The endpoints that usually take no image: their JSON is counted only past the size every JSON body may have.
+    plain = dict(count_tokens_above=MAX_PLAIN_JSON_BYTES, check=service.check_control)
+
     @app.post("/v1/txt2img", responses={200: {"content": {"image/png": {}}, "model": Txt2ImgResponse}},
-              openapi_extra=openapi_body(Txt2ImgRequest))
-    async def txt2img(request: Request, body: Txt2ImgRequest = Depends(json_body(Txt2ImgRequest))):
-        """Generate ``num_images`` images; ``png`` returns the image file, ``b64_json`` a JSON list."""
+              openapi_extra=openapi_image_body(Txt2ImgRequest))
+    async def txt2img(request: Request, parsed: ImageBody = Depends(image_body(Txt2ImgRequest, **plain))):
+        """Generate ``num_images`` images; ``png`` returns the image file, ``b64_json`` a JSON list. JSON, or multipart
+        (control images as files); with a control image and no size, at the control image's size."""
         arrived = time.monotonic()
+        body = parsed.fields
         _one_png(body)
+        control = await run_in_threadpool(control_inputs, parsed)
+        width, height = body.width, body.height
+        if control is not None and width is None and height is None:
+            width, height = control_size(control, "width and height")
         out = await service.generate(
             request, prompt=body.prompt, negative_prompt=body.negative_prompt, seed=body.seed,
-            num_images=body.num_images, width=body.width, height=body.height,
+            num_images=body.num_images, width=width, height=height,
             num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale,
-            scheduler=body.scheduler)
+            scheduler=body.scheduler, control=control)
         return await _answer(body, out, arrived)
 
     async def _from_image(request: Request, parsed: ImageBody):
@@ -646,23 +745,26 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
         _one_png(body)
         image, mask = await run_in_threadpool(prepare_images, parsed.images["image"], parsed.images.get("mask_image"),
                                               width=body.width, height=body.height)
+        control = await run_in_threadpool(control_inputs, parsed)
         out = await service.generate(
             request, prompt=body.prompt, negative_prompt=body.negative_prompt, seed=body.seed,
             num_images=body.num_images, width=None, height=None, num_inference_steps=body.num_inference_steps,
             guidance_scale=body.guidance_scale, scheduler=body.scheduler,
-            task={"image": image, "mask_image": mask, "strength": body.strength})
+            task={"image": image, "mask_image": mask, "strength": body.strength}, control=control)
         return await _answer(body, out, arrived)
 
     @app.post("/v1/img2img", responses={200: {"content": {"image/png": {}}, "model": Txt2ImgResponse}},
               openapi_extra=openapi_image_body(Img2ImgRequest))
-    async def img2img(request: Request, parsed: ImageBody = Depends(image_body(Img2ImgRequest))):
+    async def img2img(request: Request,
+                      parsed: ImageBody = Depends(image_body(Img2ImgRequest, check=service.check_control))):
         """img2img: ``image`` noised to ``strength`` and denoised for ``prompt``; JSON (the image in base64) or
         multipart (the image a file). Answers as ``/v1/txt2img``."""
         return await _from_image(request, parsed)
 
     @app.post("/v1/inpaint", responses={200: {"content": {"image/png": {}}, "model": Txt2ImgResponse}},
               openapi_extra=openapi_image_body(InpaintRequest))
-    async def inpaint(request: Request, parsed: ImageBody = Depends(image_body(InpaintRequest))):
+    async def inpaint(request: Request,
+                      parsed: ImageBody = Depends(image_body(InpaintRequest, check=service.check_control))):
         """Inpainting: the white part of ``mask_image`` repainted, the black part kept; JSON or multipart, as
         ``/v1/img2img``. Answers as ``/v1/txt2img``."""
         return await _from_image(request, parsed)
@@ -670,22 +772,28 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
     @app.post("/v1/images/generations", response_model=ImagesGenerationsResponse,
               openapi_extra=openapi_body(ImagesGenerationsRequest))
     async def images_generations(
-            request: Request, body: ImagesGenerationsRequest = Depends(json_body(ImagesGenerationsRequest))):
+            request: Request,
+            parsed: ImageBody = Depends(image_body(ImagesGenerationsRequest, json_only=True, **plain))):
         """The OpenAI Images API: ``prompt``, ``n``, ``size``, ``output_format`` (png, jpeg, webp) at
         ``output_compression``; answers base64 files. What is ignored and what is refused:
-        ``ImagesGenerationsRequest``. ``negative_prompt``, ``num_inference_steps``, ``guidance_scale`` and
-        ``seed`` are optional sdfast extensions."""
+        ``ImagesGenerationsRequest``. ``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``seed``
+        and the ControlNet fields (``control_image`` in base64) are optional sdfast extensions."""
+        body = parsed.fields
         width, height = body.dimensions()
+        control = await run_in_threadpool(control_inputs, parsed)
+        if control is not None and width is None:
+            width, height = control_size(control, "size")
         out = await service.generate(
             request, prompt=body.prompt, negative_prompt=body.negative_prompt, seed=body.seed, num_images=body.n,
             width=width, height=height, num_inference_steps=body.num_inference_steps,
-            guidance_scale=body.guidance_scale, scheduler=None, images_field="n")
+            guidance_scale=body.guidance_scale, scheduler=None, images_field="n", control=control)
         return await _openai_answer(body, out)
 
     @app.post("/v1/images/edits", response_model=ImagesGenerationsResponse,
               openapi_extra=openapi_image_body(ImagesEditsRequest, multipart_only=True))
     async def images_edits(
-            request: Request, parsed: ImageBody = Depends(image_body(ImagesEditsRequest, multipart_only=True))):
+            request: Request,
+            parsed: ImageBody = Depends(image_body(ImagesEditsRequest, multipart_only=True, check=service.check_control))):
         """The OpenAI Images API edit (multipart, as the official client sends it): inpainting of the fully
         transparent pixels of ``mask`` (or, without a mask, of ``image``), at ``size`` (the image and mask resized
         to it; default: the image's size). Answers as ``/v1/images/generations``; see ``ImagesEditsRequest``."""
@@ -701,11 +809,13 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
             return prepare_images(image, mask, width=width, height=height, mask_field="mask", resize_fields="size")
 
         image, mask = await run_in_threadpool(prepare)
+        control = await run_in_threadpool(control_inputs, parsed)
         out = await service.generate(
             request, prompt=body.prompt, negative_prompt=body.negative_prompt, seed=body.seed, num_images=body.n,
             width=None, height=None, num_inference_steps=body.num_inference_steps,
             guidance_scale=body.guidance_scale, scheduler=None, images_field="n",
-            task={"image": image, "mask_image": mask, "strength": body.strength}, fields={"mask_image": "mask"})
+            task={"image": image, "mask_image": mask, "strength": body.strength}, fields={"mask_image": "mask"},
+            control=control)
         return await _openai_answer(body, out)
 
     key = api_key.encode() if api_key else None
@@ -733,7 +843,7 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
     # Order: metrics outermost, so answers of the host and key checks are counted too; then the body limit;
     # innermost the 500 for unexpected exceptions.
     app.add_middleware(InternalErrorMiddleware)
-    app.add_middleware(BodyLimitMiddleware)
+    app.add_middleware(BodyLimitMiddleware, upload_paths=UPLOAD_PATHS + (CONTROL_PATHS if service.controlnets else ()))
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     if allowed_hosts is not None:  # before the key check: a rebinding page is refused whatever it sends
@@ -814,10 +924,37 @@ def uvicorn_server(app, *, host: str, port: int, guard, log_level: str = "info")
     return Server(config, guard)
 
 
+def _as_list(controlnet) -> list[str]:
+    return [controlnet] if isinstance(controlnet, str) else list(controlnet)
+
+
+def _check_controlnet_flag(controlnet):
+    """``serve``'s ``controlnet`` as ``sdfast.load`` takes it: None, one name (a list of one too: a single
+    ControlNet, not a multi-ControlNet of one) or a list of several. Raises ``ValueError`` naming ``--controlnet``
+    for an empty name or an unknown ``random:`` one, before the (slow) load."""
+    if controlnet is None:
+        return None
+    names = _as_list(controlnet)
+    if not names:
+        return None
+    for name in names:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(f"--controlnet: a ControlNet folder, .safetensors file, hub id or random:<name> (got "
+                             f"{name!r})")
+        if name.startswith("random:"):
+            from sdfast.architectures import get_controlnet
+
+            try:
+                get_controlnet(name.split(":", 1)[1])
+            except ValueError as e:
+                raise ValueError(f"--controlnet: {e}") from None
+    return names[0] if len(names) == 1 else names
+
+
 def serve(*, model: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 4, queue_size: int = 64,
           api_key: str | None = None, request_timeout_s: float | None = None, optimize: bool = True,
           log_level: str = "info", read_timeout_s: float | None = None, max_connections: int | None = None,
-          allowed_hosts=None) -> int:
+          allowed_hosts=None, controlnet=None) -> int:
     """Load ``model`` and serve it with uvicorn until interrupted (what ``sdfast serve`` runs).
 
     The key comes from ``api_key`` or the ``SDFAST_API_KEY`` environment variable. ``optimize``:
@@ -825,8 +962,10 @@ def serve(*, model: str, host: str = "127.0.0.1", port: int = 8000, max_batch: i
     request, queue and generation (default: ``SDFAST_REQUEST_TIMEOUT``, else 300 s). ``read_timeout_s``: a
     client must send its complete request within this time (default 30 s); ``max_connections``: open
     connections at most (default 256; ``server.connections``). ``allowed_hosts``: the ``Host`` names
-    accepted (``allowed_hosts_for``: loopback names only when ``host`` is loopback). Bad values raise
-    ``ValueError`` before the model is loaded.
+    accepted (``allowed_hosts_for``: loopback names only when ``host`` is loopback). ``controlnet``: None, a
+    ControlNet (what ``sdfast.load``'s ``controlnet`` takes: a folder, a ``.safetensors`` file, a hub id,
+    ``random:<name>``) or a list of them (``--controlnet``, repeated): the engine is loaded with them and every
+    request takes one ``control_image`` per ControlNet. Bad values raise ``ValueError`` before the model is loaded.
     """
     import sdfast
 
@@ -836,6 +975,7 @@ def serve(*, model: str, host: str = "127.0.0.1", port: int = 8000, max_batch: i
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{flag} must be an integer >= 1 (got {v!r})")
     request_timeout_s = request_timeout_from_env(request_timeout_s)
+    controlnet = _check_controlnet_flag(controlnet)
     guard = ConnectionGuard(
         read_timeout_s=DEFAULT_READ_TIMEOUT_S if read_timeout_s is None else read_timeout_s,
         max_connections=DEFAULT_MAX_CONNECTIONS if max_connections is None else max_connections)
@@ -844,13 +984,15 @@ def serve(*, model: str, host: str = "127.0.0.1", port: int = 8000, max_batch: i
     _check_can_listen(host, port)  # before the (slow) load: a taken port answers at once
 
     t0 = time.perf_counter()
-    engine = sdfast.load(model, optimize=optimize)
-    print(f"sdfast: loaded {model} on {engine.device} in {time.perf_counter() - t0:.1f} s; "
+    engine = sdfast.load(model, optimize=optimize, controlnet=controlnet)
+    with_nets = "" if controlnet is None else f" with ControlNet(s) {', '.join(_as_list(controlnet))}"
+    print(f"sdfast: loaded {model}{with_nets} on {engine.device} in {time.perf_counter() - t0:.1f} s; "
           f"max batch {max_batch} images, queue {queue_size} requests", file=sys.stderr)
     if str(model).startswith("random:"):
         print(f"sdfast: note: {model} has random weights, so its images are noise", file=sys.stderr)
     app = create_app(engine, max_batch=max_batch, queue_size=queue_size, api_key=api_key,
-                     request_timeout_s=request_timeout_s, allowed_hosts=hosts)
+                     request_timeout_s=request_timeout_s, allowed_hosts=hosts,
+                     controlnet=None if controlnet is None else _as_list(controlnet))
     if any(m.cls is APIKeyMiddleware for m in app.user_middleware):
         print("sdfast: an API key is required on every endpoint but /health", file=sys.stderr)
     print(f"sdfast: request deadline {request_timeout_s:g} s, read timeout {guard.read_timeout_s:g} s, at most "

@@ -2,7 +2,7 @@
 
 FastAPI parses a JSON body and validates it on the event loop, and its 422 lists every error. A 1 MiB body of
 100,000 unknown keys then costs seconds of pydantic work (while every other request, ``/health`` included, waits)
-and a 20 MB answer. Here (``json_body(Model)``, a FastAPI dependency):
+and a 20 MB answer. Here (``image_body(Model)``, a FastAPI dependency, for every POST endpoint):
 
 - the body is parsed (``json.loads``) and validated in a worker thread (``starlette.concurrency.run_in_threadpool``);
 - pydantic sees at most ``MAX_UNKNOWN_KEYS`` of the unknown top-level keys (the others are only counted), so the
@@ -12,18 +12,24 @@ and a 20 MB answer. Here (``json_body(Model)``, a FastAPI dependency):
 
 The 422 itself (``server.app``) lists at most ``MAX_DETAIL`` errors and counts the rest.
 
-Bodies with images (``image_body(Model)``: ``/v1/img2img``, ``/v1/inpaint``, ``/v1/images/edits``) come as JSON (each
-image a base64 string or a data URL) or as ``multipart/form-data`` (each image a file; the other fields text, read
-as pydantic reads strings), all in a worker thread too, with bounded work:
+Bodies with images (``image_body(Model)``: ``/v1/img2img``, ``/v1/inpaint``, ``/v1/images/edits``, and the ControlNet
+fields' ``control_image`` on ``/v1/txt2img`` and ``/v1/images/generations``) come as JSON (each image a base64 string
+or a data URL; a list of them for ``control_image``) or as ``multipart/form-data`` (each image a file; the other
+fields text, read as pydantic reads strings), all in a worker thread too, with bounded work:
 
 - JSON: at most ``MAX_JSON_TOKENS`` commas, colons and brackets, counted before ``json.loads`` (which holds the GIL:
-  30 MB of small keys took 4.5 s, while base64 images of that size parse in 0.1 s);
+  30 MB of small keys took 4.5 s, while base64 images of that size parse in 0.1 s); on the endpoints whose bodies
+  usually hold no image (txt2img, generations), only past ``MAX_PLAIN_JSON_BYTES``, the size every JSON body may
+  have;
 - multipart (python-multipart's parser): at most ``MAX_FORM_PARTS`` parts, no name twice (but ``image[]``, the
-  list form of ``image`` that OpenAI's client sends);
+  list form of ``image`` that OpenAI's client sends, and the per-ControlNet fields: ``control_image`` files, and
+  ``controlnet_conditioning_scale`` / ``control_guidance_start`` / ``control_guidance_end`` values, repeated once per
+  control image);
 - each image (``decode_image``): a PNG, JPEG or WebP file (``schemas.UPLOAD_FORMATS``) whose size, read from its
   header before any pixel is decoded, is within ``schemas.MAX_UPLOAD_PIXELS`` and ``MAX_UPLOAD_SIDE``, in an 8-bit
   mode (``schemas.UPLOAD_MODES``), then decoded and turned upright (its EXIF orientation, as diffusers'
-  ``load_image`` does). The fields are validated first, so a request with a bad field decodes nothing.
+  ``load_image`` does). The fields are validated first (and the endpoint's own ``check`` runs, e.g. the service's
+  count of control images against its ControlNets), so a request with a bad field decodes nothing.
 
 The body's size is bounded before it is read (``server.app.BodyLimitMiddleware``: 413).
 """
@@ -51,6 +57,7 @@ MAX_UNKNOWN_KEYS = 4  # unknown top-level keys that reach pydantic (and the 422)
 MAX_DETAIL = 8  # errors listed in a 422's ``detail``; ``detail_omitted`` counts the rest
 MAX_JSON_TOKENS = 10_000  # a body with images: its fields and two 1000-character prompts need about 2,100
 MAX_FORM_PARTS = 64  # multipart parts of a body with images (its model has about 30 fields)
+MAX_PLAIN_JSON_BYTES = 1 << 20  # a JSON body up to this size is parsed without counting its tokens first
 
 
 class BodyValidationError(RequestValidationError):
@@ -92,30 +99,8 @@ def _drop_unknown(model: type[BaseModel], data):
     return data, omitted
 
 
-def parse_and_validate(model: type[BaseModel], body: bytes, content_type: str | None) -> BaseModel:
-    """``model`` from a JSON ``body``. Raises ``BodyValidationError`` (loc without ``body`` for fields)."""
-    if content_type and "json" not in content_type.lower():
-        raise BodyValidationError([{"type": "model_attributes_type", "loc": ("body",), "msg": "not JSON"}])
-    data, omitted = _drop_unknown(model, _load_json(body))
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise BodyValidationError(e.errors(include_url=False), omitted=omitted) from None
-
-
-def json_body(model: type[BaseModel]):
-    """A FastAPI dependency: the request's JSON body as ``model``, parsed and validated in a worker thread.
-    Declare the body in the route's OpenAPI with ``openapi_body(model)``."""
-
-    async def dependency(request: Request) -> BaseModel:
-        body = await request.body()
-        return await run_in_threadpool(parse_and_validate, model, body, request.headers.get("content-type"))
-
-    return dependency
-
-
 def openapi_body(model: type[BaseModel]) -> dict:
-    """``openapi_extra`` for a route whose body comes from ``json_body(model)``."""
+    """``openapi_extra`` for a route whose body is JSON only (``image_body(model, json_only=True)``)."""
     schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
@@ -177,51 +162,77 @@ def _form_parts(body: bytes, content_type: str) -> list[tuple[str, bytes, bool]]
 
 def _form_fields(model: type[BaseModel], parts) -> dict:
     """Form parts as a dict: the image fields' files as bytes (or text: base64), the other fields as text; each
-    name once, but ``image[]`` (OpenAI's client sends a list of images so) collected as a list."""
+    name once, but ``image[]`` (OpenAI's client sends a list of images so) collected as a list, and the fields of
+    ``model.image_lists`` / ``model.list_fields`` (one value per control image) collected as a list when repeated
+    (or sent as ``name[]``); a repeated ``list_fields`` value is joined with commas, its form-text list."""
     data: dict = {}
+    lists = (*getattr(model, "image_lists", ()), *getattr(model, "list_fields", ()))
+    listed: set[str] = set()  # the names sent as ``name[]``
     for name, value, is_file in parts:
-        key = "image" if name == "image[]" else name
+        key = name[:-2] if name.endswith("[]") and (name == "image[]" or name[:-2] in lists) else name
         if key in model.image_fields:
-            if name == "image[]":
-                if "image" in data and not isinstance(data["image"], list):
-                    raise _field_error("image", "send image or image[], not both")
-                data.setdefault("image", []).append(value if is_file else value.decode("latin-1"))
-                continue
             item = value if is_file else value.decode("latin-1")  # text: base64 is ASCII
         else:
             try:
                 item = value.decode("utf-8")
             except UnicodeDecodeError:
                 raise _field_error(key, "is not UTF-8 text") from None
+        if name == "image[]" or (key in lists and (key in data or name != key)):
+            if key in data and (name != key) != (key in listed):
+                raise _field_error(key, f"send {key} or {key}[], not both")
+            if name != key:
+                listed.add(key)
+            if key in data and not isinstance(data[key], list):
+                data[key] = [data[key]]
+            data.setdefault(key, []).append(item)
+            continue
         if key in data:
             raise _field_error(key, "given more than once")
         data[key] = item
+    for key in getattr(model, "list_fields", ()):
+        if isinstance(data.get(key), list):
+            data[key] = ",".join(data[key])
     return data
 
 
 def parse_image_request(model: type[BaseModel], body: bytes, content_type: str | None, *,
-                        multipart_only: bool = False) -> ImageBody:
-    """``model`` (one with ``image_fields``) and its decoded images from a JSON or ``multipart/form-data`` body.
+                        multipart_only: bool = False, json_only: bool = False, count_tokens_above: int = 0,
+                        check=None) -> ImageBody:
+    """``model`` (one with ``image_fields``) and its decoded images from a JSON or ``multipart/form-data`` body
+    (``multipart_only`` / ``json_only``: that one only). A JSON body longer than ``count_tokens_above`` bytes has its
+    tokens counted first (at most ``MAX_JSON_TOKENS``). ``check``: None, or a function ``(fields, uploads)`` called
+    on the validated fields and the undecoded uploads by field name (bytes or base64 text; a list for a field of
+    ``model.image_lists`` sent as a list), before any image is decoded; what it raises goes to the client.
     Raises ``BodyValidationError``: the fields first (nothing is decoded while one is wrong), then each image
-    (``decode_image``)."""
+    (``decode_image``; an image of a list named ``name[i]``)."""
     ct = (content_type or "").lower()
-    multipart = ct.startswith("multipart/form-data")
+    multipart = not json_only and ct.startswith("multipart/form-data")
     if multipart:
         data = _form_fields(model, _form_parts(body, content_type))
     elif not multipart_only and (not ct or "json" in ct):
-        if _count_json_tokens(body) > MAX_JSON_TOKENS:
+        if len(body) > count_tokens_above and _count_json_tokens(body) > MAX_JSON_TOKENS:
             raise _field_error("body", f"more than {MAX_JSON_TOKENS} JSON values and keys (this endpoint has about "
                                        "30 fields)")
         data = _load_json(body)
+    elif multipart_only:
+        raise _field_error("body", "send multipart/form-data (images as files)")
     else:
-        raise _field_error("body", "send multipart/form-data (images as files)" + (
-            "" if multipart_only else " or a JSON object (content-type: application/json; images as base64)"))
+        raise _field_error("body", "send a JSON object with the header 'content-type: application/json'" + (
+            "" if json_only else " (images as base64) or multipart/form-data (images as files)"))
     data, omitted = _drop_unknown(model, data)
-    raw = {}
+    raw: dict = {}
     if isinstance(data, dict):
+        lists = getattr(model, "image_lists", ())
         for name in model.image_fields:
             value = data.get(name)
             if isinstance(value, list) and all(isinstance(v, (bytes, str)) for v in value):
+                if name in lists:
+                    if not 1 <= len(value) <= schemas.MAX_CONTROL_IMAGES:
+                        raise _field_error(name, f"1 to {schemas.MAX_CONTROL_IMAGES} images, one per ControlNet (got "
+                                                 f"{len(value)})")
+                    # JSON keeps the list's length for the model; form text cannot hold a list
+                    raw[name], data[name] = value, UPLOAD if multipart else [UPLOAD] * len(value)
+                    continue
                 if len(value) != 1:
                     raise _field_error(name, f"one image per request (got {len(value)}): this model edits one image")
                 value = value[0]
@@ -235,7 +246,13 @@ def parse_image_request(model: type[BaseModel], body: bytes, content_type: str |
             if isinstance(err.get("input"), str) and _LONG_INT.fullmatch(err["input"]):
                 err["input"] = OversizedInt(len(err["input"].lstrip("-")))
         raise BodyValidationError(errors, omitted=omitted) from None
-    return ImageBody(fields, {name: decode_image(value, name) for name, value in raw.items()})
+    if check is not None:
+        check(fields, raw)
+    images = {}
+    for name, value in raw.items():
+        images[name] = ([decode_image(v, f"{name}[{i}]") for i, v in enumerate(value)] if isinstance(value, list)
+                        else decode_image(value, name))
+    return ImageBody(fields, images)
 
 
 def _from_base64(text: str, name: str) -> bytes:
@@ -323,14 +340,15 @@ def transparent_mask(image, name: str, *, also: str = ""):
     return mask
 
 
-def image_body(model: type[BaseModel], *, multipart_only: bool = False):
+def image_body(model: type[BaseModel], **options):
     """A FastAPI dependency: the request's body as an ``ImageBody`` of ``model``, parsed, validated and decoded in a
-    worker thread (``parse_image_request``). Declare the body in the route's OpenAPI with ``openapi_image_body``."""
+    worker thread (``parse_image_request`` with ``options``: ``multipart_only``, ``json_only``,
+    ``count_tokens_above``, ``check``). Declare the body in the route's OpenAPI with ``openapi_image_body``."""
 
     async def dependency(request: Request) -> ImageBody:
         body = await request.body()
-        return await run_in_threadpool(parse_image_request, model, body, request.headers.get("content-type"),
-                                       multipart_only=multipart_only)
+        return await run_in_threadpool(
+            lambda: parse_image_request(model, body, request.headers.get("content-type"), **options))
 
     return dependency
 
@@ -342,8 +360,10 @@ def openapi_image_body(model: type[BaseModel], *, multipart_only: bool = False) 
     form = json.loads(json.dumps(schema))
     for name in model.image_fields:
         if name in form["properties"]:
-            form["properties"][name] = {"type": "string", "format": "binary",
-                                        "description": schema["properties"][name].get("description", "")}
+            file = {"type": "string", "format": "binary"}
+            if name in getattr(model, "image_lists", ()):  # one part per image
+                file = {"type": "array", "items": file, "maxItems": schemas.MAX_CONTROL_IMAGES}
+            form["properties"][name] = {**file, "description": schema["properties"][name].get("description", "")}
     content = {"multipart/form-data": {"schema": form}}
     if not multipart_only:
         content["application/json"] = {"schema": schema}

@@ -21,7 +21,12 @@ accept always builds an ``sdfast.request.Txt2ImgRequest`` (``server.app``) witho
 - ``output_compression`` (OpenAI endpoint): [0, 100];
 - ``strength`` (img2img, inpainting): in (0, 1] (the engine's range), and ``int(num_inference_steps * strength)``
   at least 1 (checked when the engine's request is built);
-- uploaded images (``image``, ``mask_image``, ``mask``): PNG, JPEG or WebP files of at most ``MAX_UPLOAD_PIXELS``
+- ControlNet (a service started with ``--controlnet``): ``control_image``, one image per ControlNet (a list for
+  several, at most ``MAX_CONTROL_IMAGES``), uploaded as the other images; ``controlnet_conditioning_scale`` in
+  [0, ``MAX_CONTROLNET_SCALE``] and ``control_guidance_start`` / ``control_guidance_end`` in [0, 1], each one number or
+  one per control image (the engine's ranges, ``sdfast.request.check_control``, which also checks the counts and
+  start < end when the request is built, before it is queued);
+- uploaded images (``image``, ``mask_image``, ``mask``, ``control_image``): PNG, JPEG or WebP files of at most ``MAX_UPLOAD_PIXELS``
   pixels (4096 x 4096) and sides of at most ``MAX_UPLOAD_SIDE`` (the engine's ``MAX_SIDE``), read from the file's
   header before any pixel is decoded; 8-bit modes only (``UPLOAD_MODES``); the image the engine gets (resized, or
   its own size rounded down to multiples of 8) has sides in [64, 2048] like ``width``/``height``. A request body
@@ -34,9 +39,9 @@ Numbers: a JSON integer of more than ``MAX_INT_DIGITS`` digits is out of every r
 from __future__ import annotations
 
 import re
-from typing import ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, ValidationInfo, WithJsonSchema, field_validator
 
 from sdfast import request as engine_limits
 
@@ -71,6 +76,9 @@ UPLOAD_FORMATS = ("PNG", "JPEG", "WEBP")  # the decoders an upload may reach (PI
 # 8-bit modes, converted to RGB (images) or L (masks) as the engine does; 16-bit ("I;16", "I") and float ("F")
 # images are refused: PIL's conversion clips them to 8 bits, a silently wrong picture.
 UPLOAD_MODES = ("1", "L", "LA", "La", "P", "PA", "RGB", "RGBA", "RGBa", "RGBX", "CMYK", "YCbCr")
+SERVICE_MAX_CONTROLNETS = 8  # control images per request (the service's ControlNets bound it further)
+MAX_CONTROL_IMAGES = _within("SERVICE_MAX_CONTROLNETS", SERVICE_MAX_CONTROLNETS, 1, engine_limits.MAX_CONTROLNETS)
+MAX_CONTROLNET_SCALE = engine_limits.MAX_CONTROLNET_SCALE  # controlnet_conditioning_scale: used at 0-2
 MAX_PROMPT_CHARS = 1000  # the engine takes any length (in 77-token windows); this bounds a request's work
 MAX_INT_DIGITS = 20  # every integer field's range is far below 10**20
 # Why the prompt limit exists, quoted in the 422 message.
@@ -156,8 +164,87 @@ def check_strength(v: float) -> float:
     return v
 
 
+# -- ControlNet fields (every generation endpoint) ---------------------------------------------------
+
+CONTROL_VALUE_FIELDS = ("controlnet_conditioning_scale", "control_guidance_start", "control_guidance_end")
+CONTROL_FIELDS = ("control_image", *CONTROL_VALUE_FIELDS)
+
+
+def _check_control_image(v):
+    """``control_image`` as the model sees it: ``server.parse`` has put a placeholder (``UPLOAD``) in place of each
+    uploaded image; one string, or a list of 1 to ``MAX_CONTROL_IMAGES`` of them."""
+    if v is None or isinstance(v, str):
+        return v
+    if isinstance(v, list) and all(isinstance(x, str) for x in v):
+        if not 1 <= len(v) <= MAX_CONTROL_IMAGES:
+            raise ValueError(f"1 to {MAX_CONTROL_IMAGES} control images, one per ControlNet (got {len(v)})")
+        return v
+    raise ValueError("must be an image (JSON: base64 or a data URL; multipart: a file), or a list of them, one per "
+                     "ControlNet")
+
+
+def _per_controlnet(lo: float, hi: float, *, nullable: bool):
+    """The validator of a per-ControlNet number: one number (for every ControlNet) or a list of 1 to
+    ``MAX_CONTROL_IMAGES`` (one per control image), each in [lo, hi] (so finite); null (when ``nullable``) for the
+    engine's default.
+    JSON: numbers only (no strings, no booleans). multipart/form-data (``model_validate_strings``): the text of a
+    number, or numbers separated by commas (``server.parse`` joins a field's repeated parts so)."""
+
+    def check(v, info: ValidationInfo):
+        if v is None and nullable:
+            return None
+        many = isinstance(v, list)
+        values = v if many else [v]
+        if info.mode != "python" and isinstance(v, str):  # a form field's text
+            many = "," in v
+            try:
+                values = [float(x) for x in v.split(",")]
+            except ValueError:
+                raise ValueError(f"must be a number, or numbers separated by commas, one per control image "
+                                 f"(got {v[:40]!r})") from None
+        if many and not 1 <= len(values) <= MAX_CONTROL_IMAGES:
+            raise ValueError(f"a list of 1 to {MAX_CONTROL_IMAGES} numbers, one per control image (got {len(values)})")
+        for x in values:
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not lo <= x <= hi:  # NaN and inf too
+                raise ValueError(f"must be a number in [{lo:g}, {hi:g}], or a list of one per control image "
+                                 f"(got {x!r})")
+        values = [float(x) for x in values]
+        return values if many else values[0]
+
+    return check
+
+
+def _per_controlnet_schema(lo: float, hi: float, *, nullable: bool) -> dict:
+    number = {"type": "number", "minimum": lo, "maximum": hi}
+    return {"anyOf": [number, {"type": "array", "items": number, "minItems": 1, "maxItems": MAX_CONTROL_IMAGES},
+                      *([{"type": "null"}] if nullable else [])]}
+
+
+ControlImage = Annotated[Any, PlainValidator(_check_control_image), WithJsonSchema({"anyOf": [
+    {"type": "string"}, {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": MAX_CONTROL_IMAGES},
+    {"type": "null"}]})]
+ControlScale = Annotated[Any, PlainValidator(_per_controlnet(0.0, MAX_CONTROLNET_SCALE, nullable=True)),
+                         WithJsonSchema(_per_controlnet_schema(0.0, MAX_CONTROLNET_SCALE, nullable=True))]
+ControlFraction = Annotated[Any, PlainValidator(_per_controlnet(0.0, 1.0, nullable=False)),
+                            WithJsonSchema(_per_controlnet_schema(0.0, 1.0, nullable=False))]
+
+CONTROL_IMAGE_DOC = ("ControlNet (a service started with --controlnet; required there, refused elsewhere): one control "
+                     "image per ControlNet, in their order, a list for several. JSON: base64 or a data URL; "
+                     "multipart/form-data: a file (repeat the part for several). PNG, JPEG or WebP; without width and "
+                     "height (txt2img), the images come at the first one's size rounded down to multiples of 8")
+CONTROL_SCALE_DOC = (f"ControlNet: each ControlNet's residuals are multiplied by it, 0 to {MAX_CONTROLNET_SCALE:g}: "
+                     "one number, or one per control image (multipart: repeat the field, or separate by commas); "
+                     "null: diffusers' default for the task (txt2img 1.0, img2img 0.8, SD inpainting 0.5)")
+CONTROL_START_DOC = ("ControlNet: the fraction of the denoising steps before the ControlNets apply, 0 to 1 (one number "
+                     "or one per control image)")
+CONTROL_END_DOC = ("ControlNet: the fraction of the denoising steps after which the ControlNets stop, 0 to 1, above "
+                   "control_guidance_start (one number or one per control image)")
+
+
 class Txt2ImgRequest(BaseModel):
-    """``POST /v1/txt2img``. Defaults: the model's native size, 30 steps, guidance 7.5, a random seed."""
+    """``POST /v1/txt2img``, as JSON or (for control images as files) ``multipart/form-data``. Defaults: the model's
+    native size (with a control image, its size rounded down to multiples of 8), 30 steps, guidance 7.5, a random
+    seed. The ControlNet fields (``CONTROL_FIELDS``) are every generation endpoint's."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -174,6 +261,16 @@ class Txt2ImgRequest(BaseModel):
         "png", description="png: the image itself (num_images must be 1); b64_json: JSON with every image"
     )
     # response_format 'png' with num_images > 1 is refused by the endpoint (422 naming num_images).
+    control_image: ControlImage = Field(None, description=CONTROL_IMAGE_DOC)
+    controlnet_conditioning_scale: ControlScale = Field(None, description=CONTROL_SCALE_DOC)
+    control_guidance_start: ControlFraction = Field(0.0, description=CONTROL_START_DOC)
+    control_guidance_end: ControlFraction = Field(1.0, description=CONTROL_END_DOC)
+
+    # The uploads, decoded by ``server.parse``: each a file, a list of files for ``image_lists``; ``list_fields``
+    # may be repeated in a multipart body (one value per control image).
+    image_fields: ClassVar[tuple[str, ...]] = ("control_image",)
+    image_lists: ClassVar[tuple[str, ...]] = ("control_image",)
+    list_fields: ClassVar[tuple[str, ...]] = CONTROL_VALUE_FIELDS
 
     _prompt = field_validator("prompt")(staticmethod(check_prompt))
     _negative = field_validator("negative_prompt")(staticmethod(check_text))
@@ -208,7 +305,7 @@ class Img2ImgRequest(Txt2ImgRequest):
 
     _strength = field_validator("strength")(staticmethod(check_strength))
 
-    image_fields: ClassVar[tuple[str, ...]] = ("image",)  # the uploads, decoded by ``server.parse``
+    image_fields: ClassVar[tuple[str, ...]] = ("image", "control_image")
 
 
 class InpaintRequest(Img2ImgRequest):
@@ -222,7 +319,7 @@ class InpaintRequest(Img2ImgRequest):
 
     _strength = field_validator("strength")(staticmethod(check_strength))
 
-    image_fields: ClassVar[tuple[str, ...]] = ("image", "mask_image")
+    image_fields: ClassVar[tuple[str, ...]] = ("image", "mask_image", "control_image")
 
 
 _SIZE = re.compile(r"^ *([0-9]+) *[xX] *([0-9]+) *$")  # ASCII digits only: "６４x６４" is not a size
@@ -257,7 +354,10 @@ class ImagesGenerationsRequest(BaseModel):
     (no streaming), ``output_format`` gif/svg and the parameters that go with them.
 
     sdfast extensions, all optional: ``negative_prompt``, ``num_inference_steps``, ``guidance_scale``,
-    ``seed`` (as in ``Txt2ImgRequest``).
+    ``seed`` and, on a service with ControlNets, ``control_image`` (base64 or a data URL, a list for several; a
+    size left out or ``auto``: the first control image's size rounded down to multiples of 8),
+    ``controlnet_conditioning_scale``, ``control_guidance_start``, ``control_guidance_end`` (as in
+    ``Txt2ImgRequest``; OpenAI has no such fields).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -287,6 +387,14 @@ class ImagesGenerationsRequest(BaseModel):
     num_inference_steps: int = Field(30, strict=True, description="sdfast extension: 1 to 150")
     guidance_scale: float = Field(7.5, strict=True, description="sdfast extension: 0 to 30")
     seed: int | None = Field(None, strict=True, description="sdfast extension: image i uses seed + i")
+    control_image: ControlImage = Field(None, description="sdfast extension: " + CONTROL_IMAGE_DOC)
+    controlnet_conditioning_scale: ControlScale = Field(None, description="sdfast extension: " + CONTROL_SCALE_DOC)
+    control_guidance_start: ControlFraction = Field(0.0, description="sdfast extension: " + CONTROL_START_DOC)
+    control_guidance_end: ControlFraction = Field(1.0, description="sdfast extension: " + CONTROL_END_DOC)
+
+    image_fields: ClassVar[tuple[str, ...]] = ("control_image",)
+    image_lists: ClassVar[tuple[str, ...]] = ("control_image",)
+    list_fields: ClassVar[tuple[str, ...]] = CONTROL_VALUE_FIELDS
 
     _prompt = field_validator("prompt")(staticmethod(check_prompt))
     _negative = field_validator("negative_prompt")(staticmethod(check_text))
@@ -398,7 +506,8 @@ class ImagesEditsRequest(ImagesGenerationsRequest):
     resizes the image and mask to it; ``auto`` or none: the image's size rounded down to multiples of 8.
 
     The other fields are ``ImagesGenerationsRequest``'s, honoured, ignored or refused as there; ``input_fidelity``
-    is accepted and ignored; ``markup`` is refused. sdfast extension: ``strength`` (default 1.0)."""
+    is accepted and ignored; ``markup`` is refused. sdfast extensions: ``strength`` (default 1.0) and the ControlNet
+    fields (``control_image`` files, repeated for several)."""
 
     image: str = Field(description="the image to edit: a PNG, JPEG or WebP file (one)")
     mask: str | None = Field(None, description="a PNG whose fully transparent pixels (alpha 0) mark what to repaint")
@@ -414,7 +523,7 @@ class ImagesEditsRequest(ImagesGenerationsRequest):
         return _must_be_absent(v, "markup images are not supported: send a mask whose fully transparent pixels mark "
                                   "what to repaint")
 
-    image_fields: ClassVar[tuple[str, ...]] = ("image", "mask", "markup")
+    image_fields: ClassVar[tuple[str, ...]] = ("image", "mask", "markup", "control_image")
 
 
 class Timings(BaseModel):
@@ -473,3 +582,5 @@ class Health(HealthStatus):
     busy: bool
     worker_alive: bool
     schedulers: list[str]
+    controlnets: list[str] = Field(description="the ControlNets loaded, in the order requests give their control "
+                                               "images ([] for none)")

@@ -8,7 +8,8 @@ seed per image, the token ids the service computed; img2img and inpainting reque
 ``Img2ImgRequest.concat``, which also lists one init image and mask per image). The engine draws image
 ``i``'s noise (and its VAE latent sample) from its own seeded CPU generator, so each job's images are the ones it
 would get alone (up to batch-size-dependent float rounding: at most 1/255 on the CPU). Requests of different
-tasks never share a call.
+tasks never share a call, and a request with control images (ControlNet) shares none: the engine's requests do not
+concatenate ControlNet inputs, so it runs alone, as built, between the batches of the jobs around it.
 
 Failure isolation: after ``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError``) the worker drops every
 reference to what the failed call held (the exception and its traceback are not kept), returns cached blocks
@@ -175,6 +176,12 @@ class Job:
         return self.enqueued_at + self.timeout_s
 
     @property
+    def batchable(self) -> bool:
+        """Whether the job may share an engine call: not with control images (``Txt2ImgRequest.concat`` refuses
+        ControlNet inputs), so such a job always runs alone."""
+        return self.request.control is None
+
+    @property
     def key(self) -> BatchKey:
         strength = getattr(self.request, "strength", None)
         return BatchKey(self.width, self.height, self.num_inference_steps, float(self.guidance_scale),
@@ -305,7 +312,8 @@ class Worker:
         total = 0
         left: deque[Job] = deque()
         for job in self._queue:
-            if batch and (job.key != batch[0].key or total + job.n > self.max_batch):
+            if batch and (not batch[0].batchable or not job.batchable or job.key != batch[0].key
+                          or total + job.n > self.max_batch):
                 left.append(job)
                 continue
             if not job.future.set_running_or_notify_cancel():
@@ -403,7 +411,9 @@ class Worker:
         outcome = "ok"
         images = None
         try:
-            request = type(batch[0].request).concat([job.request for job in batch])
+            # A job that runs alone with control images is its request as built (concat refuses ControlNet inputs).
+            request = batch[0].request if not batch[0].batchable else type(batch[0].request).concat(
+                [job.request for job in batch])
             images = self.engine.run(request, should_stop=should_stop)
             if len(images) != len(seeds):
                 raise RuntimeError(f"the engine returned {len(images)} images for {len(seeds)} seeds")

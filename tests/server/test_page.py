@@ -137,3 +137,69 @@ def test_page_img2img_and_inpainting_upload_and_submit(live, tmp_path):
         assert browser.evaluate("document.querySelector('#strength').classList.contains('invalid')")
         browser.screenshot(ARTIFACTS / "server_page_inpaint.png")
         assert browser.console_errors() == []
+
+
+def test_page_controlnet_upload_only_with_controlnets(live, tmp_path):
+    """Issue 31: the control image upload is shown only when ``/health`` lists ControlNets; in txt2img a chosen
+    control image sets the size and goes as multipart with the scale; the result is the API's for the same input; a
+    missing control image is the service's 422, its upload marked."""
+    import io
+    import json
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    import sdfast
+    from server.app import create_app
+
+    from .helpers import serving
+
+    control = tmp_path / "edges.png"
+    Image.fromarray((np.random.RandomState(1).rand(72, 64, 3) * 255).astype(np.uint8)).save(control)
+    with Chromium(CHROMIUM) as browser:  # a service without a ControlNet: no upload
+        browser.navigate(live.url + "/", headers={"Authorization": f"Bearer {live.key}"})
+        browser.wait_for("document.querySelector('#width').value === '64'", timeout=10)
+        assert browser.evaluate("document.querySelector('#control-box').hidden")
+        assert browser.evaluate("document.querySelector('#control-scale-box').hidden")
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the engine runs in this process (see test_controlnet_service)
+    engine = sdfast.load("random:tiny", controlnet="random:tiny-controlnet", optimize=False)
+    try:
+        with serving(create_app(engine, api_key="", controlnet="random:tiny-controlnet")) as url, \
+                Chromium(CHROMIUM) as browser:
+            browser.navigate(url + "/")
+            browser.wait_for("document.querySelector('#width').value === '64'", timeout=10)
+            assert not browser.evaluate("document.querySelector('#control-box').hidden")
+            assert "ControlNet: random:tiny-controlnet" in browser.evaluate(
+                "document.querySelector('#model').textContent")
+            browser.type_into("#prompt", "a house")
+            browser.type_into("#steps", "2")
+            browser.type_into("#seed", "5")
+            browser.click("#generate")  # no control image yet: the service's 422, the upload marked
+            status = browser.wait_for("document.querySelector('#status').textContent", timeout=30)
+            assert status.startswith("422: control_image: is required"), status
+            assert browser.evaluate("document.querySelector('#control').classList.contains('invalid')")
+
+            browser.set_files("#control", [control])
+            browser.wait_for("document.querySelector('#height').value === '72'", timeout=10)  # its size
+            browser.type_into("#control-scale", "0.5")
+            browser.click("#generate")
+            browser.wait_for("(() => { const i = document.querySelector('#result img'); return i && i.complete"
+                             " && i.naturalWidth; })() || document.querySelector('#status').textContent", timeout=60)
+            assert browser.evaluate("document.querySelector('#status').textContent") == ""
+            png = _result_png(browser)
+            params = json.loads(Image.open(io.BytesIO(png)).text["sdfast"])
+            assert params["controlnets"] == ["random:tiny-controlnet"] and params["controlnet_conditioning_scale"] == [0.5]
+            assert (params["width"], params["height"]) == (64, 72)
+            assert browser.console_errors() == []
+            import httpx
+
+            r = httpx.post(url + "/v1/txt2img", files={"control_image": control.read_bytes()}, timeout=60,
+                           data={"prompt": "a house", "num_inference_steps": "2", "seed": "5", "width": "64",
+                                 "height": "72", "guidance_scale": "7.5", "controlnet_conditioning_scale": "0.5"})
+            assert r.status_code == 200, r.text
+        assert np.array_equal(np.asarray(Image.open(io.BytesIO(png))), np.asarray(Image.open(io.BytesIO(r.content))))
+    finally:
+        torch.set_num_threads(threads)

@@ -62,7 +62,12 @@ def captured(monkeypatch):
     import sdfast
 
     built = {}
-    monkeypatch.setattr(sdfast, "load", lambda model, optimize=True: built.setdefault("engine", FakeEngine()))
+
+    def load(model, optimize=True, controlnet=None):
+        built["load"] = dict(model=model, optimize=optimize, controlnet=controlnet)
+        return built.setdefault("engine", FakeEngine())
+
+    monkeypatch.setattr(sdfast, "load", load)
     monkeypatch.setattr(app_module, "_check_can_listen", lambda host, port: None)
     monkeypatch.setattr(app_module, "uvicorn_server",
                         lambda app, **kw: built.setdefault("server", _StubServer(app, **kw)))

@@ -263,7 +263,10 @@ def test_json_without_its_content_type_is_told_so():
     with serving(create_app(FakeEngine(), api_key="")) as url, _client(url) as c:
         r = c.post("/v1/txt2img", content=b'{"prompt": "a cat"}', headers={"content-type": "application/x-www-form-urlencoded"})
         assert r.status_code == 422
-        assert r.json()["error"]["message"] == "body: send a JSON object with the header 'content-type: application/json'"
+        # txt2img takes multipart/form-data too (control images as files): the message says both
+        assert r.json()["error"]["message"] == ("body: send a JSON object with the header 'content-type: "
+                                                "application/json' (images as base64) or multipart/form-data (images "
+                                                "as files)")
         bad = c.post("/v1/txt2img", content=b'{"prompt": ', headers={"content-type": "application/json"})
         assert bad.status_code == 422 and "not valid JSON" in bad.json()["error"]["message"]
 
