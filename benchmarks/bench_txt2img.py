@@ -263,14 +263,14 @@ def centre_mask(width: int, height: int):
 def _from_pipe(sd_class: str, xl_class: str, sd_controlnet_class: str, xl_controlnet_class: str) -> Callable:
     """``pipe -> diffusers.<class>.from_pipe(pipe)``: the XL class for an SDXL pipeline (it has ``text_encoder_2``),
     the ControlNet class for a pipeline with a ``controlnet``. The components are shared, so a torch.compile'd UNet
-    stays compiled."""
+    stays compiled; ``dtype`` is the UNet's (without one, diffusers' ``from_pipe`` casts every component to fp32)."""
     def build(pipe):
         import diffusers
 
         xl = getattr(pipe, "text_encoder_2", None) is not None
         classes = ((sd_controlnet_class, xl_controlnet_class) if getattr(pipe, "controlnet", None) is not None
                    else (sd_class, xl_class))
-        return getattr(diffusers, classes[xl]).from_pipe(pipe)
+        return getattr(diffusers, classes[xl]).from_pipe(pipe, dtype=pipe.unet.dtype)  # else from_pipe casts to fp32
 
     return build
 

@@ -151,13 +151,9 @@ def load_controlnets(spec, unet, *, seed: int = 0):
 
 
 def attach(pipe, controlnet):
-    """The diffusers ControlNet pipeline (``CONTROLNET_PIPELINES``) on ``pipe``'s components (``from_pipe``: no copy
-    of a weight) and ``controlnet`` (a ``ControlNetModel`` or a list of them)."""
-    import diffusers
-
-    from .loading import quiet_loading
+    """The diffusers ControlNet pipeline (``CONTROLNET_PIPELINES``) on ``pipe``'s components (``sdfast.pipelines.derive``:
+    no copy of a weight, no dtype cast) and ``controlnet`` (a ``ControlNetModel`` or a list of them)."""
+    from .pipelines import derive
 
     xl = getattr(pipe, "text_encoder_2", None) is not None
-    cls = getattr(diffusers, CONTROLNET_PIPELINES[xl])
-    with quiet_loading():
-        return cls.from_pipe(pipe, controlnet=controlnet)
+    return derive(pipe, CONTROLNET_PIPELINES[xl], controlnet=controlnet)

@@ -297,7 +297,7 @@ class Engine:
         """The diffusers pipeline that runs ``task`` (a request's ``task``) on this engine: ``self.pipe`` for
         "txt2img"; for "img2img" and "inpaint", ``StableDiffusionImg2ImgPipeline`` / ``StableDiffusionInpaintPipeline``
         (their ``ControlNet`` ones with ControlNets, the ``XL`` ones for SDXL; ``_DERIVED``) built once from
-        ``self.pipe``'s components (``from_pipe``: no copy of a weight) and optimized as ``self.pipe`` is
+        ``self.pipe``'s components (``sdfast.pipelines.derive``: no copy of a weight, no dtype cast) and optimized as ``self.pipe`` is
         (``sdfast.optimizer.share``); built again when ``self.pipe`` was optimized or unoptimized since. Raises
         ``ValueError`` for another task, and ``InvalidRequestError`` (field ``model``) for a task the model does not
         run (``tasks``: txt2img or img2img on an inpainting checkpoint), before any step."""
@@ -313,15 +313,11 @@ class Engine:
         derived = self._derived.get(task)
         if derived is None or getattr(derived, "_sdfast", None) is not getattr(self.pipe, "_sdfast", None):
             # first use, or self.pipe was optimized / unoptimized since: built again on the pipeline as it is now
-            import diffusers
-
-            from .loading import quiet_loading
             from .optimizer import share
+            from .pipelines import derive
 
             xl = getattr(self.pipe, "text_encoder_2", None) is not None
-            cls = getattr(diffusers, _DERIVED[task, bool(self.controlnets)][xl])
-            with quiet_loading():
-                self._derived[task] = share(self.pipe, cls.from_pipe(self.pipe))
+            self._derived[task] = share(self.pipe, derive(self.pipe, _DERIVED[task, bool(self.controlnets)][xl]))
         return self._derived[task]
 
     def request(self, prompt, **kwargs) -> Txt2ImgRequest:

@@ -57,7 +57,7 @@ def _stock(base, cls_name, nets, **kw):
 
     seeds = kw.pop("seeds")
     cls = getattr(diffusers, cls_name)
-    pipe = cls.from_pipe(base, controlnet=nets if len(nets) > 1 else nets[0])
+    pipe = cls.from_pipe(base, controlnet=nets if len(nets) > 1 else nets[0], dtype=base.unet.dtype)
     pipe.set_progress_bar_config(disable=True)
     return pipe(generator=[torch.Generator("cpu").manual_seed(s) for s in seeds], **kw).images
 

@@ -40,7 +40,7 @@ def _stock_images(model, controlnet, cls_name, calls):
     import diffusers
 
     stock = sdfast.load(model, controlnet=controlnet, optimize=False)
-    pipe = stock.pipe if cls_name is None else getattr(diffusers, cls_name).from_pipe(stock.pipe)
+    pipe = stock.pipe if cls_name is None else getattr(diffusers, cls_name).from_pipe(stock.pipe, dtype=torch.float16)
     out = [pipe(prompt=PROMPT, generator=[torch.Generator("cpu").manual_seed(0)], **kw).images[0] for kw in calls]
     del stock, pipe
     _free()

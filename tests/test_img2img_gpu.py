@@ -51,7 +51,7 @@ def test_img2img_parity_and_graph_reuse(model, side):
     image, kw = _init_image(side), dict(strength=0.6, num_inference_steps=30, guidance_scale=7.5)
     stock = sdfast.load(model, optimize=False)
     cls = StableDiffusionXLImg2ImgPipeline if model.endswith("sdxl") else StableDiffusionImg2ImgPipeline
-    ref = cls.from_pipe(stock.pipe)(prompt=PROMPT, image=image, generator=[torch.Generator("cpu").manual_seed(0)],
+    ref = cls.from_pipe(stock.pipe, dtype=torch.float16)(prompt=PROMPT, image=image, generator=[torch.Generator("cpu").manual_seed(0)],
                                      **kw).images[0]
     del stock
     gc.collect()
@@ -88,7 +88,7 @@ def test_inpaint_parity(model, side):
     mask = Image.fromarray(mask)
     stock = sdfast.load(model, optimize=False)
     cls = getattr(diffusers, "StableDiffusionXLInpaintPipeline" if model.endswith("sdxl") else "StableDiffusionInpaintPipeline")
-    ref = cls.from_pipe(stock.pipe)(prompt=PROMPT, image=image, mask_image=mask, height=side, width=side,
+    ref = cls.from_pipe(stock.pipe, dtype=torch.float16)(prompt=PROMPT, image=image, mask_image=mask, height=side, width=side,
                                      generator=[torch.Generator("cpu").manual_seed(0)], **kw).images[0]
     del stock
     gc.collect()
