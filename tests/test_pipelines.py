@@ -52,3 +52,13 @@ def test_derive_passes_a_list_of_controlnets_and_names_what_is_missing(pipes):
     assert type(ours.controlnet).__name__ == "MultiControlNetModel" and list(ours.controlnet.nets) == [net, net]
     with pytest.raises(ValueError, match="needs \\['controlnet'\\]"):
         derive(pipe, "StableDiffusionControlNetPipeline")
+
+
+def test_an_fp16_engine_stays_fp16_through_its_controlnet_and_derived_pipelines():
+    import sdfast
+
+    engine = sdfast.load("random:tiny", dtype=torch.float16, optimize=False, controlnet="random:tiny-controlnet")
+    for task in ("img2img", "inpaint"):
+        engine.pipeline_for(task)
+    modules = (engine.pipe.unet, engine.pipe.vae, engine.pipe.text_encoder, *engine.controlnets)
+    assert {p.dtype for m in modules for p in m.parameters()} == {torch.float16}
