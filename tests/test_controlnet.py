@@ -202,3 +202,26 @@ def test_a_controlnet_folder_loads(tmp_path):
     ref = build_random_controlnet("tiny-controlnet", seed=4)
     assert all(torch.equal(a, b) for a, b in zip(engine.controlnets[0].state_dict().values(),
                                                  ref.state_dict().values()))
+
+
+def test_a_lora_on_the_unet_of_a_controlnet_engine_as_diffusers(tiny):
+    from tests.test_user_cases_models import _lora_state_dict
+
+    one, _, base = tiny
+    control = _image(32, 32, seed=5)
+    kw = dict(num_inference_steps=2, guidance_scale=5.0)
+    lora = _lora_state_dict(one.pipe.unet, ["to_q", "to_k", "to_v", "to_out.0"], strength=1.0)
+    plain = one.txt2img("a cat", control_image=control, seed=0, **kw)[0]
+    one.pipe.load_lora_weights(lora, adapter_name="style")
+    try:
+        ours = one.txt2img("a cat", control_image=control, seed=0, **kw)[0]
+    finally:
+        one.pipe.unload_lora_weights()
+    import diffusers
+
+    stock = diffusers.StableDiffusionControlNetPipeline.from_pipe(base, controlnet=_nets(1)[0], dtype=base.unet.dtype)
+    stock.load_lora_weights(lora, adapter_name="style")
+    ref = _stock(stock, "StableDiffusionControlNetPipeline", [stock.controlnet], prompt="a cat", image=control,
+                 seeds=[0], **kw)
+    stock.unload_lora_weights()
+    assert _same(ours, ref[0]) and not _same(ours, plain)  # the LoRA shows, as in diffusers

@@ -94,3 +94,25 @@ def test_two_controlnets_and_img2img_parity():
     assert not stats["controlnet_0"]["failures"] and not stats["controlnet_1"]["failures"]
     del fast
     _free()
+
+
+def test_controlnet_with_a_lora_parity():
+    from tests.test_user_cases_models import _lora_state_dict
+
+    model, controlnet, side = "random:sd15", "random:controlnet-sd15", 512
+    control, kw = _control_image(side), dict(num_inference_steps=20, guidance_scale=7.5)
+    stock = sdfast.load(model, controlnet=controlnet, optimize=False)
+    lora = _lora_state_dict(stock.pipe.unet, ["to_q", "to_k", "to_v", "to_out.0"], strength=0.3)
+    stock.pipe.load_lora_weights(lora, adapter_name="style")
+    ref = stock.pipe(prompt=PROMPT, image=control, generator=[torch.Generator("cpu").manual_seed(0)], **kw).images[0]
+    del stock
+    _free()
+    fast = sdfast.load(model, controlnet=controlnet)
+    plain = fast.txt2img(PROMPT, control_image=control, seed=0, **kw)[0]
+    fast.pipe.load_lora_weights(lora, adapter_name="style")
+    ours = fast.txt2img(PROMPT, control_image=control, seed=0, **kw)[0]
+    p = psnr(ours, ref)
+    print(f"{model} + {controlnet} + LoRA: txt2img PSNR vs stock fp16 {p:.2f} dB")
+    assert p >= 35 and psnr(ours, plain) < 30  # the LoRA shows, as in stock
+    del fast
+    _free()
