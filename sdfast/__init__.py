@@ -118,7 +118,7 @@ def load(model, *, device=None, dtype=None, seed: int = 0, optimize: "bool | Opt
     or a diffusers pipeline object. ``device``/``dtype`` default to CUDA+fp16 with a GPU, else CPU+fp32.
     ``optimize``: True (default ``OptimizeConfig``), an ``OptimizeConfig``, or False for the stock pipeline.
     ``controlnet``: None, or a ControlNet (a ``ControlNetModel`` folder, a ``.safetensors`` file, a hub id,
-    ``random:controlnet-sd15|controlnet-sd21|controlnet-sdxl|tiny-controlnet|tiny-xl-controlnet``, a
+    ``random:controlnet-sd15|controlnet-sd21|controlnet-sdxl|tiny-controlnet|tiny-v-controlnet|tiny-xl-controlnet``, a
     ``diffusers.ControlNetModel``), or a list of them (multi-ControlNet): the engine's pipeline is then diffusers'
     ControlNet pipeline of the model's family, optimized with its ControlNets, and every request takes
     ``control_image`` (see ``sdfast.controlnet``).

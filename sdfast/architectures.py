@@ -383,6 +383,7 @@ CONTROLNETS: dict[str, tuple[str, dict]] = {
     "controlnet-sdxl": ("sdxl", controlnet_config(_SDXL["unet"])),
     # the tiny ones keep the 8x downsampling of the control image (four embedding widths) at a CPU test's cost
     "tiny-controlnet": ("tiny", controlnet_config(_TINY["unet"], conditioning_embedding_out_channels=(8, 8, 16, 16))),
+    "tiny-v-controlnet": ("tiny-v", controlnet_config(_TINY_V["unet"], conditioning_embedding_out_channels=(8, 8, 16, 16))),
     "tiny-xl-controlnet": ("tiny-xl", controlnet_config(_TINY_XL["unet"],
                                                         conditioning_embedding_out_channels=(8, 8, 16, 16))),
 }

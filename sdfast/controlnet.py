@@ -4,7 +4,7 @@ diffusers ControlNet pipeline built around the base pipeline's components.
 
 A ControlNet may be named as: a diffusers ``ControlNetModel`` folder (``config.json`` + weights); a hub id; a
 built-in architecture with seeded random weights (``random:controlnet-sd15|controlnet-sd21|controlnet-sdxl|
-tiny-controlnet|tiny-xl-controlnet``, ``sdfast.architectures.CONTROLNETS``); or a ``ControlNetModel`` object. A
+tiny-controlnet|tiny-v-controlnet|tiny-xl-controlnet``, ``sdfast.architectures.CONTROLNETS``); or a ``ControlNetModel`` object. A
 list of them is a multi-ControlNet (diffusers' ``MultiControlNetModel``: their residuals are summed). Each must fit
 the base UNet (same cross-attention width, same added-embedding kind), checked at load with a clear error.
 """

@@ -117,16 +117,18 @@ def test_img2img_and_inpaint_with_a_controlnet_same_pixels_as_diffusers(plain, t
     assert np.array_equal(_px(ours[0]), _px(ref[0]))
 
 
-def test_sdxl_controlnet_same_pixels_as_diffusers():
-    engine = sdfast.load("random:tiny-xl", controlnet="random:tiny-xl-controlnet")
+@pytest.mark.parametrize("arch, cls", [("tiny-xl", "StableDiffusionXLControlNetPipeline"),
+                                       ("tiny-v", "StableDiffusionControlNetPipeline")])  # SDXL; SD 2.x-shaped
+def test_sdxl_and_sd2_controlnet_same_pixels_as_diffusers(arch, cls):
+    engine = sdfast.load(f"random:{arch}", controlnet=f"random:{arch}-controlnet")
     control = _image(32, 32, seed=5)
     kw = dict(num_inference_steps=2, guidance_scale=5.0)
     ours = engine.txt2img("a cat", control_image=control, seed=0, **kw)
-    ref = _stock(build_random_pipeline("tiny-xl"), "StableDiffusionXLControlNetPipeline",
-                 _nets(1, "tiny-xl-controlnet"), prompt="a cat", image=control, seeds=[0], **kw)
+    ref = _stock(build_random_pipeline(arch), cls, _nets(1, f"{arch}-controlnet"), prompt="a cat", image=control,
+                 seeds=[0], **kw)
     assert _same(ours[0], ref[0])
-    assert type(engine.pipe).__name__ == "StableDiffusionXLControlNetPipeline"
-    assert type(engine.pipeline_for("img2img")).__name__ == "StableDiffusionXLControlNetImg2ImgPipeline"
+    assert type(engine.pipe).__name__ == cls
+    assert type(engine.pipeline_for("img2img")).__name__ == cls.replace("ControlNetPipeline", "ControlNetImg2ImgPipeline")
 
 
 def test_the_controlnets_are_optimized_and_shared(tiny):
