@@ -75,10 +75,12 @@ def _add_generation_flags(p, *, size: bool) -> None:
     p.add_argument("--controlnet-scale", action="append", type=float, default=None, metavar="S",
                    help="controlnet_conditioning_scale: once for all, or once per --controlnet (default: "
                         "diffusers' for the task: 1.0 txt2img, 0.8 img2img, 0.5 SD inpainting)")
-    p.add_argument("--control-start", type=float, default=0.0,
-                   help="control_guidance_start: the fraction of the steps before the ControlNets apply (default: 0)")
-    p.add_argument("--control-end", type=float, default=1.0,
-                   help="control_guidance_end: the fraction of the steps after which they stop (default: 1)")
+    p.add_argument("--control-start", action="append", type=float, default=None, metavar="F",
+                   help="control_guidance_start: the fraction of the steps before the ControlNets apply; once for "
+                        "all, or once per --controlnet (default: 0)")
+    p.add_argument("--control-end", action="append", type=float, default=None, metavar="F",
+                   help="control_guidance_end: the fraction of the steps after which they stop; once for all, or "
+                        "once per --controlnet (default: 1)")
 
 
 def _add_txt2img(sub) -> None:
@@ -306,14 +308,26 @@ def _control_flags(args) -> dict:
         raise ValueError(f"--control-image: one per --controlnet, in the same order (got {len(nets)} ControlNet(s) "
                          f"and {len(images)} image(s))")
     if not nets:
-        if args.controlnet_scale is not None:
-            raise ValueError("--controlnet-scale: only with --controlnet")
+        for flag, value in (("--controlnet-scale", args.controlnet_scale), ("--control-start", args.control_start),
+                            ("--control-end", args.control_end)):
+            if value is not None:
+                raise ValueError(f"{flag}: only with --controlnet")
         return {}
+    from sdfast.controlnet import check_name
+
+    for name in nets:  # an unknown random: name or a missing path, before the base model loads
+        try:
+            check_name(name)
+        except Exception as e:  # ModelNotFoundError: worded with the flag
+            raise ValueError(f"--controlnet: {str(e).removeprefix('controlnet: ')}") from None
     read = [_read_image(path, "--control-image") for path in images]
-    scale = args.controlnet_scale
+
+    def value(values, default):  # once for all (a number), or one per ControlNet (a list)
+        return default if values is None else values[0] if len(values) == 1 else values
+
     return dict(control_image=read[0] if len(read) == 1 else read,
-                controlnet_conditioning_scale=None if scale is None else scale[0] if len(scale) == 1 else scale,
-                control_guidance_start=args.control_start, control_guidance_end=args.control_end)
+                controlnet_conditioning_scale=value(args.controlnet_scale, None),
+                control_guidance_start=value(args.control_start, 0.0), control_guidance_end=value(args.control_end, 1.0))
 
 
 def _read_image(path: str, what: str = "image"):

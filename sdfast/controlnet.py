@@ -69,10 +69,7 @@ def _load_one(spec, unet, *, device, dtype, seed: int):
                         f"them), not {type(spec).__name__}")
     name = str(spec)
     if name.startswith("random:"):
-        try:
-            architectures.get_controlnet(name.split(":", 1)[1])
-        except ValueError as e:
-            raise ModelNotFoundError(f"controlnet: {e}") from None
+        check_name(name)
         return build_random_controlnet(name.split(":", 1)[1], device=device, dtype=dtype, seed=seed)
     path = Path(name).expanduser()
     if path.is_dir():
@@ -80,9 +77,15 @@ def _load_one(spec, unet, *, device, dtype, seed: int):
             raise ModelNotFoundError(f"controlnet {name!r} is not a diffusers ControlNetModel folder: "
                                      f"{path / 'config.json'} is missing")
         try:
-            net = diffusers.ControlNetModel.from_pretrained(str(path), dtype=dtype, local_files_only=True)
-        except OSError as e:
-            raise ModelNotFoundError(f"controlnet folder {name!r} is incomplete: {str(e).splitlines()[0]}") from None
+            net, info = diffusers.ControlNetModel.from_pretrained(str(path), dtype=dtype, local_files_only=True,
+                                                                  output_loading_info=True)
+        except Exception as e:  # noqa: BLE001 - a folder of another model, a config value the class cannot take, ...
+            raise ModelNotFoundError(f"controlnet folder {name!r} cannot be loaded as a diffusers ControlNetModel "
+                                     f"({type(e).__name__}: {_first_line(e)})") from None
+        missing = info.get("missing_keys") or []
+        if missing:  # e.g. a UNet's folder: its weights do not fill a ControlNet (left on the meta device)
+            raise ModelNotFoundError(f"controlnet folder {name!r} cannot be loaded as a diffusers ControlNetModel: "
+                                     f"{len(missing)} of its weights are missing ({', '.join(missing[:3])}, ...)")
     elif path.is_file():
         net = _load_single_file(path, unet, dtype=dtype)
     elif _HUB_ID.match(name) and not name.startswith((".", "/", "~")):
@@ -101,6 +104,30 @@ def _load_one(spec, unet, *, device, dtype, seed: int):
     return net.to(device).eval().requires_grad_(False)
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
+
+
+def check_name(spec) -> None:
+    """What can be checked of a ControlNet name before anything loads (the CLI checks it before the base model's
+    load): a ``random:`` name must be built in, a path must exist unless it reads as a hub id. Raises
+    ``ModelNotFoundError``; objects and lists pass (``load_controlnets`` checks them)."""
+    from .loading import _HUB_ID
+
+    if not isinstance(spec, (str, os.PathLike)):
+        return
+    name = str(spec)
+    if name.startswith("random:"):
+        try:
+            architectures.get_controlnet(name.split(":", 1)[1])
+        except ValueError as e:
+            raise ModelNotFoundError(f"controlnet: {e}") from None
+    elif not Path(name).expanduser().exists() and not (_HUB_ID.match(name) and not name.startswith((".", "/", "~"))):
+        raise ModelNotFoundError(f"controlnet {name!r}: no such folder or file (and not a hub id 'owner/name' or "
+                                 "'random:<name>')")
+
+
 def _load_single_file(path: Path, unet, *, dtype):
     """A single-file ``.safetensors`` ControlNet (original ``control_model.*`` keys or diffusers' own), loaded offline
     with the config of a ControlNet for ``unet`` (``architectures.controlnet_config``)."""
@@ -117,7 +144,7 @@ def _load_single_file(path: Path, unet, *, dtype):
             return diffusers.ControlNetModel.from_single_file(str(path), config=tmp, local_files_only=True, dtype=dtype)
         except Exception as e:  # noqa: BLE001 - whatever diffusers raises for a file that is not such a checkpoint
             raise ModelNotFoundError(f"controlnet {str(path)!r} cannot be loaded as a ControlNet of this model "
-                                     f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+                                     f"({type(e).__name__}: {_first_line(e)})") from None
 
 
 def check_fits(net, unet, what: str = "controlnet") -> None:

@@ -23,6 +23,7 @@ from PIL import Image
 
 from . import prompts as prompt_policy
 from .errors import GenerationCancelled, InvalidRequestError
+from .loading import quiet_loading
 from .request import Img2ImgRequest, InpaintRequest, Txt2ImgRequest
 from .runtime.session import CallSession
 from .schedulers import check_steps, make_scheduler
@@ -383,7 +384,7 @@ class Engine:
         pipe.set_progress_bar_config(disable=not progress)
         stop = {} if should_stop is None else {"callback_on_step_end": _stopper(should_stop)}
         t0 = time.perf_counter()
-        with session.call(sched, what=f"{n} image(s) of {width}x{height} on {self.device}") as finite:
+        with session.call(sched, what=f"{n} image(s) of {width}x{height} on {self.device}") as finite, quiet_loading():
             out = pipe(
                 **text,
                 **stop,

@@ -49,7 +49,9 @@ def quiet_loading():
     `CLIPImageProcessorPil`" messages (logged when diffusers' pipeline modules import the image processors that SD's
     safety checker uses; sdfast never runs them). Only those messages, only inside the block: the filter sits on the
     one logger that emits them and is removed afterwards. Likewise diffusers' "There are modules in UNet2DConditionModel
-    that should be kept in float32: []" of a single-file load, with its empty list (no module is concerned)."""
+    that should be kept in float32: []" of a single-file load, with its empty list (no module is concerned), which
+    SDXL's img2img and inpaint pipelines also log at every call of an unoptimized engine (they cast the VAE with
+    ``.to()`` for ``force_upcast``): ``Engine.run`` calls the pipeline inside this block too."""
     filters = [(logging.getLogger("transformers.utils.import_utils"),
                 _DropMessages("requires torchvision (not installed); falling back to")),
                (logging.getLogger("diffusers.models.modeling_utils"), _DropMessages("that should be kept in float32: []."))]

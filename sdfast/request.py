@@ -79,13 +79,14 @@ class Txt2ImgRequest:
         """Validate ``Engine.txt2img``'s arguments (see there) and return the request. Raises
         ``InvalidRequestError`` (a ``ValueError``) naming the field. ``tokenize``: None, or a function
         ``(prompts, negative_prompts) -> PromptTokens`` (``sdfast.prompts.tokenize`` bound to a pipeline) called
-        once on the validated texts. With a ``control_image`` and no ``height`` / ``width``, the size is the (first)
-        control image's, rounded down to multiples of 8 (as diffusers' ControlNet pipelines do)."""
+        once on the validated texts. With a ``control_image``, a side not given (``height`` or ``width`` None) is the
+        (first) control image's, rounded down to a multiple of 8 (as diffusers' ControlNet pipelines do)."""
         control = check_control(control_image, controlnet_conditioning_scale, control_guidance_start,
                                 control_guidance_end)
-        if control is not None and height is None and width is None:
+        if control is not None:  # a side not given is the control image's (diffusers' ControlNet pipelines)
             first = control.images[0]
-            height, width = (first.height // MIN_SIDE) * MIN_SIDE, (first.width // MIN_SIDE) * MIN_SIDE
+            height = (first.height // MIN_SIDE) * MIN_SIDE if height is None else height
+            width = (first.width // MIN_SIDE) * MIN_SIDE if width is None else width
         prompts = check_request(
             prompt=prompt, height=height, width=width, num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale, num_images_per_prompt=num_images_per_prompt, scheduler=scheduler,
@@ -350,7 +351,17 @@ def check_image(image, field: str = "image"):
                                          f"{type(image).__name__}")
     if min(image.size) < MIN_SIDE or max(image.size) > MAX_SIDE:
         raise InvalidRequestError(field, f"sides must be {MIN_SIDE} to {MAX_SIDE} pixels, got {image.width}x{image.height}")
+    _check_8bit(image, field)
     return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def _check_8bit(image, field: str) -> None:
+    """Raise ``InvalidRequestError`` for a PIL image whose mode PIL's conversion to 8-bit clips (16-bit and 32-bit
+    integer ``I;16`` / ``I``, float ``F``): a 16-bit photo would come out almost white, a float mask in [0, 1] all
+    black, with no error (the HTTP service refuses such files too)."""
+    if image.mode in ("I", "F") or image.mode.startswith("I;"):
+        raise InvalidRequestError(field, f"mode {image.mode} images are clipped by the conversion to 8 bits per "
+                                         "channel; convert it to 8-bit (RGB, or L for a mask) first")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,6 +418,7 @@ def check_mask(mask, size: tuple[int, int], field: str = "mask_image"):
         mask = Image.fromarray(mask[..., 0] if mask.ndim == 3 and mask.shape[2] == 1 else mask)
     if not isinstance(mask, Image.Image):
         raise InvalidRequestError(field, f"must be a PIL.Image.Image or a uint8 array, got {type(mask).__name__}")
+    _check_8bit(mask, field)
     if mask.size != tuple(size):
         raise InvalidRequestError(field, f"must be the image's size, {size[0]}x{size[1]}, got {mask.width}x{mask.height}")
     return mask if mask.mode == "L" else mask.convert("L")
@@ -476,6 +488,12 @@ def check_control(control_image, conditioning_scale=None, guidance_start=0.0, gu
     field (``control_image``, ``controlnet_conditioning_scale``, ``control_guidance_start``,
     ``control_guidance_end``; a start not below its end)."""
     if control_image is None:
+        given = [name for name, value, default in (("controlnet_conditioning_scale", conditioning_scale, None),
+                                                   ("control_guidance_start", guidance_start, 0.0),
+                                                   ("control_guidance_end", guidance_end, 1.0)) if value != default]
+        if given:
+            raise InvalidRequestError(given[0], "only with control_image (the ControlNet inputs it sets apply to "
+                                                "the control images)")
         return None
     many = isinstance(control_image, (list, tuple))
     raw = list(control_image) if many else [control_image]

@@ -363,6 +363,12 @@ def test_txt2img_with_a_controlnet_writes_the_engines_image_and_its_parameters(t
      "--controlnet-scale: must be a number in [0, 10]"),
     (["--controlnet", "random:tiny-controlnet", "--control-image", "{init}", "--control-start", "0.6",
       "--control-end", "0.5"], "--control-start: must be below control_guidance_end"),
+    (["--control-end", "0.5"], "--control-end: only with --controlnet"),
+    (["--controlnet", "random:nope", "--control-image", "{init}"], "--controlnet: unknown built-in ControlNet"),
+    (["--controlnet", "{missing}", "--control-image", "{init}"], "--controlnet: "),
+    (["--controlnet", "random:tiny-controlnet", "--controlnet", "random:tiny-controlnet", "--control-image", "{init}",
+      "--control-image", "{init}", "--control-start", "0.1", "--control-start", "0.2", "--control-start", "0.3"],
+     "--control-start: one value, or a list of one per control image (2), got 3"),
 ])
 def test_controlnet_bad_input_is_one_line_exit_2_before_the_load(tmp_path, capsys, monkeypatch, args, message):
     import sdfast

@@ -170,16 +170,31 @@ def test_bad_control_input_raises_naming_the_field(tiny):
         (dict(control_image=_image(), control_guidance_end=1.5), "control_guidance_end"),
         (dict(control_image=_image(), control_guidance_start=0.5, control_guidance_end=0.5), "control_guidance_start"),
     ]
+    sixteen_bit = Image.fromarray(np.linspace(0, 65535, 32 * 32).reshape(32, 32).astype(np.uint16))
+    cases += [
+        (dict(controlnet_conditioning_scale=0.5), "controlnet_conditioning_scale"),  # without a control image
+        (dict(control_guidance_start=5), "control_guidance_start"),
+        (dict(control_guidance_end=float("nan")), "control_guidance_end"),
+        (dict(control_image=sixteen_bit), "control_image"),  # 8-bit conversion would clip it (almost all white)
+    ]
     for kwargs, field in cases:
         with pytest.raises(InvalidRequestError) as e:
             Txt2ImgRequest.build("a cat", **kwargs)
         assert e.value.field == field, kwargs
+    from sdfast.request import InpaintRequest
+
+    float_mask = Image.fromarray(np.ones((40, 48), np.float32))  # mode F in [0, 1]: 8-bit conversion makes it black
+    with pytest.raises(InvalidRequestError, match="mode F") as e:
+        InpaintRequest.build(_image(), float_mask, "a cat")
+    assert e.value.field == "mask_image"
 
 
 def test_a_request_with_control_inputs_builds_again_and_does_not_batch():
     r = Txt2ImgRequest.build("a cat", control_image=[_image(), _image(seed=1)], controlnet_conditioning_scale=0.5,
                              seed=1)
     assert (r.height, r.width) == (40, 48)
+    one_side = Txt2ImgRequest.build("a cat", control_image=_image(), height=32)  # the other side: the control image's
+    assert (one_side.height, one_side.width) == (32, 48)
     again = Txt2ImgRequest.build(**r.as_kwargs())
     assert again.control.conditioning_scale == (0.5, 0.5) and len(again.control.images) == 2
     assert Txt2ImgRequest.build("a cat", control_image=_image()).control.conditioning_scale is None  # diffusers default
@@ -196,6 +211,12 @@ def test_controlnet_loading_errors():
         sdfast.load("random:tiny", controlnet="/nonexistent/controlnet", optimize=False)
     with pytest.raises(TypeError, match="controlnet"):
         sdfast.load("random:tiny", controlnet=3, optimize=False)
+
+
+def test_a_folder_of_another_model_is_not_a_controlnet(tmp_path):
+    build_random_pipeline("tiny").unet.save_pretrained(tmp_path / "unet")
+    with pytest.raises(ModelNotFoundError, match="cannot be loaded as a diffusers ControlNetModel"):
+        sdfast.load("random:tiny", controlnet=str(tmp_path / "unet"), optimize=False)
 
 
 def test_a_controlnet_folder_loads(tmp_path):
