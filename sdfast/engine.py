@@ -305,8 +305,9 @@ class Engine:
         if task in ("txt2img", "img2img", "inpaint") and task not in self.tasks:
             raise InvalidRequestError("model", (
                 f"{self.name!r} is an inpainting checkpoint (its UNet takes {self.pipe.unet.config.in_channels} "
-                f"input channels: the latents, the mask and the masked image) and cannot run {task}; use inpaint "
-                "(engine.inpaint(image, mask_image, prompt), `sdfast inpaint IMAGE MASK PROMPT`)"))
+                f"input channels: the latents, the mask and the masked image) and cannot run {task}; it runs "
+                "inpainting only (engine.inpaint(image, mask_image, prompt), `sdfast inpaint IMAGE MASK PROMPT`, "
+                "POST /v1/inpaint or /v1/images/edits)"))
         if task == "txt2img":
             return self.pipe
         if (task, False) not in _DERIVED:

@@ -290,6 +290,7 @@ class Service:
             self.gpu = torch.cuda.get_device_name(device)
         self.dtype = str(getattr(engine, "dtype", "unknown")).replace("torch.", "")
         self.default_size = int(getattr(engine, "default_size", 512))
+        self.tasks = list(getattr(engine, "tasks", ("txt2img", "img2img", "inpaint")))
         self.request_timeout_s = float(request_timeout_s)
         self.poll_s = poll_s
         self._tokenize = _tokenizer_for(engine)
@@ -432,6 +433,7 @@ class Service:
             device=self.device, gpu=self.gpu, dtype=self.dtype, default_size=self.default_size,
             queue_depth=self.worker.depth, queue_size=self.worker.queue_size, max_batch=self.worker.max_batch,
             busy=self.worker.busy, worker_alive=alive, schedulers=sorted(SCHEDULERS), controlnets=self.controlnets,
+            tasks=self.tasks,
         )
 
 

@@ -172,6 +172,8 @@ def _form_fields(model: type[BaseModel], parts) -> dict:
         key = name[:-2] if name.endswith("[]") and (name == "image[]" or name[:-2] in lists) else name
         if key in model.image_fields:
             item = value if is_file else value.decode("latin-1")  # text: base64 is ASCII
+        elif key not in model.model_fields:  # unknown: left to the schema's own "unknown field" answer (a file too)
+            item = "(a file)" if is_file else value.decode("utf-8", "replace")
         else:
             try:
                 item = value.decode("utf-8")

@@ -584,3 +584,5 @@ class Health(HealthStatus):
     schedulers: list[str]
     controlnets: list[str] = Field(description="the ControlNets loaded, in the order requests give their control "
                                                "images ([] for none)")
+    tasks: list[str] = Field(description="what the model runs: txt2img, img2img and inpaint, or inpaint alone (an "
+                             "inpainting checkpoint: /v1/inpaint and /v1/images/edits)")

@@ -298,7 +298,7 @@ def test_an_inpainting_checkpoint_refuses_txt2img_and_img2img_before_any_step(in
             task = "img2img" if what == "img2img" else "txt2img"
             assert info.value.field == "model", what
             assert (f"'random:{arch}' is an inpainting checkpoint (its UNet takes 9 input channels" in str(info.value)
-                    and f"cannot run {task}; use inpaint" in str(info.value)), str(info.value)
+                    and f"cannot run {task}; it runs inpainting only" in str(info.value)), str(info.value)
         with pytest.raises(InvalidRequestError, match="cannot run img2img"):
             stock.pipeline_for("img2img")
     finally:

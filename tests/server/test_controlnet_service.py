@@ -422,6 +422,7 @@ def test_oversized_bodies_are_413_and_many_small_json_values_a_422(client):
 
 def test_health_and_the_schema_report_the_controlnets(client):
     assert health(client)["controlnets"] == [NET]
+    assert health(client)["tasks"] == ["txt2img", "img2img", "inpaint"]
     paths = client.get("/openapi.json").json()["paths"]
     content = paths["/v1/txt2img"]["post"]["requestBody"]["content"]
     form = content["multipart/form-data"]["schema"]["properties"]["control_image"]

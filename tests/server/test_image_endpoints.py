@@ -542,3 +542,13 @@ def test_batched_requests_give_each_client_its_pixels_alone(engine, path):
             alone = (engine.img2img(image, body["prompt"], **kw) if path == "/v1/img2img"
                      else engine.inpaint(image, mask, body["prompt"], **kw))[0]
             assert _close(_px(im["b64_json"]), _px(alone), 1), (body["prompt"], im["seed"])
+
+
+@pytest.mark.parametrize("path, name", [("/v1/inpaint", "mask"), ("/v1/img2img", "init_image"),
+                                        ("/v1/images/edits", "mask_image")])
+def test_a_file_under_an_unknown_field_name_is_an_unknown_field(client, path, name):
+    files = {"image": ("x.png", GOOD, "image/png"), name: ("m.png", MASK, "image/png")}
+    r = client.post(path, files=files, data={"prompt": PROMPT})
+    assert r.status_code == 422, r.text
+    # named as an unknown field (on /v1/inpaint after the missing mask_image it stands for)
+    assert any(d["field"] == name and "unknown field" in str(d) for d in r.json()["detail"]), r.json()
