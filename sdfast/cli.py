@@ -91,10 +91,12 @@ def _add_txt2img(sub) -> None:
 
 
 def _add_img2img(sub) -> None:
-    p = sub.add_parser("img2img", help="generate images from an init image and a prompt")
-    p.add_argument("image", help="the init image file (PNG, JPEG, WebP, ...); the images come back at its size, "
-                                 "rounded down to multiples of 8")
-    p.add_argument("prompt")
+    p = sub.add_parser("img2img", help="generate images from an init image and a prompt",
+                       usage="sdfast img2img [IMAGE] PROMPT [--image IMAGE] [options]")
+    p.add_argument("positional", nargs="+", metavar="[IMAGE] PROMPT",
+                   help="the init image file (PNG, JPEG, WebP, ...; or give it with --image) and the prompt; the "
+                        "images come back at its size, rounded down to multiples of 8")
+    p.add_argument("--image", dest="image_flag", default=None, metavar="IMAGE", help="the init image file")
     p.add_argument("--strength", type=float, default=0.8,
                    help="how far the image is noised, in (0, 1]: int(steps x strength) steps run (default: 0.8)")
     _add_generation_flags(p, size=False)
@@ -102,10 +104,14 @@ def _add_img2img(sub) -> None:
 
 
 def _add_inpaint(sub) -> None:
-    p = sub.add_parser("inpaint", help="repaint the masked part of an image from a prompt")
-    p.add_argument("image", help="the image file; the images come back at its size, rounded down to multiples of 8")
-    p.add_argument("mask", help="the mask file, the image's size: white is repainted, black kept")
-    p.add_argument("prompt")
+    p = sub.add_parser("inpaint", help="repaint the masked part of an image from a prompt",
+                       usage="sdfast inpaint [IMAGE MASK] PROMPT [--image IMAGE --mask MASK] [options]")
+    p.add_argument("positional", nargs="+", metavar="[IMAGE MASK] PROMPT",
+                   help="the image file (the images come back at its size, rounded down to multiples of 8), the mask "
+                        "file (the image's size: white is repainted, black kept) and the prompt; or give the two files "
+                        "with --image and --mask")
+    p.add_argument("--image", dest="image_flag", default=None, metavar="IMAGE", help="the image file")
+    p.add_argument("--mask", dest="mask_flag", default=None, metavar="MASK", help="the mask file")
     p.add_argument("--strength", type=float, default=1.0,
                    help="how far the masked part is noised, in (0, 1]: int(steps x strength) steps run (default: 1.0)")
     _add_generation_flags(p, size=False)
@@ -166,9 +172,31 @@ def _flag_error(e) -> str:
     return f"{flag}: {e.field} {e.reason}" if e.field in ("height", "width") else f"{flag}: {e.reason}"
 
 
+def _files_and_prompt(args) -> None:
+    """img2img / inpaint: ``args.image``, ``args.mask`` and ``args.prompt`` from the positional arguments and the
+    ``--image`` / ``--mask`` flags (either spelling: ``sdfast img2img IN.png PROMPT`` or ``sdfast img2img PROMPT
+    --image IN.png``). ValueError for another count."""
+    files = ("image",) if args.command == "img2img" else ("image", "mask")
+    flags = {f: getattr(args, f"{f}_flag", None) for f in files}
+    given = [f for f in files if flags[f] is not None]
+    if given and len(given) != len(files):
+        raise ValueError(f"--{(set(files) - set(given)).pop()}: give it with --{given[0]} (or both as positionals)")
+    expected = 1 if given else len(files) + 1
+    if len(args.positional) != expected:
+        want = "PROMPT" if given else " ".join(f.upper() for f in files) + " PROMPT"
+        raise ValueError(f"{args.command} takes {want} as positional arguments, got {len(args.positional)}: "
+                         f"{args.positional!r} (quote a prompt with spaces)")
+    values = [flags[f] for f in files] if given else args.positional[:-1]
+    for f, v in zip(files, values):
+        setattr(args, f, v)
+    args.prompt = args.positional[-1]
+
+
 def cmd_generate(args) -> int:
     from sdfast.errors import InvalidRequestError
 
+    if args.command in ("img2img", "inpaint"):
+        _files_and_prompt(args)
     try:
         return _generate(args)
     except InvalidRequestError as e:  # the engine names its argument: name the flag

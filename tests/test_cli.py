@@ -382,3 +382,29 @@ def test_controlnet_bad_input_is_one_line_exit_2_before_the_load(tmp_path, capsy
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("sdfast: error:") and message in err[-1], err
+
+
+def test_img2img_and_inpaint_take_the_files_as_flags_too(tmp_path, capsys):
+    import numpy as np
+
+    from sdfast.png import read_parameters
+
+    init, mask = _init_png(tmp_path, (32, 32)), tmp_path / "mask.png"
+    m = np.zeros((32, 32), np.uint8)
+    m[8:24, 8:24] = 255
+    Image.fromarray(m).save(mask)
+    common = ["--steps", "2", "--seed", "1", "--no-optimize"]
+    assert main(["img2img", "a cat", "--image", str(init), *common, "--out", str(tmp_path / "a.png")]) == 0
+    assert main(["img2img", str(init), "a cat", *common, "--out", str(tmp_path / "b.png")]) == 0
+    with Image.open(tmp_path / "a.png") as a, Image.open(tmp_path / "b.png") as b:
+        assert np.array_equal(np.asarray(a), np.asarray(b)) and read_parameters(a)["init_image"] == str(init)
+    assert main(["inpaint", "a cat", "--image", str(init), "--mask", str(mask), *common,
+                 "--out", str(tmp_path / "c.png")]) == 0
+    with Image.open(tmp_path / "c.png") as c:
+        assert read_parameters(c)["mask_image"] == str(mask) and read_parameters(c)["prompt"] == "a cat"
+    capsys.readouterr()
+    for args, message in [(["img2img", "a", "cat", "--image", str(init)], "img2img takes PROMPT as positional"),
+                          (["inpaint", str(init), "a cat"], "inpaint takes IMAGE MASK PROMPT as positional"),
+                          (["inpaint", "a cat", "--image", str(init)], "--mask: give it with --image")]:
+        assert main([*args, "--out", str(tmp_path / "x.png")]) == 2
+        assert message in capsys.readouterr().err
