@@ -8,6 +8,14 @@ import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
+
+# Under pytest-xdist each worker process gets its share of the cores for torch's intra-op threads (2 workers on a
+# 2-core CI machine: one thread each). With torch's default (every core per process) the workers' OpenMP threads
+# spin at every barrier against each other: a tiny ControlNet call measured 10 s that way and 0.13 s with one
+# thread (tests/server/test_controlnet_service.py, which set it for its module before this).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+if _WORKERS > 1 and not HAS_CUDA:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     # Triton picks interpreter or compiler when a kernel is decorated, i.e. at import: import every kernel
