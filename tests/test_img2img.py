@@ -43,7 +43,12 @@ def test_same_pixels_as_diffusers_img2img(engines, size):
     ref = _stock(stock.pipe, image, prompt="a photo of a cat", strength=0.6, num_inference_steps=4,
                  guidance_scale=5.0, num_images_per_prompt=2, seeds=[3, 4])
     assert [im.size for im in ours] == [(48, 40)] * 2 and [im.info["seed"] for im in ours] == ["3", "4"]
-    assert all(np.array_equal(_px(a), _px(b)) for a, b in zip(ours, ref))
+    # the same pixels up to one level on a few of them: the fused Triton kernels (in the interpreter) round fp32
+    # differently from PyTorch's ops, and how much depends on the intra-op thread count (exact with two threads,
+    # a few pixels one level apart with one)
+    for a, b in zip(ours, ref):
+        d = np.abs(_px(a) - _px(b))
+        assert d.max() <= 1 and (d > 0).mean() < 0.01, (d.max(), (d > 0).mean())
     assert not np.array_equal(_px(ours[0]), _px(ours[1]))  # each image its own seed (noise and latent sample)
 
 
