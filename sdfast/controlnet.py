@@ -60,7 +60,7 @@ def build_random_controlnet(name: str, *, device=None, dtype=None, seed: int = 0
 def _load_one(spec, unet, *, device, dtype, seed: int):
     import diffusers
 
-    from .loading import _HUB_ID, _hub_reachable
+    from .loading import _hub_reachable, is_hub_id
 
     if isinstance(spec, diffusers.ControlNetModel):
         return spec.to(device=device, dtype=dtype)
@@ -88,7 +88,7 @@ def _load_one(spec, unet, *, device, dtype, seed: int):
                                      f"{len(missing)} of its weights are missing ({', '.join(missing[:3])}, ...)")
     elif path.is_file():
         net = _load_single_file(path, unet, dtype=dtype)
-    elif _HUB_ID.match(name) and not name.startswith((".", "/", "~")):
+    elif is_hub_id(name):
         try:
             net = diffusers.ControlNetModel.from_pretrained(name, dtype=dtype, local_files_only=True)
         except Exception:  # not in the local cache
@@ -113,7 +113,7 @@ def check_name(spec) -> None:
     """What can be checked of a ControlNet name before anything loads (the CLI checks it before the base model's
     load): a ``random:`` name must be built in, a path must exist unless it reads as a hub id. Raises
     ``ModelNotFoundError``; objects and lists pass (``load_controlnets`` checks them)."""
-    from .loading import _HUB_ID
+    from .loading import is_hub_id
 
     if not isinstance(spec, (str, os.PathLike)):
         return
@@ -123,7 +123,7 @@ def check_name(spec) -> None:
             architectures.get_controlnet(name.split(":", 1)[1])
         except ValueError as e:
             raise ModelNotFoundError(f"controlnet: {e}") from None
-    elif not Path(name).expanduser().exists() and not (_HUB_ID.match(name) and not name.startswith((".", "/", "~"))):
+    elif not Path(name).expanduser().exists() and not is_hub_id(name):
         raise ModelNotFoundError(f"controlnet {name!r}: no such folder or file (and not a hub id 'owner/name' or "
                                  "'random:<name>')")
 

@@ -339,6 +339,11 @@ def load_single_file(path: Path, *, dtype, architecture: str | None = None):
     return pipe
 
 
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` reads as a Hugging Face Hub id (``owner/name``), not a relative or absolute path."""
+    return bool(_HUB_ID.match(name)) and not name.startswith((".", "/", "~"))
+
+
 def _hub_reachable(timeout: float = 3.0) -> bool:
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
         return False
@@ -414,7 +419,7 @@ def _load_pipeline(model, *, device, dtype, seed: int):
                                      f"be loaded: {type(e).__name__}: {str(e).splitlines()[0]}") from None
     elif path.is_file():
         pipe = load_single_file(path, dtype=dtype)
-    elif _HUB_ID.match(name) and not name.startswith((".", "/", "~")):
+    elif is_hub_id(name):
         pipe = load_hub(name, dtype=dtype)
     else:
         raise ModelNotFoundError(f"model {name!r}: no such folder or file (and not a hub id 'owner/name' or 'random:<arch>')")

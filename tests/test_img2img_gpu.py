@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 import sdfast
-from benchmarks.bench_txt2img import psnr
+from benchmarks.bench_txt2img import centre_mask, psnr
 
 pytestmark = pytest.mark.gpu
 
@@ -83,9 +83,7 @@ def test_inpaint_parity(model, side):
     import diffusers
 
     image, kw = _init_image(side), dict(strength=1.0, num_inference_steps=30, guidance_scale=7.5)
-    mask = np.zeros((side, side), np.uint8)
-    mask[side // 4: 3 * side // 4, side // 4: 3 * side // 4] = 255
-    mask = Image.fromarray(mask)
+    mask = centre_mask(side, side)  # white over the centred half-size square
     stock = sdfast.load(model, optimize=False)
     cls = getattr(diffusers, "StableDiffusionXLInpaintPipeline" if model.endswith("sdxl") else "StableDiffusionInpaintPipeline")
     ref = cls.from_pipe(stock.pipe, dtype=torch.float16)(prompt=PROMPT, image=image, mask_image=mask, height=side, width=side,
@@ -109,9 +107,7 @@ def test_inpainting_checkpoint_parity_and_graph_reuse(model, side):
     channels_last): stock diffusers' fp16 inpaint image, and a second call replays the first call's graphs. Few
     steps: the graphs and the parity are per step."""
     image, kw = _init_image(side), dict(strength=1.0, num_inference_steps=4, guidance_scale=7.5)
-    mask = np.zeros((side, side), np.uint8)
-    mask[side // 4: 3 * side // 4, side // 4: 3 * side // 4] = 255
-    mask = Image.fromarray(mask)
+    mask = centre_mask(side, side)  # white over the centred half-size square
     stock = sdfast.load(model, optimize=False)
     assert stock.pipe.unet.config.in_channels == 9
     ref = stock.pipe(prompt=PROMPT, image=image, mask_image=mask, height=side, width=side,
