@@ -148,6 +148,10 @@ class OptimizeConfig:
         pipeline call (in their own graph) instead of at every step: the embedding does not change during the
         denoising loop. Speed: 140 fewer GEMMs per SDXL step (about 0.9 ms of 31), 32 per SD1.5 step; memory:
         the K/V of every layer (SDXL about 55 MB). Numerics: identical (the same GEMMs, run earlier).
+    control_embedding_once: with cuda_graphs, each ControlNet embeds its control image (the eight convolutions of
+        ``controlnet_cond_embedding``, at pixel resolution) once per pipeline call, in its own graph, instead of
+        at every step (``runtime.control_embedding``). Memory: one (B, C, h, w) embedding per ControlNet.
+        Numerics: identical (the same convolutions, run earlier).
     parallel_compile: with cuda_graphs, before the first warm-up at a new input signature, one compile-only pass
         (``kernels.precompile``) compiles the Triton kernels it reaches on all CPU cores (ptxas, LLVM and the
         launcher builds overlap) instead of one after another. Speed: warm-up with a cold Triton cache; costs
@@ -176,6 +180,7 @@ class OptimizeConfig:
     tma_linear: bool = True
     cuda_graphs: bool = True
     cross_kv_once: bool = True
+    control_embedding_once: bool = True
     parallel_compile: bool = True
     max_graphs: int = 8
     vae_fp32_when_asked: bool = True

@@ -80,14 +80,17 @@ def _check_graphs_before_denoising(pipe, cache) -> None:
 
 
 def _install_graphs(pipe, state: OptimizeState) -> None:
+    from .runtime.control_embedding import ControlEmbedding
     from .runtime.cross_kv import CrossKV
     from .runtime.cuda_graphs import GraphCache
 
-    cache = GraphCache(max_graphs=state.config.max_graphs, parallel_compile=state.config.parallel_compile)
-    cache.install("unet", pipe.unet, conditioning=CrossKV(pipe.unet) if state.config.cross_kv_once else None)
+    config = state.config
+    cache = GraphCache(max_graphs=config.max_graphs, parallel_compile=config.parallel_compile)
+    cache.install("unet", pipe.unet, conditionings=(CrossKV(pipe.unet),) if config.cross_kv_once else ())
     for i, net in enumerate(_denoising_nets(pipe)[1:]):  # a ControlNet's scale is applied after its replay
-        cache.install(f"controlnet_{i}", net, conditioning=CrossKV(net) if state.config.cross_kv_once else None,
-                      output_scale="conditioning_scale")
+        conditionings = ((CrossKV(net),) if config.cross_kv_once else ()) + (
+            (ControlEmbedding(net),) if config.control_embedding_once else ())
+        cache.install(f"controlnet_{i}", net, conditionings=conditionings, output_scale="conditioning_scale")
     for name in ("text_encoder", "text_encoder_2"):
         if getattr(pipe, name, None) is not None:
             cache.install(name, getattr(pipe, name))

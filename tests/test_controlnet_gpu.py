@@ -1,5 +1,5 @@
 """ControlNet on the GPU, on the real architectures (random weights): the optimized engine (the ControlNets through
-the pass table and in their own CUDA graphs, the UNet step that takes their residuals captured) gives stock
+the pass table and in their own CUDA graphs, the control image embedded once per call, the UNet step that takes their residuals captured) gives stock
 diffusers' ControlNet images, for one and two ControlNets, txt2img and img2img; another conditioning scale replays
 the same graphs."""
 
@@ -49,6 +49,7 @@ def _stock_images(model, controlnet, cls_name, calls):
 
 @pytest.mark.parametrize("model, controlnet, side, steps", [
     ("random:sd15", "random:controlnet-sd15", 512, 20),
+    ("random:sd21", "random:controlnet-sd21", 768, 12),
     ("random:sdxl", "random:controlnet-sdxl", 1024, 12),
 ])
 def test_controlnet_txt2img_parity_and_graph_reuse(model, controlnet, side, steps):
@@ -70,6 +71,8 @@ def test_controlnet_txt2img_parity_and_graph_reuse(model, controlnet, side, step
     assert {k: v["captures"] for k, v in stats.items()} == first  # another scale: no capture
     calls = 2 * len(fast.pipe.scheduler.timesteps)  # UNet calls of the two images (PNDM runs one more than steps)
     assert stats["controlnet_0"]["replays"] == calls and stats["unet"]["replays"] == calls
+    # once per image each: the text K/V and the control image's embedding (runtime.control_embedding)
+    assert stats["controlnet_0"]["conditioning_runs"] == 2 * 2 and stats["unet"]["conditioning_runs"] == 2
     del fast
     _free()
 

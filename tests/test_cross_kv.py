@@ -5,7 +5,8 @@ import torch
 
 from sdfast.passes.attention.processor import SdfastAttnProcessor
 from sdfast.passes.state import CROSS_KV
-from sdfast.runtime.cross_kv import CrossKV, SeenContext
+from sdfast.runtime.conditioning import SeenContext
+from sdfast.runtime.cross_kv import CrossKV
 
 
 def _unet_inputs(unet, batch=2):

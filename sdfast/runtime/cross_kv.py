@@ -5,8 +5,8 @@ Every cross-attention layer of an SD/SDXL UNet projects the same text embedding
 140 GEMMs per step with M = 2 x 77 rows and weights up to 2048 x 1280, each bound by reading its weight with
 few CTAs (about 3 % of an SDXL step on sm_90).
 
-``CrossKV`` lets the graph runner (``GraphedForward``, its ``conditioning`` argument) capture two graphs
-per input signature instead of one:
+``CrossKV`` is one of the runner's conditionings (``runtime.conditioning``): the graph runner
+(``GraphedForward``, its ``conditionings`` argument) captures two graphs per input signature instead of one:
 
 * the projection graph: ``fill(context)`` runs ``project_kv`` of every cross-attention layer on the static
   context buffer; its (key, value) outputs are the slots, kept alive in that graph's own memory pool (in the
@@ -15,36 +15,27 @@ per input signature instead of one:
   (``SdfastAttnProcessor``) takes its K/V from the slots (``lookup``) when it is handed that same context
   tensor, so the step graph holds no K/V projection.
 
-The runner replays the projection graph only when the caller's context is another tensor, was changed in
-place, or the projection weights were (``state``), and at the start of every pipeline call
-(``GraphCache.check``). Eager calls (hooks, capture failures) never read the slots: ``lookup`` returns None
-outside ``reading``, and the processor projects as usual.
+Eager calls (hooks, capture failures) never read the slots: ``lookup`` returns None outside ``reading``, and the
+processor projects as usual.
 """
 
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import torch
 
 from sdfast.passes.attention.processor import SdfastAttnProcessor
 from sdfast.passes.state import CROSS_KV
 from sdfast.passes.attention.qkv import project_kv
+from sdfast.runtime.conditioning import Conditioning
 
 
-def _version(t: torch.Tensor):
-    """The tensor's in-place version counter; None for inference tensors, which have none (always "changed")."""
-    return None if t.is_inference() else t._version
-
-
-class CrossKV:
-    """The cross-attention layers of one UNet and, while a step graph is captured, their K/V slots."""
+class CrossKV(Conditioning):
+    """The cross-attention layers of one UNet (or ControlNet) and, while a step graph is captured, their K/V slots."""
 
     def __init__(self, module: torch.nn.Module, arg_name: str = "encoder_hidden_states", arg_index: int = 2):
-        self.module = module
-        self.arg_name = arg_name
-        self.arg_index = arg_index  # position in forward(sample, timestep, encoder_hidden_states, ...)
+        super().__init__(module, arg_name, arg_index)  # position in forward(sample, timestep, encoder_hidden_states, ...)
         self._slots: dict | None = None
         self._source: torch.Tensor | None = None
 
@@ -63,8 +54,7 @@ class CrossKV:
         that forward would not see; such calls project K/V inside the step graph, as stock does."""
         if kwargs.get("cross_attention_kwargs"):
             return None
-        x = kwargs.get(self.arg_name, args[self.arg_index] if len(args) > self.arg_index else None)
-        return x if isinstance(x, torch.Tensor) else None
+        return super().context(args, kwargs)
 
     def fill(self, context: torch.Tensor) -> dict:
         """K/V of every layer for ``context``: {id(layer): (key, value)}. Sets each layer's cache attribute."""
@@ -84,14 +74,6 @@ class CrossKV:
                     out.extend(sub.parameters())
         return out
 
-    @staticmethod
-    def state(context: torch.Tensor, params: list) -> tuple | None:
-        """What the slots depend on, to compare between calls; None when it cannot be known (inference tensors)."""
-        versions = [_version(context), *(_version(p) for p in params)]
-        if any(v is None for v in versions):
-            return None
-        return context.data_ptr(), tuple(context.shape), tuple(versions)
-
     @contextlib.contextmanager
     def reading(self, slots: dict, context: torch.Tensor):
         """While capturing a step graph: processors handed ``context`` take K/V from ``slots``."""
@@ -110,20 +92,3 @@ class CrossKV:
     def uninstall(self) -> None:
         for m in self.module.modules():
             CROSS_KV.clear(m)
-
-
-class SeenContext:
-    """Which context the projection graph last ran on: a weak reference and ``CrossKV.state``."""
-
-    def __init__(self):
-        self.ref = None
-        self.state = None
-
-    def same(self, x: torch.Tensor, state) -> bool:
-        return state is not None and self.ref is not None and self.ref() is x and self.state == state
-
-    def set(self, x: torch.Tensor, state) -> None:
-        self.ref, self.state = weakref.ref(x), state
-
-    def forget(self) -> None:
-        self.ref = self.state = None

@@ -12,9 +12,9 @@ its Triton kernels compile on all cores), then warmed up eagerly on a side strea
 kernel choices' measurements happen there: once, or ``warmup_iters`` times while a warm-up still measured a
 choice) and captured; ``stats.setup_s`` has the seconds each phase took. Graphs share the engine's memory pool: their
 intermediates reuse one planned workspace, safe because graphs replay one at a time and outputs are
-copied out at once. At most ``max_graphs`` are kept (least recently used dropped). With a ``conditioning``
-(``runtime.cross_kv.CrossKV``: the UNet's cross-attention K/V), each signature has a second, small graph that
-projects the text context, replayed only when the context changes.
+copied out at once. At most ``max_graphs`` are kept (least recently used dropped). With ``conditionings``
+(``runtime.conditioning``: the cross-attention K/V of the text context, a ControlNet's control-image embedding),
+each signature has one more small graph per conditioning, replayed only when its input changes.
 
 Parameters are read by the graph from their storage, so in-place weight updates (``param.copy_``, a
 fused LoRA) are seen by the next replay; replacing a parameter's storage (``module.to(dtype)``, new
@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
 from kernels import precompile, select
-from sdfast.runtime.cross_kv import CrossKV, SeenContext
+from sdfast.runtime.conditioning import Conditioning, SeenContext
 
 log = logging.getLogger("sdfast.runtime")
 
@@ -186,13 +186,14 @@ def _static_input(x: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @dataclass
 class _Projection:
-    """With a ``conditioning`` (cross-attention K/V, ``runtime.cross_kv``): the graph that projects the context
+    """For one of the ``conditionings`` (``runtime.conditioning``): the graph that runs its work on its context
     leaf, replayed only when that leaf changes."""
 
     graph: torch.cuda.CUDAGraph
+    conditioning: Conditioning
     index: int  # the context's position among the call's leaves
-    params: list  # the tensors the projection reads besides the context (their versions are watched)
-    slots: dict  # the K/V the step graph reads: kept alive, in the projection graph's own memory pool
+    params: list  # the tensors the work reads besides the context (their versions are watched)
+    slots: dict  # what the step graph reads: kept alive, in this graph's own memory pool
     seen: SeenContext = field(default_factory=SeenContext)
 
 
@@ -201,7 +202,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     static_inputs: list  # tensors, in leaf order (None for non-tensor leaves)
     static_output: object
-    pre: _Projection | None = None
+    pre: tuple[_Projection, ...] = ()
 
 
 @dataclass
@@ -210,7 +211,7 @@ class GraphStats:
     replays: int = 0
     evictions: int = 0
     eager_calls: int = 0
-    conditioning_runs: int = 0  # replays of the cross-attention K/V projection graph
+    conditioning_runs: int = 0  # replays of the conditionings' graphs (cross-attention K/V, control embedding)
     failures: list = field(default_factory=list)
     # Seconds spent making graphs, by phase ("dry_run", "warmup", "capture"), summed over signatures; "warmups"
     # counts the warm-up passes run.
@@ -237,12 +238,12 @@ class GraphedForward:
     """A callable that replaces ``module.forward`` (see the module docstring)."""
 
     def __init__(self, module: torch.nn.Module, *, pool, max_graphs: int = 8, warmup_iters: int = 2, name: str = "",
-                 clock=None, stream=None, conditioning: CrossKV | None = None, parallel_compile: bool = True,
+                 clock=None, stream=None, conditionings: tuple[Conditioning, ...] = (), parallel_compile: bool = True,
                  output_scale: str | None = None):
         self.module = module
         self.output_scale = output_scale  # a keyword argument that scales every output: applied after the replay
         self.parallel_compile = parallel_compile  # a compile-only pass before the first warm-up at a signature
-        self.conditioning = conditioning  # computed in its own graph, once per context (see runtime.cross_kv)
+        self.conditionings = tuple(conditionings)  # each in its own graph, once per context (runtime.conditioning)
         self.eager = module.forward  # the forward as it was (possibly already patched by other passes)
         self.rebound = "forward" in module.__dict__  # was forward already an instance attribute?
         self.pool = pool
@@ -288,12 +289,13 @@ class GraphedForward:
         if entry is None:
             self.stats.eager_calls += 1
             return self.eager(*args, **kwargs)
-        skip = -1
-        if entry.pre is not None:
-            skip = entry.pre.index
-            self._refresh_conditioning(entry.pre, entry.static_inputs[skip], leaves[skip])
+        skip = ()
+        if entry.pre:
+            skip = [pre.index for pre in entry.pre]
+            for pre in entry.pre:
+                self._refresh_conditioning(pre, entry.static_inputs[pre.index], leaves[pre.index])
         for i, (static, x) in enumerate(zip(entry.static_inputs, leaves)):
-            if static is None or i == skip:
+            if static is None or i in skip:
                 continue
             if static.device == x.device:
                 static.copy_(x)
@@ -316,8 +318,8 @@ class GraphedForward:
         return float(scale)
 
     def _refresh_conditioning(self, pre: _Projection, static: torch.Tensor, x: torch.Tensor) -> None:
-        """Replay the projection graph unless it last ran on this very tensor, unchanged, with unchanged weights."""
-        state = CrossKV.state(x, pre.params)
+        """Replay the conditioning's graph unless it last ran on this very tensor, unchanged, with unchanged weights."""
+        state = pre.conditioning.state(x, pre.params)
         if pre.seen.same(x, state):
             return
         static.copy_(x)
@@ -326,33 +328,36 @@ class GraphedForward:
         self.stats.conditioning_runs += 1
 
     def forget_conditioning(self) -> None:
-        """Make the next replay of every graph re-project its context (start of a pipeline call)."""
+        """Make the next replay of every graph rerun its conditionings (start of a pipeline call)."""
         for entry in self.graphs.values():
-            if entry is not None and entry.pre is not None:
-                entry.pre.seen.forget()
+            for pre in entry.pre if entry is not None else ():
+                pre.seen.forget()
 
-    def _capture_projection(self, static_inputs: list, index: int) -> _Projection:
-        """The projection graph of the context at ``static_inputs[index]``. Its own memory pool, not the shared
-        one: the K/V must survive the replays of every other graph (the shared pool hands memory freed after one
-        capture to the next, and replays write it)."""
+    def _capture_projection(self, conditioning: Conditioning, static_inputs: list, index: int) -> _Projection:
+        """The graph of ``conditioning`` on its context at ``static_inputs[index]``. Its own memory pool, not the
+        shared one: the slots must survive the replays of every other graph (the shared pool hands memory freed
+        after one capture to the next, and replays write it)."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            slots = self.conditioning.fill(static_inputs[index])
-        return _Projection(graph, index, self.conditioning.params(), slots)
+            slots = conditioning.fill(static_inputs[index])
+        return _Projection(graph, conditioning, index, conditioning.params(), slots)
 
-    def _conditioning_index(self, leaves, s_args, s_kwargs) -> int:
-        """Index of the conditioning context among the leaves, or -1 (no conditioning, no such argument, or no
-        layer to project for)."""
-        if self.conditioning is None or not self.conditioning.layers():
-            return -1
-        ctx = self.conditioning.context(s_args, s_kwargs)
-        return next((i for i, x in enumerate(leaves) if ctx is not None and x is ctx), -1)
+    def _conditioning_indices(self, leaves, s_args, s_kwargs) -> list[tuple[Conditioning, int]]:
+        """(conditioning, index of its context among the leaves) for each conditioning that has layers to work
+        for and whose argument is a tensor of this call."""
+        found = []
+        for c in self.conditionings:
+            ctx = c.context(s_args, s_kwargs) if c.layers() else None
+            i = next((i for i, x in enumerate(leaves) if ctx is not None and x is ctx), -1)
+            if i >= 0:
+                found.append((c, i))
+        return found
 
     def _capture(self, key, leaves, spec) -> None:
         device = next(x.device for x in leaves if isinstance(x, torch.Tensor) and x.is_cuda)
         static_inputs = [_static_input(x, device) if isinstance(x, torch.Tensor) else None for x in leaves]
         s_args, s_kwargs = pytree.tree_unflatten([s if s is not None else x for s, x in zip(static_inputs, leaves)], spec)
-        pre_index = self._conditioning_index(static_inputs, s_args, s_kwargs)
+        found = self._conditioning_indices(static_inputs, s_args, s_kwargs)
         side = self.stream if self.stream is not None else torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         try:
@@ -371,13 +376,13 @@ class GraphedForward:
                     if select.measured_count() == measured:
                         break
             torch.cuda.current_stream().wait_stream(side)
-            pre, reading = None, contextlib.nullcontext()
-            if pre_index >= 0:
-                pre = self._capture_projection(static_inputs, pre_index)
-                reading = self.conditioning.reading(pre.slots, static_inputs[pre_index])
+            pre = tuple(self._capture_projection(c, static_inputs, i) for c, i in found)
             graph = torch.cuda.CUDAGraph()
-            with reading, torch.cuda.graph(graph, pool=self.pool):
-                out = self.eager(*s_args, **s_kwargs)
+            with contextlib.ExitStack() as reading:
+                for p in pre:
+                    reading.enter_context(p.conditioning.reading(p.slots, static_inputs[p.index]))
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = self.eager(*s_args, **s_kwargs)
             phase("capture")
         except torch.cuda.OutOfMemoryError:
             # Transient: nothing is cached, so the next call at this signature tries again.
@@ -435,12 +440,12 @@ class GraphCache:
         self._clock += 1
         return self._clock
 
-    def install(self, name: str, module: torch.nn.Module, conditioning: CrossKV | None = None,
+    def install(self, name: str, module: torch.nn.Module, conditionings: tuple[Conditioning, ...] = (),
                 output_scale: str | None = None) -> GraphedForward:
-        """Replace ``module.forward`` by a ``GraphedForward`` named ``name`` (see there for ``conditioning`` and
+        """Replace ``module.forward`` by a ``GraphedForward`` named ``name`` (see there for ``conditionings`` and
         ``output_scale``)."""
         runner = GraphedForward(module, pool=self.pool, max_graphs=self.max_graphs, name=name, clock=self._tick,
-                                stream=self.stream, conditioning=conditioning, parallel_compile=self.parallel_compile,
+                                stream=self.stream, conditionings=conditionings, parallel_compile=self.parallel_compile,
                                 output_scale=output_scale)
         module.forward = runner
         self.runners[name] = runner
@@ -475,8 +480,8 @@ class GraphCache:
 
     def uninstall(self) -> int:
         for runner in self.runners.values():
-            if runner.conditioning is not None:
-                runner.conditioning.uninstall()
+            for conditioning in runner.conditionings:
+                conditioning.uninstall()
             if runner.module.__dict__.get("forward") is runner:
                 if runner.rebound:
                     runner.module.forward = runner.eager
