@@ -521,6 +521,9 @@ SYSTEMS: dict[str, System] = {
                                  "sdfast, OptimizeConfig(fuse_qkv=False)"),
     "sdfast-kv_every_step": System("sdfast-kv_every_step", partial(build_sdfast, cross_kv_once=False),
                                    "sdfast, OptimizeConfig(cross_kv_once=False)"),
+    "sdfast-control_embedding_every_step": System(
+        "sdfast-control_embedding_every_step", partial(build_sdfast, control_embedding_once=False),
+        "sdfast, OptimizeConfig(control_embedding_once=False)"),
     "sdfast-vae_fp32_attention": System("sdfast-vae_fp32_attention", partial(build_sdfast, vae_tf32=False),
                                         "sdfast, OptimizeConfig(vae_tf32=False)"),
     "sdfast-no_upsample": System("sdfast-no_upsample", partial(build_sdfast, upsample=False),
@@ -818,7 +821,8 @@ def _run_task(task: Task, row: dict, engine, system: System, spec: ModelSpec, ct
         pipe = engine.pipeline_for(task.method)  # the diffusers pipeline the method runs: its modules are timed
         timer = UnetTimer(pipe.unet, cuda=ctx.cuda, capture=ctx.profile and task.name == "txt2img")
         step_modules = (("controlnet",) if getattr(pipe, "controlnet", None) is not None else ()) + task.step_modules
-        steps = {name: timer if name == "unet" else UnetTimer(getattr(pipe, name), cuda=ctx.cuda)
+        steps = {name: timer if name == "unet" else UnetTimer(getattr(pipe, name), cuda=ctx.cuda,
+                                                              capture=ctx.profile and task.name == "txt2img")
                  for name in step_modules}
         phases = {k: UnetTimer(m, cuda=ctx.cuda) for k, m in _phase_modules(pipe, task.phases).items()}
         e2e = []
@@ -882,6 +886,9 @@ def _run_task(task: Task, row: dict, engine, system: System, spec: ModelSpec, ct
             from benchmarks.unet_profile import profile_unet_step
 
             row["profile"] = profile_unet_step(engine.pipe.unet, *timer.captured)
+            for name, t in steps.items():  # the ControlNet's step too (one ControlNet; several run in one module)
+                if name != "unet" and t.captured is not None and not hasattr(getattr(pipe, name), "nets"):
+                    row[f"profile_{name}"] = profile_unet_step(getattr(pipe, name), *t.captured)
     except Exception as e:  # one failing task gives an error row; the other tasks go on
         row["error"] = f"{stage}: {type(e).__name__}: {e}".strip()[:500]
         log(f"[{label}] FAILED in {stage}:\n{traceback.format_exc()}")
@@ -996,9 +1003,10 @@ def render(rows: list[dict], env: dict, *, profile: bool = False) -> str:
         from benchmarks.unet_profile import format_breakdown
 
         for r in rows:
-            if r.get("profile"):
-                out += ["", "### UNet step breakdown: " + f"{r['model']}/{r['system']}", "",
-                        format_breakdown(r["profile"])]
+            for key, what in (("profile", "UNet"), ("profile_controlnet", "ControlNet")):
+                if r.get(key):
+                    out += ["", f"### {what} step breakdown: " + f"{r['model']}/{r['system']}", "",
+                            format_breakdown(r[key])]
     out += ["", tensorrt_note(), "",
             f"## Reference ({reference.LABEL}: other GPUs, sizes and steps; figures as published)", "",
             markdown_table(reference.REFERENCE, reference.COLUMNS)]
@@ -1013,7 +1021,7 @@ def write_outputs(out_dir, rows: list[dict], env: dict, args: dict, text: str) -
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    csv_rows = [{**{k: v for k, v in r.items() if k != "profile"}, **flatten_env(env)} for r in rows]
+    csv_rows = [{**{k: v for k, v in r.items() if not k.startswith("profile")}, **flatten_env(env)} for r in rows]
     csv_rows += [{"system": r["system"], "model": r["model_size_steps"], "arch": r["arch"], "size": r["size"],
                   "steps": r["steps"], "e2e_s": r["e2e_s"], "unet_ms_step": r["unet_ms_step"], "gpu": r["gpu"],
                   "figure": r["figure"], "source": r["source"], "published": reference.LABEL}
@@ -1027,9 +1035,10 @@ def write_outputs(out_dir, rows: list[dict], env: dict, args: dict, text: str) -
     paths.append(plot_txt2img(out / "txt2img.png", measured, reference.REFERENCE))
     (out / "txt2img.md").write_text(text + "\n")
     paths.append(out / "txt2img.md")
-    prof = [{"model": r["model"], "system": r["system"], "category": c, "us_per_step": v["us"],
+    prof = [{"model": r["model"], "system": r["system"], "module": module, "category": c, "us_per_step": v["us"],
              "kernels_per_step": v["kernels"]}
-            for r in rows if r.get("profile") for c, v in r["profile"]["categories"].items()]
+            for r in rows for key, module in (("profile", "unet"), ("profile_controlnet", "controlnet"))
+            if r.get(key) for c, v in r[key]["categories"].items()]
     if prof:
         paths.append(write_csv(out / "profile.csv", prof))
     return paths
