@@ -248,3 +248,28 @@ def test_a_lora_on_the_unet_of_a_controlnet_engine_as_diffusers(tiny):
                  seeds=[0], **kw)
     stock.unload_lora_weights()
     assert _same(ours, ref[0]) and not _same(ours, plain)  # the LoRA shows, as in diffusers
+
+
+def test_a_single_file_controlnet_loads(tmp_path):
+    """A ``.safetensors`` ControlNet with diffusers' keys, loaded offline with the config made for the model's UNet
+    (``architectures.controlnet_config``: the published control-image embedding widths, 16/32/96/256); a file that
+    is no ControlNet is a ModelNotFoundError naming it."""
+    import diffusers
+    import safetensors.torch
+
+    from sdfast.architectures import controlnet_config
+
+    config = controlnet_config(build_random_pipeline("tiny").unet.config)
+    config.pop("_class_name")
+    torch.manual_seed(2)
+    net = diffusers.ControlNetModel(**config)
+    path = tmp_path / "control.safetensors"
+    safetensors.torch.save_file({k: v.contiguous() for k, v in net.state_dict().items()}, str(path))
+    engine = sdfast.load("random:tiny", controlnet=str(path), optimize=False)
+    loaded = engine.controlnets[0]
+    assert loaded.dtype == engine.pipe.unet.dtype
+    assert all(torch.equal(a, b.to(a.dtype)) for a, b in zip(loaded.state_dict().values(), net.state_dict().values()))
+    bad = tmp_path / "other.safetensors"
+    safetensors.torch.save_file({"weight": torch.zeros(2)}, str(bad))
+    with pytest.raises(ModelNotFoundError, match="other.safetensors"):
+        sdfast.load("random:tiny", controlnet=str(bad), optimize=False)

@@ -44,7 +44,7 @@ def _init_image(side):
     return Image.fromarray((np.stack([x, y, (x + y) / 2], -1) * 255).astype(np.uint8))
 
 
-@pytest.mark.parametrize("model, side", [("random:sd15", 512), ("random:sdxl", 1024)])
+@pytest.mark.parametrize("model, side", [("random:sd15", 512), ("random:sd21", 768), ("random:sdxl", 1024)])
 def test_img2img_parity_and_graph_reuse(model, side):
     from diffusers import StableDiffusionImg2ImgPipeline, StableDiffusionXLImg2ImgPipeline
 
@@ -78,7 +78,7 @@ def test_img2img_parity_and_graph_reuse(model, side):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("model, side", [("random:sd15", 512), ("random:sdxl", 1024)])
+@pytest.mark.parametrize("model, side", [("random:sd15", 512), ("random:sd21", 768), ("random:sdxl", 1024)])
 def test_inpaint_parity(model, side):
     import diffusers
 
@@ -101,7 +101,8 @@ def test_inpaint_parity(model, side):
     torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("model, side", [("random:sd15-inpaint", 512), ("random:sdxl-inpaint", 1024)])
+@pytest.mark.parametrize("model, side", [("random:sd15-inpaint", 512), ("random:sd2-inpaint", 512),
+                                         ("random:sdxl-inpaint", 1024)])
 def test_inpainting_checkpoint_parity_and_graph_reuse(model, side):
     """An inpainting checkpoint (UNet with 9 input channels: latents, mask, masked-image latents; its conv_in
     channels_last): stock diffusers' fp16 inpaint image, and a second call replays the first call's graphs. Few
