@@ -88,3 +88,34 @@ def test_optimize_counts_the_pass_unless_turned_off():
     assert not any(getattr(m, "_sdfast_conv_bias", False) for m in [*pipe.unet.modules(), *pipe.vae.modules()])
     sdfast.optimize(pipe, sdfast.OptimizeConfig(conv_bias=False))
     assert "conv_bias" not in pipe._sdfast.counts
+
+
+def test_controlnet_zero_convs_run_as_linears_on_channels_last(monkeypatch):
+    """A ControlNet's conv_in and its 1x1 output convolutions are covered; on channels_last input the 1x1 ones run
+    as one linear each (``pointwise_forward``), giving the convolution's residuals in channels_last memory."""
+    from sdfast.controlnet import build_random_controlnet
+    from sdfast.passes import layout
+
+    net = build_random_controlnet("tiny-controlnet")
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(2, 4, 8, 8, generator=g), torch.tensor(10), torch.randn(2, 7, 32, generator=g),
+            torch.rand(2, 3, 64, 64, generator=g))
+    with torch.no_grad():
+        want = net(*args, return_dict=False)
+    from diffusers.models.downsampling import Downsample2D
+
+    zero = [*net.controlnet_down_blocks, net.controlnet_mid_block]
+    samplers = [m for m in net.modules() if isinstance(m, Downsample2D)]
+    layout.apply(net)
+    n = 1 + len(samplers) + len(zero)  # conv_in, the downsamplers' and the zero convolutions
+    assert conv_bias.apply(net) == n
+    linears = []
+    real = conv_bias.F.linear
+    monkeypatch.setattr(conv_bias.F, "linear", lambda *a: linears.append(a[0].shape) or real(*a))
+    with torch.no_grad():
+        got = net(*args, return_dict=False)
+    assert len([shape for shape in linears if len(shape) == 4]) == len(zero)  # (B, H, W, C) views: the zero convs
+    for a, b in zip([*got[0], got[1]], [*want[0], want[1]]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert got[1].is_contiguous(memory_format=torch.channels_last)
+    assert conv_bias.undo(net) == n and all("forward" not in c.__dict__ for c in zero)
