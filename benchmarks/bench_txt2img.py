@@ -524,6 +524,8 @@ SYSTEMS: dict[str, System] = {
     "sdfast-control_embedding_every_step": System(
         "sdfast-control_embedding_every_step", partial(build_sdfast, control_embedding_once=False),
         "sdfast, OptimizeConfig(control_embedding_once=False)"),
+    "sdfast-vae_bf16": System("sdfast-vae_bf16", partial(build_sdfast, vae_decoder_dtype="bfloat16"),
+                              "sdfast, OptimizeConfig(vae_decoder_dtype='bfloat16')"),
     "sdfast-vae_fp32_attention": System("sdfast-vae_fp32_attention", partial(build_sdfast, vae_tf32=False),
                                         "sdfast, OptimizeConfig(vae_tf32=False)"),
     "sdfast-no_upsample": System("sdfast-no_upsample", partial(build_sdfast, upsample=False),

@@ -159,6 +159,12 @@ class OptimizeConfig:
     max_graphs: graphs kept per module; the least recently used shape is dropped beyond this.
     vae_fp32_when_asked: when the VAE config says ``force_upcast`` and the pipeline is fp16, keep the VAE
         in fp32 permanently (what stock diffusers does per call, without casting weights back and forth).
+    vae_decoder_dtype: None (default: the dtype above), or "bfloat16", "float16" or "float32": the VAE's decoder (and
+        its ``post_quant_conv``) kept in that dtype, the latents cast to it at ``decode``. "bfloat16" is for a VAE
+        whose config says ``force_upcast`` (SDXL's): bf16 has fp32's range, so the fp16 overflow that flag avoids
+        cannot happen, and its decoder runs the fused fp16/bf16 kernels instead of fp32 ones. Numerics: bf16's
+        8-bit mantissa (a few tenths of a dB to a few dB of PSNR against the fp32 decoder; measured in
+        ``benchmarks/results``). The encoder keeps the dtype above.
     vae_tf32: with that fp32 VAE, its attention may run both matmuls in TF32 (fp32 range, fp16's 10-bit
         mantissa, fp32 accumulation and softmax) when the dispatcher measures that faster and within fp16's
         tolerance of fp32. Stock's fp32 VAE already runs its convolutions in TF32 (PyTorch's default
@@ -184,6 +190,7 @@ class OptimizeConfig:
     parallel_compile: bool = True
     max_graphs: int = 8
     vae_fp32_when_asked: bool = True
+    vae_decoder_dtype: str | None = None
     vae_tf32: bool = True
     kernels: KernelPolicy | None = None
 
@@ -191,10 +198,13 @@ class OptimizeConfig:
         if self.kernels is not None and not isinstance(self.kernels, KernelPolicy):
             raise TypeError(f"OptimizeConfig.kernels must be an sdfast.KernelPolicy, got {type(self.kernels).__name__}")
         for name, value in asdict(self).items():
-            if name in ("max_graphs", "kernels"):
+            if name in ("max_graphs", "kernels", "vae_decoder_dtype"):
                 continue
             if not isinstance(value, bool):
                 raise TypeError(f"OptimizeConfig.{name} must be True or False, got {value!r}")
+        if self.vae_decoder_dtype not in (None, "bfloat16", "float16", "float32"):
+            raise ValueError("OptimizeConfig.vae_decoder_dtype must be None, 'bfloat16', 'float16' or 'float32', got "
+                             f"{self.vae_decoder_dtype!r}")
         if not isinstance(self.max_graphs, int) or isinstance(self.max_graphs, bool) or self.max_graphs < 1:
             raise ValueError(f"OptimizeConfig.max_graphs must be an integer >= 1, got {self.max_graphs!r}")
 

@@ -33,7 +33,8 @@ class OptimizeState:
     config: OptimizeConfig
     counts: dict = field(default_factory=dict)
     graphs: object | None = None  # runtime.cuda_graphs.GraphCache
-    vae_upcast: bool = False
+    vae_upcast: bool = False  # the VAE kept in fp32 (its config's force_upcast)
+    vae_dtypes: dict | None = None  # {half: dtype it had} for the VAE halves this pass cast (None: none)
     vae_dispatcher: object | None = None  # the fp32 VAE's own AttentionDispatcher (TF32 allowed), if any
     applied: list = field(default_factory=list)  # names of the passes applied, in order
 
@@ -50,16 +51,21 @@ def _denoisers(pipe) -> list[torch.nn.Module]:
     return [*_denoising_nets(pipe), *([pipe.vae] if getattr(pipe, "vae", None) is not None else [])]
 
 
+def _half_dtype(vae, half: str) -> torch.dtype:
+    """The dtype of the VAE's ``half`` ("encoder" or "decoder"): its first convolution's weight."""
+    return getattr(vae, half).conv_in.weight.dtype
+
+
 def _vae_in_own_dtype(vae):
-    """Rebind ``vae.decode`` and ``vae.encode`` to cast their input (latents, images) to the VAE's dtype (for a VAE
-    kept in fp32)."""
+    """Rebind ``vae.decode`` and ``vae.encode`` to cast their input (latents, images) to the dtype of the half that
+    takes it (a VAE kept in fp32, a decoder in bf16)."""
     original_decode, original_encode = vae.decode, vae.encode
 
     def decode(self, z, *args, **kwargs):
-        return original_decode(z.to(self.dtype), *args, **kwargs)
+        return original_decode(z.to(_half_dtype(self, "decoder")), *args, **kwargs)
 
     def encode(self, x, *args, **kwargs):
-        return original_encode(x.to(self.dtype), *args, **kwargs)
+        return original_encode(x.to(_half_dtype(self, "encoder")), *args, **kwargs)
 
     vae.decode = types.MethodType(decode, vae)
     vae.encode = types.MethodType(encode, vae)
@@ -104,20 +110,37 @@ def _install_graphs(pipe, state: OptimizeState) -> None:
 # -- the passes: apply(pipe, state) -> modules changed; undo(pipe, state) --------------------------------------
 
 
-def _upcast_vae(pipe, state: OptimizeState) -> int:
-    vae = pipe.vae
-    if not (hasattr(pipe, "upcast_vae") and vae.dtype == torch.float16 and vae.config.force_upcast):
+def _vae_dtype(pipe, state: OptimizeState) -> int:
+    """The VAE's own dtypes: fp32 where its config asks (``force_upcast``, ``vae_fp32_when_asked``) on an fp16
+    pipeline, then the decoder (with ``post_quant_conv``) in ``vae_decoder_dtype`` if set. Its config keeps
+    ``force_upcast``; ``runtime.session`` turns it off during engine calls, so that no pipeline casts the VAE."""
+    vae, config = pipe.vae, state.config
+    before = {"encoder": _half_dtype(vae, "encoder"), "decoder": _half_dtype(vae, "decoder")}
+    if config.vae_fp32_when_asked and hasattr(pipe, "upcast_vae") and vae.dtype == torch.float16 and vae.config.force_upcast:
+        vae.to(torch.float32)
+        state.vae_upcast = True
+    if config.vae_decoder_dtype is not None:
+        dtype = getattr(torch, config.vae_decoder_dtype)
+        for m in (vae.decoder, getattr(vae, "post_quant_conv", None)):
+            if m is not None:
+                m.to(dtype)
+    if {h: _half_dtype(vae, h) for h in before} == before:
         return 0
-    vae.to(torch.float32)
-    _vae_in_own_dtype(vae)  # its config keeps force_upcast (runtime.session turns it off during engine calls)
-    state.vae_upcast = True
+    state.vae_dtypes = before
+    _vae_in_own_dtype(vae)
     return 1
 
 
-def _undo_vae_upcast(pipe, state: OptimizeState) -> None:
-    if state.vae_upcast:
-        del pipe.vae.decode, pipe.vae.encode
-        pipe.vae.to(torch.float16)
+def _undo_vae_dtype(pipe, state: OptimizeState) -> None:
+    if state.vae_dtypes is None:
+        return
+    vae = pipe.vae
+    del vae.decode, vae.encode
+    vae.to(state.vae_dtypes["encoder"])  # the whole VAE back (it had one dtype), then the decoder's
+    for m in (vae.decoder, getattr(vae, "post_quant_conv", None)):
+        if m is not None:
+            m.to(state.vae_dtypes["decoder"])
+    state.vae_dtypes, state.vae_upcast = None, False
 
 
 def _attention(pipe, state: OptimizeState) -> int:
@@ -191,7 +214,8 @@ class Pass:
 # pass reads what an earlier one left (sdfast.passes.state): time-embedding packing needs the norm pass's fused
 # ResNet blocks and runs after the layout pass (the pack's views are the final storage); CUDA graphs come last.
 PASSES: tuple[Pass, ...] = (
-    Pass("vae_fp32", lambda c, p: c.vae_fp32_when_asked, _upcast_vae, _undo_vae_upcast, counted=False),
+    Pass("vae_dtype", lambda c, p: c.vae_fp32_when_asked or c.vae_decoder_dtype is not None, _vae_dtype,
+         _undo_vae_dtype, counted=False),
     Pass("attention", lambda c, p: c.attention, _attention, _per_denoiser("attention", "undo")),
     Pass("norms", lambda c, p: c.fuse_norms, _per_denoiser("norms", "apply"), _per_denoiser("norms", "undo")),
     Pass("layout", lambda c, p: c.channels_last, _per_denoiser("layout", "apply"), _per_denoiser("layout", "undo")),

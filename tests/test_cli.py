@@ -65,6 +65,8 @@ def test_png_carries_the_generation_parameters(tmp_path):
         (["--steps", "5000"], "--steps: at most 999"),
         (["--steps", "1000"], "at most 999"),
         (["--scheduler", "lcm", "--steps", "60"], "--steps: at most 50"),
+        (["--vae-decoder-dtype", "int8"], "invalid choice: 'int8'"),
+        (["--no-optimize", "--vae-decoder-dtype", "bfloat16"], "--vae-decoder-dtype is an optimization"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(tmp_path, capsys, monkeypatch, args, message):

@@ -89,7 +89,7 @@ class CallSession:
         )
         mark = graphs.mark() if graphs is not None else None
         state = getattr(pipe, "_sdfast", None)
-        upcast = bool(getattr(state, "vae_upcast", False)) and bool(pipe.vae.config.get("force_upcast", False))
+        upcast = getattr(state, "vae_dtypes", None) is not None and bool(pipe.vae.config.get("force_upcast", False))
         if upcast:
             pipe.vae.register_to_config(force_upcast=False)
         try:
