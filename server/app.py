@@ -34,7 +34,10 @@ Errors are JSON in the OpenAI shape ``{"error": {"message", "type", "param", "co
 422 bad input (``param`` names the field; ``detail`` lists at most ``MAX_DETAIL`` errors), 401 no/wrong key,
 429 queue full (answered at once), 503 GPU out of memory (the service goes on), 504 deadline passed,
 500 the engine (or the service) failed: a generic message with a ``request_id``, whose log line has the details.
-A client that disconnects while waiting releases its place in the queue; a generation stops at the next
+A client that disconnects while waiting releases its place in the queue. Batching (``create_app(batching=...)``,
+``sdfast serve --batching``): "continuous" (default, ``server.continuous``) steps txt2img requests together, joining
+and leaving the running batch at denoising steps, and a request past its deadline or whose client left leaves at the
+next step; "static" (``server.worker``) runs compatible queued requests as one engine call, which stops at the next
 denoising step once every request of its batch is past its deadline or gone. ``serve`` adds the connection
 limits of ``server.connections`` and the ``Host`` check of ``allowed_hosts_for``.
 """

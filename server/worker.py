@@ -1,4 +1,5 @@
-"""The one thread that owns the engine (and so the GPU), its bounded queue, and request batching.
+"""The one thread that owns the engine (and so the GPU), its bounded queue, and request batching (static batching:
+``server.continuous.ContinuousWorker`` builds step-level batching on this class).
 
 HTTP handlers run on the event loop; they never touch the engine. They ``submit`` a ``Job`` and
 wait on its ``future``. The worker thread takes the oldest live job, adds every later queued job
