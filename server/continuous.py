@@ -39,6 +39,7 @@ Method: iteration-level scheduling of Orca (Yu et al., OSDI 2022) and vLLM's con
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -104,6 +105,7 @@ class ContinuousWorker(Worker):
         self.on_step = on_step
         self.buckets = buckets
         self._groups: dict = {}  # StepKey -> _Group, in flight
+        self._deferred: list | None = None  # answers held back until a group's run is reported (``_answers_after``)
         self.steps_run = 0
 
     # -- state ---------------------------------------------------------------------------------------------------
@@ -209,17 +211,36 @@ class ContinuousWorker(Worker):
         self._queue.extend(left)
         return [], work, joiners
 
+    def _settle(self, job: Job, result: JobResult | None = None, error: ServiceError | None = None) -> None:
+        if self._deferred is not None:
+            self._deferred.append((job, result, error))
+            return
+        super()._settle(job, result, error)
+
+    @contextlib.contextmanager
+    def _answers_after(self, group: _Group):
+        """Inside, answers are held back; on the way out ``group`` is closed if it is empty (its run reported) and
+        then they are set, so that a client that has its answer finds everything about it counted."""
+        self._deferred = []
+        try:
+            yield
+        finally:
+            deferred, self._deferred = self._deferred, None
+            if not group.jobs:
+                self._close(group)
+            for job, result, error in deferred:
+                super()._settle(job, result, error)
+
     def _boundary(self) -> None:
         """At a step boundary: the in-flight requests whose client left or whose deadline passed leave their group."""
         now = time.monotonic()
         for group in list(self._groups.values()):
-            for slot, job in list(group.jobs.items()):
-                if job.future.done() or self._is_dead(job, now):
-                    self._leave(group, slot)
-                    self._settle(job, error=self._dead_error(job, GenerationCancelled(slot.step, slot.steps)))
-                    group.last_failure = "cancelled"
-            if not group.jobs:
-                self._close(group)
+            with self._answers_after(group):
+                for slot, job in list(group.jobs.items()):
+                    if job.future.done() or self._is_dead(job, now):
+                        self._leave(group, slot)
+                        self._settle(job, error=self._dead_error(job, GenerationCancelled(slot.step, slot.steps)))
+                        group.last_failure = "cancelled"
 
     def _group(self, key) -> _Group:
         group = self._groups.get(key)
@@ -258,20 +279,16 @@ class ContinuousWorker(Worker):
         if key not in self._groups and not joiners:  # its one queued job left meanwhile
             return
         group = self._group(key)
-        if joiners:
-            self._join(group, joiners)
-        if not group.jobs:
-            self._close(group)
-            return
-        slots = list(group.jobs)
-        size = group.chunk or len(slots)
-        finished = []
-        for i in range(0, len(slots), size):
-            finished += self._step(group, slots[i:i + size])
-        if finished:
-            self._finish(group, finished)
-        if not group.jobs:
-            self._close(group)
+        with self._answers_after(group):
+            if joiners:
+                self._join(group, joiners)
+            slots = list(group.jobs)
+            size = group.chunk or len(slots)
+            finished = []
+            for i in range(0, len(slots), size):
+                finished += self._step(group, slots[i:i + size])
+            if finished:
+                self._finish(group, finished)
 
     # -- the calls, each retried in halves after running out of memory ---------------------------------------------
     def _oom_error(self, group: _Group, jobs: list[Job], alone: bool) -> GPUOutOfMemory:
@@ -406,25 +423,20 @@ class ContinuousWorker(Worker):
         if outputs is None:
             return
         now = time.monotonic()
-        answers = []
         for slot, out in zip(slots, outputs):
             job = group.jobs.get(slot)
             self._leave(group, slot)
             if job is None:
                 continue
             if isinstance(out, BaseException):
-                answers.append((job, None, self._failure(out)))
+                self._settle(job, error=self._failure(out))
                 group.last_failure = "error"
                 continue
             started = job.started_at if job.started_at is not None else job.enqueued_at
             occupancy = round(job.step_images / job.steps_run) if job.steps_run else job.n
-            answers.append((job, JobResult(images=out, queue_s=started - job.enqueued_at, generate_s=now - started,
-                                           batch_images=occupancy), None))
+            self._settle(job, JobResult(images=out, queue_s=started - job.enqueued_at, generate_s=now - started,
+                                        batch_images=occupancy))
             group.delivered += job.n
-        if not group.jobs:  # its run is reported before its last answers: a client that has one finds it counted
-            self._close(group)
-        for job, result, error in answers:
-            self._settle(job, result, error)
 
     def _observe_step(self, images: int, seconds: float, outcome: str) -> None:
         self.steps_run += 1
