@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import threading
 import time
 from typing import Callable
 
@@ -212,7 +213,7 @@ class ContinuousWorker(Worker):
         return [], work, joiners
 
     def _settle(self, job: Job, result: JobResult | None = None, error: ServiceError | None = None) -> None:
-        if self._deferred is not None:
+        if self._deferred is not None and threading.current_thread() is self._thread:
             self._deferred.append((job, result, error))
             return
         super()._settle(job, result, error)
@@ -291,12 +292,11 @@ class ContinuousWorker(Worker):
                 self._finish(group, finished)
 
     # -- the calls, each retried in halves after running out of memory ---------------------------------------------
-    def _oom_error(self, group: _Group, jobs: list[Job], alone: bool) -> GPUOutOfMemory:
-        images = sum(job.n for job in jobs)
-        where = "alone" if alone else "batched"
+    def _oom_error(self, group: _Group, job: Job) -> GPUOutOfMemory:
+        """The 503 of a request that ran out of memory in a call of its own (after the halvings)."""
         return GPUOutOfMemory(
-            f"out of GPU memory generating {images} image(s) of {group.key.width}x{group.key.height} (this request "
-            f"ran {where}); the memory was freed, retry, or ask for fewer or smaller images")
+            f"out of GPU memory generating {job.n} image(s) of {group.key.width}x{group.key.height} (this request "
+            "ran alone); the memory was freed, retry, or ask for fewer or smaller images")
 
     def _failure(self, e: BaseException) -> ServiceError:
         """The answer to a request that ``e`` failed: 422 naming the field for an ``InvalidRequestError``, else 500."""
@@ -320,7 +320,7 @@ class ContinuousWorker(Worker):
         if oom:
             free_gpu_memory()
             if len(jobs) == 1:
-                self._settle(jobs[0], error=self._oom_error(group, jobs, alone=not group.jobs))
+                self._settle(jobs[0], error=self._oom_error(group, jobs[0]))
                 group.last_failure = "oom"
                 return
             log.warning("worker: out of memory encoding %d requests; retrying them in two halves", len(jobs))
@@ -358,7 +358,7 @@ class ContinuousWorker(Worker):
                 job = group.jobs.get(slots[0])
                 self._leave(group, slots[0])
                 if job is not None:
-                    self._settle(job, error=self._oom_error(group, [job], alone=len(group.jobs) == 0))
+                    self._settle(job, error=self._oom_error(group, job))
                 group.last_failure = "oom"
                 return []
             half = (len(slots) + 1) // 2
@@ -413,7 +413,7 @@ class ContinuousWorker(Worker):
                 job = group.jobs.get(slots[0])
                 self._leave(group, slots[0])
                 if job is not None:
-                    self._settle(job, error=self._oom_error(group, [job], alone=True))
+                    self._settle(job, error=self._oom_error(group, job))
                 group.last_failure = "oom"
                 return
             half = (len(slots) + 1) // 2
