@@ -276,6 +276,9 @@ def _add_serve(sub) -> None:
     p.add_argument("--max-batch", type=int, default=4,
                    help="at most this many images in one engine call, and per request (default: 4)")
     p.add_argument("--queue", type=int, default=64, help="requests waiting at most; more get 429 (default: 64)")
+    p.add_argument("--batching", choices=("continuous", "static"), default="continuous",
+                   help="continuous (default): txt2img requests join and leave the running batch at every denoising "
+                        "step; static: compatible requests queued together run as one engine call to completion")
     p.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="a request's deadline, queue and generation: past it the answer is 504 and its generation "
                         "stops at the next step (default: $SDFAST_REQUEST_TIMEOUT, else 300)")
@@ -302,7 +305,7 @@ def cmd_serve(args) -> int:
     return serve(model=args.model or default_model(), host=args.host, port=args.port,
                  max_batch=args.max_batch, queue_size=args.queue, request_timeout_s=args.request_timeout,
                  read_timeout_s=args.read_timeout, max_connections=args.max_connections,
-                 allowed_hosts=args.allowed_hosts, controlnet=args.controlnet) or 0
+                 allowed_hosts=args.allowed_hosts, controlnet=args.controlnet, batching=args.batching) or 0
 
 
 def _add_bench(sub) -> None:

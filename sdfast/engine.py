@@ -11,6 +11,7 @@ the diffusers pipeline of the request's ``task``, built once from the same (opti
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import secrets
@@ -327,11 +328,14 @@ class Engine:
         by this engine's tokenizers, so that ``run`` does not tokenize them again."""
         return Txt2ImgRequest.build(prompt, tokenize=functools.partial(prompt_policy.tokenize, self.pipe), **kwargs)
 
-    def run(self, request: Txt2ImgRequest, *, progress: bool = False, should_stop=None, _stacklevel: int = 2):
-        """Run a built request (``Txt2ImgRequest.build`` or ``Engine.request``): what ``txt2img`` returns and
-        raises (see there), without validating the request again. Its ``tokens`` are used when they are this
-        pipeline's (same tokenizers and vocabularies), else the texts are tokenized here, once. The model's own
-        limits are checked here: the scheduler's step limit, ``InvalidRequestError`` before any step."""
+    def prepare(self, request: Txt2ImgRequest, *, _stacklevel: int = 2) -> PreparedRequest:
+        """What ``run`` does to a built request before any model runs, as a ``PreparedRequest``: the model's own
+        checks (ControlNet count, the task's pipeline, the scheduler's step limit: ``InvalidRequestError``), the seeds
+        (drawn when the request has none), one CPU ``torch.Generator`` per image, CFG on or off, the texts' tokens
+        (tokenized here when the request's are not this pipeline's) and their window plan, with the
+        ``PromptTruncatedWarning`` of ``long_prompt="truncate"``. ``run`` and the step-level batch
+        (``sdfast.runtime.step_batch``) both start here, so a request either would refuse is refused by both, alike.
+        Raises ``TypeError`` for anything but a ``Txt2ImgRequest`` (or its img2img / inpainting subclasses)."""
         if not isinstance(request, Txt2ImgRequest):
             raise TypeError(f"run takes an sdfast.request.Txt2ImgRequest (Txt2ImgRequest.build(...) or "
                             f"engine.request(...)), Img2ImgRequest or InpaintRequest, got {type(request).__name__}")
@@ -343,11 +347,9 @@ class Engine:
                                                        "control_image (one per ControlNet)")
         height = self.default_size if request.height is None else request.height
         width = self.default_size if request.width is None else request.width
-        pipe, task_kwargs = self.pipeline_for(request.task), request.pipeline_kwargs(height, width)
-        num_inference_steps, guidance_scale = request.num_inference_steps, request.guidance_scale
-        num_images_per_prompt = request.num_images_per_prompt
+        pipe = self.pipeline_for(request.task)
         sched = self.scheduler_for(request.scheduler)
-        check_steps(num_inference_steps, sched, request.scheduler)
+        check_steps(request.num_inference_steps, sched, request.scheduler)
         prompts = list(request.prompts)
         negatives = None if request.negative_prompts is None else list(request.negative_prompts)
         n = request.num_images
@@ -356,8 +358,7 @@ class Engine:
         else:
             start = secrets.randbelow(2**31 - n)
             seeds = [start + i for i in range(n)]
-        generators = [torch.Generator("cpu").manual_seed(s) for s in seeds]
-        do_cfg = guidance_scale > 1 and pipe.unet.config.get("time_cond_proj_dim") is None
+        do_cfg = request.guidance_scale > 1 and pipe.unet.config.get("time_cond_proj_dim") is None
         counted = negatives if do_cfg else None  # without CFG the negative prompt is never encoded
         tokens = request.tokens
         if tokens is None or not tokens.fits(pipe, len(prompts), counted is not None):
@@ -373,6 +374,19 @@ class Engine:
                 PromptTruncatedWarning,
                 stacklevel=_stacklevel,
             )
+        return PreparedRequest(
+            request=request, pipe=pipe, scheduler=sched, height=height, width=width, prompts=prompts,
+            negatives=negatives, seeds=seeds, generators=[torch.Generator("cpu").manual_seed(s) for s in seeds],
+            do_cfg=do_cfg, tokens=tokens, report=report)
+
+    def run(self, request: Txt2ImgRequest, *, progress: bool = False, should_stop=None, _stacklevel: int = 2):
+        """Run a built request (``Txt2ImgRequest.build`` or ``Engine.request``): what ``txt2img`` returns and
+        raises (see there), without validating the request again. Its ``tokens`` are used when they are this
+        pipeline's (same tokenizers and vocabularies), else the texts are tokenized here, once. The model's own
+        limits are checked here (``prepare``): the scheduler's step limit, ``InvalidRequestError`` before any step."""
+        prep = self.prepare(request, _stacklevel=_stacklevel + 1)
+        pipe, report, n = prep.pipe, prep.report, request.num_images
+        height, width = prep.height, prep.width
         session = CallSession(pipe)
         # The texts are encoded here from their tokens (diffusers does not tokenize again): long prompts in
         # windows (stock would truncate); graphed pipelines with prompt and negative prompt in one text-encoder
@@ -380,32 +394,66 @@ class Engine:
         if report.chunks > 1:
             log.info("sdfast: long prompt encoded in %d windows of %d tokens", report.chunks, prompt_policy.WINDOW)
         session.before_text_encoders()
-        text = prompt_policy.encode_chunked(pipe, prompts, negatives, report.chunks, do_cfg=do_cfg,
-                                            batch_cfg=session.graphed, tokens=tokens)
+        text = prompt_policy.encode_chunked(pipe, prep.prompts, prep.negatives, report.chunks, do_cfg=prep.do_cfg,
+                                            batch_cfg=session.graphed, tokens=prep.tokens)
         pipe.set_progress_bar_config(disable=not progress)
         stop = {} if should_stop is None else {"callback_on_step_end": _stopper(should_stop)}
         t0 = time.perf_counter()
-        with session.call(sched, what=f"{n} image(s) of {width}x{height} on {self.device}") as finite, quiet_loading():
+        with session.call(prep.scheduler, what=f"{n} image(s) of {width}x{height} on {self.device}") as finite, \
+                quiet_loading():
             out = pipe(
                 **text,
                 **stop,
-                **task_kwargs,
-                num_inference_steps=num_inference_steps,
-                guidance_scale=guidance_scale,
-                num_images_per_prompt=num_images_per_prompt,
-                generator=generators,
+                **request.pipeline_kwargs(height, width),
+                num_inference_steps=request.num_inference_steps,
+                guidance_scale=request.guidance_scale,
+                num_images_per_prompt=request.num_images_per_prompt,
+                generator=prep.generators,
                 output_type="pt",
             )
         pixels, all_finite = _to_uint8(out.images, tuple(finite))
         self.last_timings = {"total_s": time.perf_counter() - t0}
-        session.check_finite(all_finite, guidance_scale)
-        pil = [Image.fromarray(p[..., 0] if p.shape[-1] == 1 else p) for p in pixels]
-        for i, (img, s) in enumerate(zip(pil, seeds)):
-            p = i // num_images_per_prompt
-            img.info["seed"] = str(s)
-            img.info["prompt_tokens"] = str(report.tokens[p])
-            img.info["prompt_chunks"] = str(report.chunks)
-            img.info["prompt_truncated_tokens"] = str(report.truncated[p])
-            if report.negative_truncated is not None:
-                img.info["negative_prompt_truncated_tokens"] = str(report.negative_truncated[p])
-        return pil
+        session.check_finite(all_finite, request.guidance_scale)
+        return pil_images(pixels, prep.seeds, report, request.num_images_per_prompt)
+
+
+@dataclasses.dataclass
+class PreparedRequest:
+    """A request checked against the engine and ready for the models (``Engine.prepare``).
+
+    pipe: the diffusers pipeline of its task; scheduler: the engine's instance for its ``scheduler`` name (shared:
+        a caller that steps it on its own copies it first); height, width: pixels, resolved.
+    prompts, negatives: the texts (negatives None without); seeds: one per image; generators: one seeded CPU
+        ``torch.Generator`` per image, in order. do_cfg: classifier-free guidance runs (``guidance_scale > 1`` and a
+        UNet without a guidance embedding). tokens: the texts' ``PromptTokens`` for this pipeline; report: their
+        ``PromptReport`` (``report.chunks``: the 77-token windows every text is encoded in).
+    """
+
+    request: Txt2ImgRequest
+    pipe: object
+    scheduler: object
+    height: int
+    width: int
+    prompts: list
+    negatives: list | None
+    seeds: list
+    generators: list
+    do_cfg: bool
+    tokens: object
+    report: prompt_policy.PromptReport
+
+
+def pil_images(pixels: np.ndarray, seeds: list, report: prompt_policy.PromptReport,
+               num_images_per_prompt: int) -> list:
+    """(N, H, W, C) uint8 pixels as RGB (or L) ``PIL.Image.Image`` s, each with the ``info`` that ``Engine.txt2img``
+    documents (its seed, its prompt's tokens, windows and truncated tokens)."""
+    pil = [Image.fromarray(p[..., 0] if p.shape[-1] == 1 else p) for p in pixels]
+    for i, (img, s) in enumerate(zip(pil, seeds)):
+        p = i // num_images_per_prompt
+        img.info["seed"] = str(s)
+        img.info["prompt_tokens"] = str(report.tokens[p])
+        img.info["prompt_chunks"] = str(report.chunks)
+        img.info["prompt_truncated_tokens"] = str(report.truncated[p])
+        if report.negative_truncated is not None:
+            img.info["negative_prompt_truncated_tokens"] = str(report.negative_truncated[p])
+    return pil

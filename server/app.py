@@ -34,7 +34,10 @@ Errors are JSON in the OpenAI shape ``{"error": {"message", "type", "param", "co
 422 bad input (``param`` names the field; ``detail`` lists at most ``MAX_DETAIL`` errors), 401 no/wrong key,
 429 queue full (answered at once), 503 GPU out of memory (the service goes on), 504 deadline passed,
 500 the engine (or the service) failed: a generic message with a ``request_id``, whose log line has the details.
-A client that disconnects while waiting releases its place in the queue; a generation stops at the next
+A client that disconnects while waiting releases its place in the queue. Batching (``create_app(batching=...)``,
+``sdfast serve --batching``): "continuous" (default, ``server.continuous``) steps txt2img requests together, joining
+and leaving the running batch at denoising steps, and a request past its deadline or whose client left leaves at the
+next step; "static" (``server.worker``) runs compatible queued requests as one engine call, which stops at the next
 denoising step once every request of its batch is past its deadline or gone. ``serve`` adds the connection
 limits of ``server.connections`` and the ``Host`` check of ``allowed_hosts_for``.
 """
@@ -95,7 +98,8 @@ from .schemas import (
     Txt2ImgRequest,
     Txt2ImgResponse,
 )
-from .worker import DeadlineExceeded, InvalidRequest, Job, JobResult, ServiceError, Worker
+from .continuous import BATCHING_MODES, make_worker
+from .worker import DeadlineExceeded, InvalidRequest, Job, JobResult, ServiceError
 
 log = logging.getLogger("sdfast.server")
 
@@ -108,6 +112,7 @@ BODIES = {"/v1/txt2img": Txt2ImgRequest, "/v1/images/generations": ImagesGenerat
 UPLOAD_PATHS = ("/v1/img2img", "/v1/inpaint", "/v1/images/edits")  # bodies with images: MAX_UPLOAD_BYTES
 CONTROL_PATHS = ("/v1/txt2img", "/v1/images/generations")  # with ControlNets, these bodies hold images too
 ENDPOINTS = ("/", *BODIES, "/health", "/metrics")
+DEFAULT_BATCHING = "continuous"  # --batching: "continuous" (server.continuous) or "static" (server.worker)
 DEFAULT_TIMEOUT_S = 300.0  # seconds a request may wait for its images, queue and generation (--request-timeout)
 REQUEST_TIMEOUT_ENV = "SDFAST_REQUEST_TIMEOUT"
 CLIENT_CLOSED = 499  # nginx's "client closed request": recorded in metrics, never seen by the client
@@ -275,7 +280,7 @@ class Service:
     """What the endpoints share: the engine's description, the worker, the metrics, the deadline."""
 
     def __init__(self, engine, *, max_batch: int, queue_size: int, request_timeout_s: float, poll_s: float,
-                 controlnet_names=None):
+                 controlnet_names=None, batching: str = DEFAULT_BATCHING):
         if not request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0 (got {request_timeout_s!r})")
         self.engine = engine
@@ -294,8 +299,11 @@ class Service:
         self.request_timeout_s = float(request_timeout_s)
         self.poll_s = poll_s
         self._tokenize = _tokenizer_for(engine)
-        self.metrics = Metrics(endpoints=ENDPOINTS, queue_depth=lambda: self.worker.depth, device=device)
-        self.worker = Worker(engine, max_batch=max_batch, queue_size=queue_size, on_batch=self.metrics.observe_batch)
+        self.metrics = Metrics(endpoints=ENDPOINTS, queue_depth=lambda: self.worker.depth, device=device,
+                               in_flight=lambda: getattr(self.worker, "in_flight", 0))
+        self.worker = make_worker(engine, batching=batching, max_batch=max_batch, queue_size=queue_size,
+                                  on_batch=self.metrics.observe_batch, on_step=self.metrics.observe_step,
+                                  on_request=self.metrics.observe_job)
 
     async def generate(self, request: Request, *, prompt: str, negative_prompt: str | None, seed: int | None,
                        num_images: int, width: int | None, height: int | None, num_inference_steps: int,
@@ -342,7 +350,8 @@ class Service:
                 if await request.is_disconnected():
                     self.worker.cancel(job)
                     log.info("client left; its request was %s", "dropped from the queue" if job.future.cancelled()
-                             else "already running: it stops at the next step once its whole batch is gone")
+                             else "already running: it leaves at the next step (static batching: once its whole "
+                                  "batch is gone)")
                     return None
         except asyncio.CancelledError:  # the server cancelled the handler (shutdown, disconnect)
             self.worker.cancel(job)
@@ -433,7 +442,7 @@ class Service:
             device=self.device, gpu=self.gpu, dtype=self.dtype, default_size=self.default_size,
             queue_depth=self.worker.depth, queue_size=self.worker.queue_size, max_batch=self.worker.max_batch,
             busy=self.worker.busy, worker_alive=alive, schedulers=sorted(SCHEDULERS), controlnets=self.controlnets,
-            tasks=self.tasks,
+            tasks=self.tasks, batching=self.worker.mode, in_flight_images=getattr(self.worker, "in_flight", 0),
         )
 
 
@@ -607,11 +616,16 @@ def page_headers(html: str) -> dict[str, str]:
 
 def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api_key: str | None = None,
                request_timeout_s: float = DEFAULT_TIMEOUT_S, poll_interval_s: float = 0.05,
-               allowed_hosts: list[str] | None = None, controlnet=None) -> FastAPI:
+               allowed_hosts: list[str] | None = None, controlnet=None, batching: str = DEFAULT_BATCHING) -> FastAPI:
     """The FastAPI app serving ``engine_or_model`` (an ``sdfast.Engine``, or anything ``sdfast.load`` takes).
 
     Args:
-        max_batch: at most this many images in one engine call (1: no batching).
+        max_batch: at most this many images in one engine call, or in flight in one step batch (1: no batching).
+        batching: "continuous" (default; ``server.continuous``: txt2img requests join and leave a running batch at
+            denoising steps, and are cancelled at the next step) or "static" (``server.worker``: compatible requests
+            queued together run as one engine call to completion). With "continuous", img2img, inpainting and
+            ControlNet requests, and every request of an engine that is not an ``sdfast.Engine``, run as "static"
+            runs them, between steps.
         queue_size: requests that may wait; one more answers 429 at once.
         api_key: required on every endpoint but ``/health``; default: the ``SDFAST_API_KEY``
             environment variable; None or empty: no key.
@@ -623,9 +637,12 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
         controlnet: with a model name, the ControlNet(s) to load it with (``sdfast.load``'s ``controlnet``: a
             name, or a list for several); with an engine, the names its ControlNets were loaded from (one per
             ControlNet), which ``/health`` reports (default: each ControlNet's ``_name_or_path``).
-    Raises ``ValueError`` for a bad ``max_batch``/``queue_size``/``request_timeout_s`` (or a ``controlnet`` list of
-    another length than the engine's ControlNets), and what ``sdfast.load`` raises for a bad model.
+    Raises ``ValueError`` for a bad ``max_batch``/``queue_size``/``request_timeout_s``/``batching`` (or a
+    ``controlnet`` list of another length than the engine's ControlNets), and what ``sdfast.load`` raises for a bad
+    model.
     """
+    if batching not in BATCHING_MODES:
+        raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)} (got {batching!r})")
     engine = engine_or_model
     if isinstance(engine_or_model, (str, os.PathLike)):
         import sdfast
@@ -634,7 +651,7 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
     if api_key is None:
         api_key = os.environ.get(API_KEY_ENV) or None
     service = Service(engine, max_batch=max_batch, queue_size=queue_size, request_timeout_s=request_timeout_s,
-                      poll_s=poll_interval_s, controlnet_names=controlnet)
+                      poll_s=poll_interval_s, controlnet_names=controlnet, batching=batching)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -956,7 +973,7 @@ def _check_controlnet_flag(controlnet):
 def serve(*, model: str, host: str = "127.0.0.1", port: int = 8000, max_batch: int = 4, queue_size: int = 64,
           api_key: str | None = None, request_timeout_s: float | None = None, optimize: bool = True,
           log_level: str = "info", read_timeout_s: float | None = None, max_connections: int | None = None,
-          allowed_hosts=None, controlnet=None) -> int:
+          allowed_hosts=None, controlnet=None, batching: str = DEFAULT_BATCHING) -> int:
     """Load ``model`` and serve it with uvicorn until interrupted (what ``sdfast serve`` runs).
 
     The key comes from ``api_key`` or the ``SDFAST_API_KEY`` environment variable. ``optimize``:
@@ -967,7 +984,8 @@ def serve(*, model: str, host: str = "127.0.0.1", port: int = 8000, max_batch: i
     accepted (``allowed_hosts_for``: loopback names only when ``host`` is loopback). ``controlnet``: None, a
     ControlNet (what ``sdfast.load``'s ``controlnet`` takes: a folder, a ``.safetensors`` file, a hub id,
     ``random:<name>``) or a list of them (``--controlnet``, repeated): the engine is loaded with them and every
-    request takes one ``control_image`` per ControlNet. Bad values raise ``ValueError`` before the model is loaded.
+    request takes one ``control_image`` per ControlNet. ``batching``: "continuous" (default) or "static"
+    (``--batching``; see ``create_app``). Bad values raise ``ValueError`` before the model is loaded.
     """
     import sdfast
 
@@ -976,6 +994,8 @@ def serve(*, model: str, host: str = "127.0.0.1", port: int = 8000, max_batch: i
     for flag, v in (("--max-batch", max_batch), ("--queue", queue_size)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{flag} must be an integer >= 1 (got {v!r})")
+    if batching not in BATCHING_MODES:
+        raise ValueError(f"--batching must be one of {', '.join(BATCHING_MODES)} (got {batching!r})")
     request_timeout_s = request_timeout_from_env(request_timeout_s)
     controlnet = _check_controlnet_flag(controlnet)
     guard = ConnectionGuard(
@@ -989,12 +1009,12 @@ def serve(*, model: str, host: str = "127.0.0.1", port: int = 8000, max_batch: i
     engine = sdfast.load(model, optimize=optimize, controlnet=controlnet)
     with_nets = "" if controlnet is None else f" with ControlNet(s) {', '.join(_as_list(controlnet))}"
     print(f"sdfast: loaded {model}{with_nets} on {engine.device} in {time.perf_counter() - t0:.1f} s; "
-          f"max batch {max_batch} images, queue {queue_size} requests", file=sys.stderr)
+          f"max batch {max_batch} images, queue {queue_size} requests, {batching} batching", file=sys.stderr)
     if str(model).startswith("random:"):
         print(f"sdfast: note: {model} has random weights, so its images are noise", file=sys.stderr)
     app = create_app(engine, max_batch=max_batch, queue_size=queue_size, api_key=api_key,
                      request_timeout_s=request_timeout_s, allowed_hosts=hosts,
-                     controlnet=None if controlnet is None else _as_list(controlnet))
+                     controlnet=None if controlnet is None else _as_list(controlnet), batching=batching)
     if any(m.cls is APIKeyMiddleware for m in app.user_middleware):
         print("sdfast: an API key is required on every endpoint but /health", file=sys.stderr)
     print(f"sdfast: request deadline {request_timeout_s:g} s, read timeout {guard.read_timeout_s:g} s, at most "

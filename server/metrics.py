@@ -6,13 +6,26 @@ Exposed at ``GET /metrics``:
 - ``sdfast_requests_total{endpoint, status}``: answered HTTP requests (``status`` 499: the client left);
 - ``sdfast_request_latency_seconds{endpoint}``: time from arrival to answer (histogram);
 - ``sdfast_queue_depth``: requests waiting for the worker;
-- ``sdfast_images_generated_total``: images produced by the engine;
+- ``sdfast_images_generated_total``: images produced by the engine and answered (counted per request);
 - ``sdfast_batches_total{outcome}``: engine calls (``ok``, ``oom``, ``error``, ``cancelled``: stopped at a step
   because every request of the batch was gone);
 - ``sdfast_batch_images``: images per engine call (histogram; shows whether batching happens);
 - ``sdfast_generation_seconds``: duration of an engine call (histogram);
 - ``sdfast_gpu_memory_allocated_bytes`` / ``sdfast_gpu_memory_reserved_bytes``: CUDA memory held by
-  tensors / by the caching allocator on the engine's device (0 on the CPU).
+  tensors / by the caching allocator on the engine's device (0 on the CPU);
+- ``sdfast_queue_wait_seconds``: per request, from queueing to the worker taking it (joining a step batch, or its
+  engine call starting) (histogram);
+- ``sdfast_time_to_first_step_seconds``: per request, from queueing to the end of its first denoising step
+  (histogram; static batching: when the engine reports steps);
+- ``sdfast_generation_latency_seconds{outcome}``: per request, from queueing to its images or error, in the worker
+  (``outcome``: ``ok`` or the error type, e.g. ``gpu_out_of_memory``, ``cancelled``) (histogram);
+- ``sdfast_steps_total{outcome}`` and ``sdfast_step_images``: continuous batching's UNet step calls (``ok``,
+  ``oom``, ``error``) and the images in each, its batch occupancy per step (histogram);
+- ``sdfast_in_flight_images``: images being denoised now (continuous batching).
+
+With continuous batching (``server.continuous``), a "batch" of ``sdfast_batches_total`` / ``sdfast_batch_images`` /
+``sdfast_generation_seconds`` is a group's run, from its first request joining to its last leaving (img2img,
+inpainting and ControlNet requests still count one per engine call).
 """
 
 from __future__ import annotations
@@ -40,7 +53,7 @@ class Metrics:
 
     content_type = CONTENT_TYPE_LATEST
 
-    def __init__(self, *, endpoints, queue_depth, device=None):
+    def __init__(self, *, endpoints, queue_depth, device=None, in_flight=None):
         self.endpoints = frozenset(endpoints)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -62,6 +75,21 @@ class Metrics:
                                   "CUDA memory held by the caching allocator on the engine's device (0 on CPU)",
                                   registry=r)
         self.gpu_reserved.set_function(lambda: _cuda_memory("reserved", device))
+        self.queue_wait = Histogram("sdfast_queue_wait_seconds", "Per request: queueing to the worker taking it",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.first_step = Histogram("sdfast_time_to_first_step_seconds",
+                                    "Per request: queueing to the end of its first denoising step",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.generation_latency = Histogram("sdfast_generation_latency_seconds",
+                                            "Per request: queueing to its images or error, in the worker", ["outcome"],
+                                            buckets=LATENCY_BUCKETS, registry=r)
+        self.steps = Counter("sdfast_steps", "UNet step calls of continuous batching by outcome", ["outcome"],
+                             registry=r)
+        self.step_images = Histogram("sdfast_step_images", "Images per UNet step call (continuous batching occupancy)",
+                                     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, float("inf")), registry=r)
+        self.in_flight = Gauge("sdfast_in_flight_images", "Images being denoised now (continuous batching)",
+                               registry=r)
+        self.in_flight.set_function(lambda: float(in_flight()) if in_flight is not None else 0.0)
 
     def label(self, path: str) -> str:
         return path if path in self.endpoints else "other"
@@ -76,8 +104,24 @@ class Metrics:
         self.batches.labels(outcome=outcome).inc()
         self.generation.observe(seconds)
         if outcome == "ok":
-            self.images.inc(images)
             self.batch_images.observe(images)
+
+    def observe_step(self, images: int, seconds: float, outcome: str) -> None:
+        """``ContinuousWorker.on_step`` callback: one UNet step call of ``images`` images."""
+        self.steps.labels(outcome=outcome).inc()
+        if outcome == "ok":
+            self.step_images.observe(images)
+
+    def observe_job(self, report) -> None:
+        """``Worker.on_request`` callback: one request answered by the worker (a ``server.worker.JobReport``); its
+        images count in ``sdfast_images_generated_total``."""
+        if report.images:
+            self.images.inc(report.images)
+        if report.queue_s is not None:
+            self.queue_wait.observe(report.queue_s)
+        if report.first_step_s is not None:
+            self.first_step.observe(report.first_step_s)
+        self.generation_latency.labels(outcome=report.outcome).observe(report.total_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -586,3 +586,6 @@ class Health(HealthStatus):
                                                "images ([] for none)")
     tasks: list[str] = Field(description="what the model runs: txt2img, img2img and inpaint, or inpaint alone (an "
                              "inpainting checkpoint: /v1/inpaint and /v1/images/edits)")
+    batching: str = Field(default="static", description="continuous (requests join and leave the running batch at "
+                          "denoising steps) or static (a batch of compatible requests runs to completion)")
+    in_flight_images: int = Field(default=0, description="images being denoised now (continuous batching)")

@@ -1,4 +1,5 @@
-"""The one thread that owns the engine (and so the GPU), its bounded queue, and request batching.
+"""The one thread that owns the engine (and so the GPU), its bounded queue, and request batching (static batching:
+``server.continuous.ContinuousWorker`` builds step-level batching on this class).
 
 HTTP handlers run on the event loop; they never touch the engine. They ``submit`` a ``Job`` and
 wait on its ``future``. The worker thread takes the oldest live job, adds every later queued job
@@ -133,6 +134,13 @@ class Job:
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     enqueued_at: float = field(default_factory=time.monotonic)
     abandoned: bool = False  # set by ``Worker.cancel``: nobody waits for the images any more
+    # Set by the worker thread: when it took the job (out of the queue), when its first denoising step ended, and
+    # (step-level batching) the images in each step it shared, summed, and the steps it ran.
+    started_at: float | None = None
+    first_step_at: float | None = None
+    step_images: int = 0
+    steps_run: int = 0
+    route: object = field(default=None, repr=False)  # ``server.continuous``: how the job runs, once decided
 
     @property
     def prompt(self) -> str:
@@ -189,6 +197,20 @@ class Job:
                         self.request.task, None if strength is None else float(strength))
 
 
+@dataclass(frozen=True)
+class JobReport:
+    """What the worker reports of one answered job (``Worker.on_request``): ``outcome`` "ok" or the error's ``type``
+    (e.g. "gpu_out_of_memory", "deadline_exceeded", "cancelled"); ``images`` generated for it (0 on an error); seconds
+    from queueing to the worker taking it (``queue_s``; None if it never was), to the end of its first denoising step
+    (``first_step_s``; None if it ran none, or the engine does not report steps) and to its answer (``total_s``)."""
+
+    outcome: str
+    images: int
+    queue_s: float | None
+    first_step_s: float | None
+    total_s: float
+
+
 def _is_oom(exc: BaseException) -> bool:
     import torch
 
@@ -218,15 +240,21 @@ def free_gpu_memory() -> None:
 
 
 class Worker:
-    """Owns ``engine``; runs queued jobs in batches of at most ``max_batch`` images.
+    """Owns ``engine``; runs queued jobs in batches of at most ``max_batch`` images (static batching: a batch runs to
+    completion as one engine call; ``server.continuous.ContinuousWorker`` batches at denoising steps instead).
 
     ``queue_size``: jobs that may wait (the running batch not counted); ``submit`` raises
     ``QueueFull`` beyond it. ``on_batch(images, seconds, outcome)`` is called after each engine call,
     ``outcome`` one of ``"ok"``, ``"oom"``, ``"error"``, ``"cancelled"`` (used for metrics).
+    ``on_request(report)`` is called once per job with its ``JobReport``, just before its answer is set (so a client
+    that has its answer finds it counted).
     """
 
+    mode = "static"
+
     def __init__(self, engine, *, max_batch: int = 4, queue_size: int = 64,
-                 on_batch: Callable[[int, float, str], None] | None = None):
+                 on_batch: Callable[[int, float, str], None] | None = None,
+                 on_request: Callable[[JobReport], None] | None = None):
         if not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1 (got {max_batch!r})")
         if not isinstance(queue_size, int) or queue_size < 1:
@@ -235,6 +263,7 @@ class Worker:
         self.max_batch = max_batch
         self.queue_size = queue_size
         self.on_batch = on_batch
+        self.on_request = on_request
         self._queue: deque[Job] = deque()
         self._cond = threading.Condition()
         self._stopping = False
@@ -273,7 +302,7 @@ class Worker:
             self._cond.notify_all()
         for job in waiting:
             if job.future.set_running_or_notify_cancel():
-                job.future.set_exception(ShuttingDown("the service is shutting down"))
+                self._settle(job, error=ShuttingDown("the service is shutting down"))
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -305,27 +334,47 @@ class Worker:
         return job.future.cancel()
 
     # -- the thread -----------------------------------------------------------------------------
-    def _take_batch(self) -> list[Job]:
-        """Under the lock: the oldest live job plus later compatible ones, within ``max_batch`` images."""
+    def _take_batch(self, eligible: Callable[[Job], bool] | None = None) -> list[Job]:
+        """Under the lock: the oldest live job plus later compatible ones, within ``max_batch`` images (of the jobs
+        ``eligible`` takes, default all; the others stay queued, in order)."""
         now = time.monotonic()
         batch: list[Job] = []
         total = 0
         left: deque[Job] = deque()
         for job in self._queue:
-            if batch and (not batch[0].batchable or not job.batchable or job.key != batch[0].key
-                          or total + job.n > self.max_batch):
+            if (eligible is not None and not eligible(job)) or batch and (
+                    not batch[0].batchable or not job.batchable or job.key != batch[0].key
+                    or total + job.n > self.max_batch):
                 left.append(job)
                 continue
             if not job.future.set_running_or_notify_cancel():
                 continue  # cancelled: the client left
             if now > job.deadline:
-                job.future.set_exception(DeadlineExceeded(
+                self._settle(job, error=DeadlineExceeded(
                     f"waited {now - job.enqueued_at:.1f} s in the queue, past the {job.timeout_s:g} s deadline"))
                 continue
+            job.started_at = now
             batch.append(job)
             total += job.n
         self._queue = left
         return batch
+
+    def _settle(self, job: Job, result: JobResult | None = None, error: ServiceError | None = None) -> None:
+        """Report ``job`` (``on_request``), then set its answer: its images or ``error``."""
+        if job.future.done():
+            return
+        if self.on_request is not None:
+            queue_s = None if job.started_at is None else job.started_at - job.enqueued_at
+            first = None if job.first_step_at is None else job.first_step_at - job.enqueued_at
+            try:
+                self.on_request(JobReport("ok" if error is None else error.type, 0 if error is not None else job.n,
+                                          queue_s, first, time.monotonic() - job.enqueued_at))
+            except Exception:  # noqa: BLE001 - metrics must not break serving
+                log.exception("worker: on_request callback failed")
+        if error is not None:
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(result)
 
     def _loop(self) -> None:
         while True:
@@ -342,8 +391,7 @@ class Worker:
             except BaseException:  # never let the thread die
                 log.exception("worker: unexpected error around a batch")
                 for job in batch:
-                    if not job.future.done():
-                        job.future.set_exception(GenerationFailed("internal error in the worker (logged)"))
+                    self._settle(job, error=GenerationFailed("internal error in the worker (logged)"))
             finally:
                 self._running = []
 
@@ -366,11 +414,11 @@ class Worker:
             if job.future.done():
                 continue
             if isinstance(error, GenerationCancelled):
-                job.future.set_exception(self._dead_error(job, error))
+                self._settle(job, error=self._dead_error(job, error))
             elif error is not None:
-                job.future.set_exception(type(error)(error.message, field=error.field))
+                self._settle(job, error=type(error)(error.message, field=error.field))
             else:
-                job.future.set_result(JobResult(
+                self._settle(job, JobResult(
                     images=images[i:i + job.n], queue_s=started - job.enqueued_at, generate_s=seconds,
                     batch_images=n,
                 ))
@@ -384,15 +432,15 @@ class Worker:
     @staticmethod
     def _dead_error(job: Job, cancelled=None) -> ServiceError:
         where = f"stopped after step {cancelled.step} of {cancelled.steps}" if cancelled is not None else "not run"
-        if job.abandoned:
-            return Cancelled(f"the request was cancelled (its client left or its deadline passed); {where}")
-        return DeadlineExceeded(f"no image within the {job.timeout_s:g} s deadline; {where}")
+        if time.monotonic() > job.deadline:  # also when its handler gave up at the deadline: counted as a deadline
+            return DeadlineExceeded(f"no image within the {job.timeout_s:g} s deadline; {where}")
+        return Cancelled(f"the request was cancelled (its client left); {where}")
 
     def _drop_if_dead(self, job: Job) -> bool:
         if job.future.done():
             return True
         if self._is_dead(job, time.monotonic()):
-            job.future.set_exception(self._dead_error(job))
+            self._settle(job, error=self._dead_error(job))
             return True
         return False
 
@@ -402,8 +450,11 @@ class Worker:
         key = batch[0].key
         seeds = [s for job in batch for s in job.seeds]
 
-        def should_stop() -> bool:
+        def should_stop() -> bool:  # after every denoising step
             now = time.monotonic()
+            for job in batch:
+                if job.first_step_at is None:
+                    job.first_step_at = now
             return all(self._is_dead(job, now) for job in batch)
 
         started = time.monotonic()

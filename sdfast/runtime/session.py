@@ -54,6 +54,28 @@ def _is_oom(e: BaseException) -> bool:
         isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
 
 
+@contextlib.contextmanager
+def oom_guard(graphs, *, what: str, mark: int | None = None):
+    """Around work that may run out of memory (a pipeline call, one step of ``runtime.step_batch``): on
+    ``torch.OutOfMemoryError`` or a host allocation failure, the graphs of ``graphs`` (a ``GraphCache`` or None)
+    captured since ``mark`` (default: now) are dropped, so their buffers are freed, and a host failure is raised as
+    ``torch.OutOfMemoryError`` (``what`` in its message, e.g. "2 image(s) of 512x512 on cuda:0"): one error type for
+    the service to answer 503."""
+    if mark is None and graphs is not None:
+        mark = graphs.mark()
+    try:
+        yield
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+        if not _is_oom(e):
+            raise
+        if graphs is not None:  # graphs captured for work that could not complete: free their buffers
+            graphs.drop_since(mark)
+        if not isinstance(e, torch.OutOfMemoryError):  # host memory: the same error type as CUDA's
+            raise torch.OutOfMemoryError(
+                f"out of host memory for {what} ({e}); ask for fewer or smaller images") from e
+        raise
+
+
 class CallSession:
     """The per-call steps around one ``pipe(...)`` of ``pipe`` (see the module docstring)."""
 
@@ -93,16 +115,8 @@ class CallSession:
         if upcast:
             pipe.vae.register_to_config(force_upcast=False)
         try:
-            yield finite
-        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
-            if not _is_oom(e):
-                raise
-            if graphs is not None:  # graphs captured for a call that could not complete: free their buffers
-                graphs.drop_since(mark)
-            if not isinstance(e, torch.OutOfMemoryError):  # host memory: the same error type as CUDA's
-                raise torch.OutOfMemoryError(
-                    f"out of host memory for {what} ({e}); ask for fewer or smaller images") from e
-            raise
+            with oom_guard(graphs, what=what, mark=mark):
+                yield finite
         finally:
             hook.remove()
             if upcast:

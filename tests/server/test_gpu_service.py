@@ -14,13 +14,16 @@ from .helpers import metric_value, serving
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("batching", ["continuous", "static"])
 @pytest.mark.parametrize("optimize", [False, True], ids=["stock", "optimized"])
-def test_real_cuda_oom_answers_503_and_memory_returns_to_baseline(optimize):
+def test_real_cuda_oom_answers_503_and_memory_returns_to_baseline(optimize, batching):
+    """With continuous batching (issue 33) the request of 8 images is one slot of its step batch: its UNet step runs
+    out of memory alone and it gets 503; its group's run counts as one batch of outcome oom."""
     import sdfast
     from server.app import create_app
 
     engine = sdfast.load("random:tiny", optimize=optimize)
-    app = create_app(engine, max_batch=8, api_key="")
+    app = create_app(engine, max_batch=8, api_key="", batching=batching)
     small = {"prompt": "a cat", "num_inference_steps": 2, "seed": 1, "width": 64, "height": 64}
     huge = {**small, "width": 2048, "height": 2048, "num_images": 8, "response_format": "b64_json"}
     total = torch.cuda.get_device_properties(0).total_memory

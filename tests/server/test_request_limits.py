@@ -70,9 +70,9 @@ def test_a_service_request_is_tokenized_once_on_the_real_engine(monkeypatch):
             return _original(self, text, *args, **kwargs)
 
         monkeypatch.setattr(cls, "__call__", spy)
-    runs = []
-    run = stock.run
-    monkeypatch.setattr(stock, "run", lambda request, **kw: runs.append(request) or run(request, **kw))
+    runs = []  # the requests the engine prepared (Engine.prepare: static batching's run and the step batch's join)
+    prepare = stock.prepare
+    monkeypatch.setattr(stock, "prepare", lambda request, **kw: runs.append(request) or prepare(request, **kw))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

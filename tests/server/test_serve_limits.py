@@ -96,6 +96,17 @@ def test_sdfast_serve_passes_the_limits_and_the_host_rule(captured, monkeypatch)
     assert _middleware(server.app, "TrustedHostMiddleware") is None
 
 
+def test_sdfast_serve_batching_flag(captured):
+    """Issue 33: continuous batching by default; ``--batching static`` keeps the batch-to-completion worker."""
+    from sdfast.cli import main
+
+    assert main(["serve", "--model", "random:tiny"]) == 0
+    assert captured["server"].app.state.service.worker.mode == "continuous"
+    captured.clear()
+    assert main(["serve", "--model", "random:tiny", "--batching", "static"]) == 0
+    assert captured["server"].app.state.service.worker.mode == "static"
+
+
 @pytest.mark.parametrize("args, env, message", [
     (["--request-timeout", "0"], None, "--request-timeout must be a number of seconds > 0"),
     (["--request-timeout", "inf"], None, "--request-timeout must be a number of seconds > 0"),
