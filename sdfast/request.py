@@ -117,13 +117,15 @@ class Txt2ImgRequest:
 
     def as_kwargs(self) -> dict:
         """``Engine.txt2img``'s (and ``build``'s) keyword arguments that make this request again (without its
-        tokens): ``Txt2ImgRequest.build(**r.as_kwargs())`` equals ``r`` with ``tokens=None``."""
+        tokens): ``Txt2ImgRequest.build(**r.as_kwargs())`` equals ``r`` with ``tokens=None``. The ControlNet and
+        DeepCache arguments only when set."""
         return dict(
             prompt=list(self.prompts), negative_prompt=None if self.negative_prompts is None else list(self.negative_prompts),
             num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale, height=self.height,
             width=self.width, seed=None if self.seeds is None else list(self.seeds),
             num_images_per_prompt=self.num_images_per_prompt, scheduler=self.scheduler, long_prompt=self.long_prompt,
-            cache_interval=self.cache_interval, cache_branch=self.cache_branch,
+            **({} if (self.cache_interval, self.cache_branch) == (1, 0) else
+               dict(cache_interval=self.cache_interval, cache_branch=self.cache_branch)),
             **({} if self.control is None else self.control.as_kwargs()))
 
     @classmethod
