@@ -33,6 +33,15 @@ system (``init_image``: seeded and smooth, at the run's size) and inpaint a cent
   ``StableDiffusionImg2ImgPipeline.from_pipe(pipe)``, called directly, not through the engine) on the same weights,
   inputs and seed; for stock itself, its engine's image against that pipeline's.
 
+Speed tiers (issue 34): ``--cache-interval 2,3,5`` (with ``--cache-branch``, a comma list too) adds, after each
+system's txt2img row, one txt2img row per DeepCache setting (``sdfast.runtime.deep_cache``) on the same loaded
+system: ``tier`` names it; ``psnr_vs_exact_db`` and ``ssim_vs_exact`` (SSIM, Wang et al. 2004, Gaussian window, by
+torchmetrics: the ``bench`` extra) compare its image with the same system's exact txt2img image, ``speedup_vs_exact``
+is that row's e2e over this one's, ``unet_ms_full`` / ``unet_ms_shallow`` split the UNet calls; ``psnr_db`` stays
+against stock fp16's exact image. ``--scheduler`` runs every generation on one of ``sdfast.SCHEDULERS`` (few-step
+models: lcm, euler_a_trailing). ``--preset`` fills the flags of a named run (``PRESETS``: DeepCache on SD1.5 and
+SDXL, the few-step settings); flags given with it win.
+
 ``--fp32-ref``, ``--second-size`` and ``--profile`` measure txt2img only. ``--save-images`` writes each row's image,
 stock diffusers' reference images, the init image and the mask under ``--out``/images.
 
@@ -43,6 +52,8 @@ with, measured rows.
     python -m benchmarks.bench_txt2img --out benchmarks/results/h200      # or: sdfast bench ...
     python -m benchmarks.bench_txt2img --models tiny --steps 2 --size 64 --systems stock,sdfast
     python -m benchmarks.bench_txt2img --models sd15 --steps 30 --task txt2img,img2img,inpaint --no-fp32-ref
+    python -m benchmarks.bench_txt2img --preset deepcache-sd15 --out benchmarks/results/h200-deepcache
+    python -m benchmarks.bench_txt2img --preset turbo-sdxl-512 --out benchmarks/results/h200-fewstep
 
 Adding a system (e.g. an sdfast preset) is one line in ``SYSTEMS``; adding a task is one ``Task`` in ``TASKS``.
 """
@@ -79,6 +90,13 @@ TABLE_COLUMNS = [
     ("psnr_db", "PSNR dB"), ("second_size_s", "2nd size s"),
 ]
 MEASURED_KEYS = [k for k, _ in TABLE_COLUMNS]
+# The speed tiers' table (``--cache-interval``): each against the same system's exact row.
+TIER_TABLE_COLUMNS = [
+    ("system", "system"), ("model", "model"), ("tier", "tier"), ("size", "size"), ("steps", "steps"),
+    ("first_image_s", "first image s"), ("e2e_s", "e2e s"), ("speedup_vs_exact", "speedup"),
+    ("unet_ms_full", "UNet full ms"), ("unet_ms_shallow", "UNet shallow ms"), ("psnr_vs_exact_db", "PSNR vs exact dB"),
+    ("ssim_vs_exact", "SSIM vs exact"), ("psnr_db", "PSNR vs stock dB"),
+]
 # The same with a task other than txt2img among the rows: which task, its strength, and its own figures.
 TASK_TABLE_COLUMNS = [
     ("system", "system"), ("model", "model"), ("task", "task"), ("strength", "strength"), ("size", "size"),
@@ -106,6 +124,7 @@ class Context:
     second_size: bool = False  # also time the first image at a second resolution (width + 128)
     strength: float | None = None  # every task's strength (None: each task's own default, ``Task.strength``)
     image_dir: Path | None = None  # where to save the images (``--save-images``), or None
+    scheduler: str | None = None  # every generation's scheduler (``--scheduler``; None: the model's own)
 
     def __post_init__(self):
         from sdfast.loading import default_device_dtype
@@ -204,6 +223,8 @@ def gen_kwargs(spec: ModelSpec, ctx: Context) -> dict:
     kwargs = dict(prompt=ctx.prompt, negative_prompt=None, num_inference_steps=spec.steps,
                   guidance_scale=ctx.guidance_scale, height=spec.height, width=spec.width, seed=ctx.image_seed,
                   num_images_per_prompt=ctx.batch)
+    if ctx.scheduler is not None:
+        kwargs["scheduler"] = ctx.scheduler
     if spec.controlnet:
         images = [control_image(spec.width or spec.side, spec.height or spec.side, seed=CONTROL_IMAGE_SEED + i)
                   for i in range(len(spec.controlnet))]
@@ -284,7 +305,9 @@ class Task:
     a control image), the same for every system; ``strength``: the default strength, None for a task without one.
     ``step_modules``: the pipeline's modules that one denoising step runs, in their order within the step (each timed
     by hooks; ``unet`` is ``unet_ms_step``); ``phases``: extra modules of the breakdown, name -> dotted attribute
-    path on the pipeline (e.g. the VAE encoder)."""
+    path on the pipeline (e.g. the VAE encoder). ``tier``: a speed tier's label (``deep_cache_task``), whose
+    ``inputs`` are engine arguments that change the picture: its fidelity is against the same system's exact
+    txt2img image."""
 
     name: str
     method: str
@@ -293,6 +316,7 @@ class Task:
     strength: float | None = None
     step_modules: tuple[str, ...] = ("unet",)
     phases: tuple[tuple[str, str], ...] = ()
+    tier: str | None = None
 
     def steps_run(self, steps: int, strength: float | None) -> int:
         """The denoising steps that run: ``steps``, or ``int(steps * strength)`` (diffusers' ``get_timesteps``)."""
@@ -313,6 +337,42 @@ TASKS: dict[str, Task] = {
                     strength=1.0, phases=_VAE_ENCODE),
 }
 SIZE_ARGS = ("height", "width")  # given only to a call that takes them (img2img's size is its image's)
+
+
+def deep_cache_task(cache_interval: int, cache_branch: int = 0) -> Task:
+    """txt2img with DeepCache (``Engine.txt2img(cache_interval=..., cache_branch=...)``): a speed tier."""
+    return Task(f"txt2img+deepcache{cache_interval}b{cache_branch}", "txt2img", lambda pipe: pipe,
+                lambda width, height: {"cache_interval": cache_interval, "cache_branch": cache_branch},
+                tier=f"deepcache {cache_interval}/{cache_branch}")
+
+
+def parse_ints(text: str | None, flag: str, lo: int) -> list[int]:
+    """A comma list of integers >= ``lo`` (``--cache-interval``, ``--cache-branch``); [] for None."""
+    if not text:
+        return []
+    try:
+        values = [int(v) for v in str(text).split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes a comma list of integers, got {text!r}") from None
+    if not values or any(v < lo for v in values):
+        raise ValueError(f"{flag} takes integers >= {lo}, got {text!r}")
+    return list(dict.fromkeys(values))
+
+
+# Named runs (``--preset``): the flags each sets (flags given beside it win). DeepCache at the issue's settings
+# against the exact sdfast pipeline; the few-step settings of SDXL-Turbo (512², 4 steps, no CFG), SDXL LCM(-LoRA)
+# (1024², 4 steps, CFG at 1.5) and SD1.5 LCM-LoRA (512², 4 steps, guidance 1: no CFG), stock beside sdfast (and, for
+# SDXL, whose VAE decodes in fp32, sdfast with its decoder in bf16: a larger share of a 4-step image).
+PRESETS: dict[str, dict] = {
+    "deepcache-sd15": dict(models="sd15", steps=50, systems="sdfast", cache_interval="2,3,5", fp32_ref=False),
+    "deepcache-sdxl": dict(models="sdxl", steps=30, systems="sdfast", cache_interval="2,3,5", fp32_ref=False),
+    "turbo-sdxl-512": dict(models="sdxl", size="512", steps=4, guidance=0.0, scheduler="euler_a_trailing",
+                           systems="stock,sdfast,sdfast-vae_bf16", repeats=10, fp32_ref=False),
+    "lcm-sdxl-1024": dict(models="sdxl", steps=4, guidance=1.5, scheduler="lcm", systems="stock,sdfast,sdfast-vae_bf16",
+                          repeats=10, fp32_ref=False),
+    "lcm-sd15-512": dict(models="sd15", steps=4, guidance=1.0, scheduler="lcm", systems="stock,sdfast", repeats=10,
+                         fp32_ref=False),
+}
 
 
 def parse_tasks(text: str) -> list[str]:
@@ -353,8 +413,11 @@ def stock_reference(pipe, task: Task, kwargs: dict, size: tuple[int, int]):
 
     kw = dict(kwargs)
     seed, n = kw.pop("seed"), kw["num_images_per_prompt"]
+    scheduler = kw.pop("scheduler", None)  # a scheduler object (``task_reference``)
     kw["width"], kw["height"] = size
     stock = task.stock_pipeline(pipe)
+    if scheduler is not None:
+        stock.scheduler = scheduler
     stock.set_progress_bar_config(disable=True)
     out = _call(stock, {**kw, "generator": [torch.Generator("cpu").manual_seed(seed + i) for i in range(n)]})
     return out.images[0]
@@ -703,6 +766,35 @@ def psnr(a, b) -> float:
     return float("inf") if mse == 0 else float(10 * np.log10(255.0**2 / mse))
 
 
+def ssim(a, b) -> tuple[float | None, str | None]:
+    """SSIM of two 8-bit RGB images (Wang et al. 2004: 11-pixel Gaussian window, sigma 1.5, K1 0.01, K2 0.03,
+    data range 255, the mean over the channels) by torchmetrics' ``structural_similarity_index_measure``, and None;
+    or (None, why) when torchmetrics is not installed (``pip install 'sdfast[bench]'``)."""
+    try:
+        from torchmetrics.functional.image import structural_similarity_index_measure
+    except ImportError as e:
+        log(f"SSIM not computed: {e} (install the bench extra: pip install 'sdfast[bench]')")
+        return None, f"torchmetrics not installed ({e})"
+    import torch
+
+    x, y = (torch.from_numpy(_pixels(im)).permute(2, 0, 1)[None] for im in (a, b))
+    if x.shape != y.shape:
+        raise ValueError(f"images differ in size: {tuple(x.shape)} vs {tuple(y.shape)}")
+    return float(structural_similarity_index_measure(x, y, data_range=255.0)), None
+
+
+def _full_and_shallow(unet_ms: list[float], repeats: int, interval: int) -> dict:
+    """Median ms of the full and of the shallow UNet calls of DeepCache generations: call j of an image (0-based)
+    is full iff ``j % interval == 0``."""
+    per = len(unet_ms) // repeats if repeats else 0
+    if not per:
+        return {}
+    full = [t for k, t in enumerate(unet_ms) if (k % per) % interval == 0]
+    shallow = [t for k, t in enumerate(unet_ms) if (k % per) % interval != 0]
+    return {"unet_ms_full": statistics.median(full) if full else None,
+            "unet_ms_shallow": statistics.median(shallow) if shallow else None}
+
+
 def mean_abs_error(a, b) -> float:
     """Mean |a − b| over all pixels and channels, in 8-bit units."""
     import numpy as np
@@ -731,6 +823,9 @@ def base_row(system: System, spec: ModelSpec, ctx: Context, task: Task | None = 
         "steps": spec.steps, "batch": ctx.batch, "guidance_scale": ctx.guidance_scale, "device": str(ctx.device),
         "dtype": str(ctx.dtype).replace("torch.", ""), "description": system.description,
         "task": task.name, "strength": strength, "steps_run": task.steps_run(spec.steps, strength),
+        "scheduler": ctx.scheduler, "tier": task.tier, "cache_interval": None, "cache_branch": None,
+        "psnr_vs_exact_db": None, "ssim_vs_exact": None, "speedup_vs_exact": None, "unet_ms_full": None,
+        "unet_ms_shallow": None,
         "warmup_s": None, "load_s": None, "first_image_s": None, "unet_ms_step": None, "step_vs_txt2img": None,
         "unet_calls_per_image": None, "e2e_s": None,
         "img_s": None, "peak_gib": None, "peak_reserved_gib": None, "psnr_db": None, "fp32_check": None,
@@ -792,6 +887,8 @@ def run_system(system: System, spec: ModelSpec, ctx: Context, refs: dict, tasks:
         row["wall_s"] = wall_s
         if row is not base and base is not None and row["unet_ms_step"] and base["unet_ms_step"]:
             row["step_vs_txt2img"] = row["unet_ms_step"] / base["unet_ms_step"]
+        if row["tier"] and base is not None and row["e2e_s"] and base["e2e_s"]:
+            row["speedup_vs_exact"] = base["e2e_s"] / row["e2e_s"]
     return rows
 
 
@@ -844,6 +941,10 @@ def _run_task(task: Task, row: dict, engine, system: System, spec: ModelSpec, ct
         row["img_s"] = ctx.batch / row["e2e_s"]
         row["unet_ms_step"] = statistics.median(unet_ms) if unet_ms else None
         row["unet_calls_per_image"] = len(unet_ms) / ctx.repeats
+        if task.tier:
+            interval = inputs["cache_interval"]
+            row["cache_interval"], row["cache_branch"] = interval, inputs["cache_branch"]
+            row.update(_full_and_shallow(unet_ms, ctx.repeats, interval))
         for name, t in steps.items():
             if name != "unet" and t.times_ms():
                 row[f"{name}_ms_step"] = statistics.median(t.times_ms())
@@ -855,7 +956,17 @@ def _run_task(task: Task, row: dict, engine, system: System, spec: ModelSpec, ct
         image = images[0]
         if ctx.image_dir is not None:
             _save(ctx, f"{spec.label}-{system.name}-{task.name}", image)
-        if task.name == "txt2img":
+        if task.tier:
+            if refs.get("fp16") is not None:
+                row["psnr_db"] = psnr(image, refs["fp16"])
+            exact = refs.get(f"exact:{system.name}")
+            if exact is not None:
+                row["psnr_vs_exact_db"] = psnr(image, exact)
+                row["ssim_vs_exact"], note = ssim(image, exact)
+                if note:
+                    row["ssim_note"] = note
+        elif task.name == "txt2img":
+            refs[f"exact:{system.name}"] = image  # the speed tiers' reference: this system's exact image
             if system.name == "stock":
                 refs["fp16"] = first
             if refs.get("fp16") is not None:
@@ -902,6 +1013,8 @@ def task_reference(engine, task: Task, spec: ModelSpec, ctx: Context, refs: dict
     """``refs[task.name]``: stock diffusers' image of ``task`` (``stock_reference``) on a stock engine's pipeline,
     with the task's inputs at ``size`` (width, height)."""
     kw = task_kwargs(task, spec, ctx, task.inputs(*size))
+    if kw.get("scheduler") is not None:
+        kw["scheduler"] = engine.scheduler_for(kw["scheduler"])
     refs[task.name] = stock_reference(engine.pipe, task, kw, size)
     if ctx.image_dir is not None:
         _save(ctx, f"{spec.label}-stock_diffusers-{task.name}", refs[task.name])
@@ -933,7 +1046,7 @@ def reference_only(spec: ModelSpec, ctx: Context, refs: dict, tasks: list[Task] 
         if spec.fp32_ref:
             refs["fp32"] = fidelity_reference(built.engine, spec, ctx)
         for task in tasks or []:
-            if task.name != "txt2img":
+            if task.name != "txt2img" and not task.tier:
                 task_reference(built.engine, task, spec, ctx, refs, refs["fp16"].size)
     except Exception as e:
         log(f"[{spec.label}] stock reference image failed: {type(e).__name__}: {e}")
@@ -953,7 +1066,9 @@ def _task(row: dict) -> str:
 
 
 def _label(row: dict) -> str:
-    """'model/system', and '/task' for a task other than txt2img."""
+    """'model/system', and '/task' for a task other than txt2img ('/' and the tier for a speed tier)."""
+    if row.get("tier"):
+        return f"{row['model']}/{row['system']}/{row['tier']}"
     return f"{row['model']}/{row['system']}" + ("" if _task(row) == "txt2img" else f"/{_task(row)}")
 
 
@@ -964,10 +1079,13 @@ def render(rows: list[dict], env: dict, *, profile: bool = False) -> str:
     from benchmarks.report import fmt, markdown_table, tensorrt_note
 
     gpu = env.get("gpu") or f"CPU ({env.get('platform', '')})"
+    tiers = [r for r in rows if r.get("tier")]
+    rows = [r for r in rows if not r.get("tier")]
     tasks = any(_task(r) != "txt2img" for r in rows)
     out = [f"## Measured here: {gpu}, torch {env.get('torch')}, diffusers {env.get('diffusers')}, "
            f"{rows[0]['dtype'] if rows else ''}, batch {rows[0]['batch'] if rows else ''}, CFG "
-           f"{rows[0]['guidance_scale'] if rows else ''}", "",
+           f"{rows[0]['guidance_scale'] if rows else ''}"
+           + (f", scheduler {rows[0]['scheduler']}" if rows and rows[0].get("scheduler") else ""), "",
            markdown_table(rows, TASK_TABLE_COLUMNS if tasks else TABLE_COLUMNS), "",
            "warmup: load (+ optimize/compile/capture) to the first image; UNet ms/step: median over every UNet call "
            "of the timed generations; e2e: prompt to PIL, median; peak: max allocated over the timed generations; "
@@ -978,7 +1096,13 @@ def render(rows: list[dict], env: dict, *, profile: bool = False) -> str:
                    "txt2img's: UNet ms/step over the same system's txt2img one; e2e includes the VAE encode of the "
                    "init image; PSNR: against stock diffusers' pipeline of the task (from_pipe, called directly), same "
                    "inputs and seed (stock: its engine's image against that pipeline's).")
-    failed = [r for r in rows if r.get("error")]
+    if tiers:
+        out += ["", "### Speed tiers: the same system's exact image and e2e as the reference", "",
+                markdown_table(tiers, TIER_TABLE_COLUMNS), "",
+                "tier: DeepCache cache_interval/cache_branch; speedup: the same system's exact e2e over this one; "
+                "PSNR / SSIM vs exact: against that system's exact txt2img image (same seed); PSNR vs stock: against "
+                "stock fp16's exact image; UNet full / shallow: median ms of each kind of call."]
+    failed = [r for r in rows + tiers if r.get("error")]
     for r in failed:
         out.append(f"- {_label(r)} failed: {r['error']}")
     for model in dict.fromkeys(r["model"] for r in rows):
@@ -995,7 +1119,7 @@ def render(rows: list[dict], env: dict, *, profile: bool = False) -> str:
             out.append(f"- {r['model']}/{r['system']}: {info['layers']} linear layers converted in "
                        f"{fmt(info['compress_s'])} s (calibration on {len(CALIBRATION_PROMPTS)} prompts, "
                        f"{CALIBRATION_STEPS} steps), their weights {fmt(info['weight_ratio'])}x the original bytes")
-    split = [r for r in rows if r.get("e2e_breakdown")]
+    split = [r for r in rows + tiers if r.get("e2e_breakdown")]
     if split:
         keys = list(dict.fromkeys(k for r in split for k in r["e2e_breakdown"]))
         table = [dict(system=_label(r), **{k: r["e2e_breakdown"].get(k) for k in keys}) for r in split]
@@ -1079,6 +1203,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-images", action="store_true",
                    help="with --out: save each row's image, stock diffusers' reference images, the init image and the "
                         "mask under OUT/images")
+    p.add_argument("--scheduler", default=None,
+                   help="every generation's scheduler, one of sdfast.SCHEDULERS (default: the model's own; few-step "
+                        "runs: lcm, euler_a_trailing)")
+    p.add_argument("--cache-interval", default=None, metavar="N[,N...]",
+                   help="speed tiers: after each system's txt2img row, one row per DeepCache cache_interval (>= 2, "
+                        "e.g. 2,3,5) on the same system, with PSNR / SSIM against its exact image and its speedup")
+    p.add_argument("--cache-branch", default="0", metavar="B[,B...]",
+                   help="DeepCache's cache_branch of those rows (default 0; a comma list runs every pair)")
+    p.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                   help="a named run: sets the flags of PRESETS[name] (flags given beside it win)")
     p.add_argument("--second-size", action="store_true",
                    help="after the timed runs, time the first image at a second resolution (width + 128): what a new "
                         "shape costs once warmed up (graph capture / recompilation)")
@@ -1091,16 +1225,27 @@ def main(argv=None) -> int:
 
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.preset is not None:  # the preset's values as defaults: the flags given beside it win
+        parser.set_defaults(**PRESETS[args.preset])
+        args = parser.parse_args(argv)
     try:
         systems = parse_systems(args.systems)
         tasks = [TASKS[t] for t in parse_tasks(args.task)]
+        if args.scheduler is not None:
+            from sdfast.schedulers import SCHEDULERS
+
+            if args.scheduler not in SCHEDULERS:
+                raise ValueError(f"--scheduler: unknown scheduler {args.scheduler!r}; known: {', '.join(SCHEDULERS)}")
+        intervals = parse_ints(args.cache_interval, "--cache-interval", 2)
+        branches = parse_ints(args.cache_branch, "--cache-branch", 0) or [0]
+        tasks += [deep_cache_task(n, b) for n in intervals for b in branches]
         if args.repeats < 1 or args.batch < 1 or (args.steps is not None and args.steps < 1):
             raise ValueError("--repeats, --batch and --steps must be >= 1")
         if args.strength is not None and not 0 < args.strength <= 1:
             raise ValueError(f"--strength must be in (0, 1], got {args.strength}")
         ctx = Context(device=args.device, image_seed=args.seed, batch=args.batch, guidance_scale=args.guidance,
                       repeats=args.repeats, profile=args.profile, second_size=args.second_size,
-                      strength=args.strength,
+                      strength=args.strength, scheduler=args.scheduler,
                       image_dir=Path(args.out) / "images" if args.out and args.save_images else None)
         specs = model_specs(args, ctx)
         for spec in specs:

@@ -264,7 +264,9 @@ def plot_txt2img(path, rows: list[dict], reference: list[dict]) -> Path:
             labels, values, colors, hatches = [], [], [], []
             for r in measured:
                 desc = f"{r['system']}, {r.get('steps', '')} steps"
-                if r.get("task") not in (None, "txt2img"):  # another task: its name, strength and the steps it ran
+                if r.get("tier"):  # a speed tier: its label
+                    desc = f"{r['system']} {r['tier']}, {r.get('steps', '')} steps"
+                elif r.get("task") not in (None, "txt2img"):  # another task: its name, strength and the steps it ran
                     desc = f"{r['system']} {r['task']} (strength {r.get('strength')}), {r.get('steps_run')} of {r.get('steps')} steps"
                 labels.append(desc if r.get(key) is not None else f"{desc}: {'failed' if r.get('error') else 'n/a'}")
                 values.append(r.get(key) or 0.0)

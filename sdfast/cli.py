@@ -50,6 +50,8 @@ def default_model() -> str:
 
 def _add_generation_flags(p, *, size: bool) -> None:
     """The flags txt2img and img2img share (``--size`` only for txt2img: img2img's size is its image's)."""
+    from sdfast.schedulers import SCHEDULERS
+
     p.add_argument("--model", default=None, help="model folder, .safetensors file, hub id or random:<arch> (default: random:sd15 on a GPU, random:tiny on a CPU)")
     p.add_argument("--steps", type=int, default=30, help="denoising steps (default: 30)")
     p.add_argument("--guidance", type=float, default=7.5, help="guidance_scale; <= 1 turns CFG off (default: 7.5)")
@@ -59,13 +61,21 @@ def _add_generation_flags(p, *, size: bool) -> None:
     p.add_argument("--n", type=int, default=1, help="images to generate")
     p.add_argument("--negative", default=None, help="negative prompt")
     p.add_argument("--scheduler", default=None,
-                   help="ddim, pndm, euler, euler_a, dpmpp_2m, dpmpp_2m_karras, unipc or lcm (default: the model's own)")
+                   help=f"{', '.join(SCHEDULERS)} (default: the model's own; few-step models: lcm for LCM / LCM-LoRA, "
+                        "euler_a_trailing for SDXL-Turbo, euler_trailing for SDXL-Lightning)")
     p.add_argument("--out", default="sdfast.png",
                    help="output file: .png, .jpg/.jpeg or .webp (the format follows the extension; the parameters go "
                         "into the file), or a folder (ending in /) for sdfast.png in it; with --n > 1, _0, _1, ... are "
                         "appended")
     p.add_argument("--quality", type=int, default=None,
                    help="JPEG / WebP quality, 0 to 100 (default: 90); not for PNG, which is lossless")
+    p.add_argument("--cache-interval", type=int, default=1, metavar="N",
+                   help="DeepCache: the full UNet runs every N-th step, the steps between only its shallow branch on "
+                        "the cached deep features (faster; the image changes a little); 1 (default): the exact "
+                        "pipeline")
+    p.add_argument("--cache-branch", type=int, default=0, metavar="B",
+                   help="DeepCache's skip branch, with --cache-interval > 1: 0 (default, the shallowest and fastest) to "
+                        "the UNet's down blocks - 1 (3 on SD 1.x/2.x, 2 on SDXL)")
     p.add_argument("--no-optimize", action="store_true", help="run the stock diffusers pipeline")
     p.add_argument("--vae-decoder-dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="keep the VAE's decoder in this dtype (OptimizeConfig.vae_decoder_dtype; e.g. bfloat16 for "
@@ -164,7 +174,8 @@ _FLAGS = {"num_inference_steps": "--steps", "guidance_scale": "--guidance", "hei
           "seed": "--seed", "num_images_per_prompt": "--n", "negative_prompt": "--negative", "scheduler": "--scheduler",
           "strength": "--strength", "image": "image", "mask_image": "mask", "control_image": "--control-image",
           "controlnet_conditioning_scale": "--controlnet-scale", "control_guidance_start": "--control-start",
-          "control_guidance_end": "--control-end"}
+          "control_guidance_end": "--control-end", "cache_interval": "--cache-interval",
+          "cache_branch": "--cache-branch"}
 
 
 def _flag_error(e) -> str:
@@ -216,7 +227,8 @@ def _generate(args) -> int:
     model = args.model or default_model()
     # The request, validated once, before the (slow) load, so bad input answers at once; the engine runs it as is.
     common = dict(negative_prompt=args.negative, num_inference_steps=args.steps, guidance_scale=args.guidance,
-                  seed=args.seed, num_images_per_prompt=args.n, scheduler=args.scheduler, **_control_flags(args))
+                  seed=args.seed, num_images_per_prompt=args.n, scheduler=args.scheduler,
+                  cache_interval=args.cache_interval, cache_branch=args.cache_branch, **_control_flags(args))
     if args.command == "img2img":
         request = Img2ImgRequest.build(_read_image(args.image), args.prompt, strength=args.strength, **common)
     elif args.command == "inpaint":
@@ -259,6 +271,8 @@ def _generate(args) -> int:
             params.update(init_image=str(args.image), strength=args.strength)
         if args.command == "inpaint":
             params.update(mask_image=str(args.mask))
+        if args.cache_interval != 1:
+            params.update(cache_interval=args.cache_interval, cache_branch=args.cache_branch)
         if args.controlnet:
             params.update(controlnet=args.controlnet, control_image=args.control_image,
                           controlnet_conditioning_scale=args.controlnet_scale,

@@ -11,6 +11,7 @@ the diffusers pipeline of the request's ``task``, built once from the same (opti
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -26,6 +27,7 @@ from . import prompts as prompt_policy
 from .errors import GenerationCancelled, InvalidRequestError
 from .loading import quiet_loading
 from .request import Img2ImgRequest, InpaintRequest, Txt2ImgRequest
+from .runtime import deep_cache
 from .runtime.session import CallSession
 from .schedulers import check_steps, make_scheduler
 
@@ -49,6 +51,19 @@ def _to_uint8(images: torch.Tensor, flags: tuple[torch.Tensor, ...] = ()) -> tup
     host, finite = pixels.to("cpu", non_blocking=True), finite.to("cpu", non_blocking=True)
     torch.cuda.current_stream(pixels.device).synchronize()
     return host.numpy(), bool(finite)
+
+
+def _chain(callbacks: list):
+    """One diffusers ``callback_on_step_end`` that calls each of ``callbacks`` in order."""
+    if len(callbacks) == 1:
+        return callbacks[0]
+
+    def on_step_end(pipe, i, t, callback_kwargs):
+        for callback in callbacks:
+            callback_kwargs = callback(pipe, i, t, callback_kwargs)
+        return callback_kwargs
+
+    return on_step_end
 
 
 def _stopper(should_stop):
@@ -97,6 +112,7 @@ class Engine:
         self._schedulers: dict[str, object] = {}
         self._derived: dict[str, object] = {}
         self.last_timings: dict[str, float] = {}
+        self.last_deep_cache: dict | None = None  # DeepCache's counts of the last call (``runtime.deep_cache``)
         self.last_prompt_report: prompt_policy.PromptReport | None = None
 
     @property
@@ -149,6 +165,8 @@ class Engine:
         controlnet_conditioning_scale=None,
         control_guidance_start=0.0,
         control_guidance_end=1.0,
+        cache_interval: int = 1,
+        cache_branch: int = 0,
     ):
         """Generate images from text.
 
@@ -184,13 +202,23 @@ class Engine:
                 applied after the ControlNet's replay).
             control_guidance_start, control_guidance_end: the fraction of the steps in which the ControlNets
                 apply, in [0, 1], start < end (one value, or one per ControlNet).
+            cache_interval: DeepCache (Ma et al., CVPR 2024; ``sdfast.runtime.deep_cache``), an integer in [1, 1000]:
+                step ``i`` runs the full UNet when ``i % cache_interval == 0`` and caches its deep feature; the steps
+                between run only the UNet's shallow path on it (faster; the image changes a little: README's
+                "Speed tiers"). 1 (default): every step full, the exact pipeline. With ControlNets the ControlNets
+                still run every step (their shallow residuals are used at the shallow steps).
+            cache_branch: with ``cache_interval`` > 1, the skip branch the shallow steps run: down blocks 0 to
+                ``cache_branch`` and the matching up blocks (0, default: the shallowest and fastest; at most 3 on
+                SD 1.x/2.x, 2 on SDXL). ``engine.last_deep_cache`` counts the full and shallow UNet calls of the
+                last call (None for an exact one).
 
         Returns: a list of ``PIL.Image.Image`` (RGB, ``width``×``height``). Each carries, as strings,
             ``info["seed"]``, ``info["prompt_tokens"]`` (CLIP content tokens of its prompt),
             ``info["prompt_chunks"]`` (77-token windows used) and ``info["prompt_truncated_tokens"]``
             (tokens dropped from its prompt, plus ``info["negative_prompt_truncated_tokens"]`` with a
             negative prompt). ``engine.last_prompt_report`` holds the same for the whole request.
-        Raises: ``InvalidRequestError`` (a ``ValueError`` naming the field) before any step runs;
+        Raises: ``InvalidRequestError`` (a ``ValueError`` naming the field, e.g. ``cache_branch`` past the UNet's
+            down blocks) before any step runs;
             ``GenerationCancelled`` when ``should_stop`` returned True; ``NonFiniteOutputError`` if the
             pipeline produced NaN/Inf (checked on the VAE's output, before pixels are clamped), never a black
             image; ``torch.OutOfMemoryError`` (a host allocation failure too), after dropping the CUDA graphs
@@ -200,6 +228,7 @@ class Engine:
             prompt, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale, height=height, width=width, seed=seed,
             num_images_per_prompt=num_images_per_prompt, scheduler=scheduler, long_prompt=long_prompt,
+            cache_interval=cache_interval, cache_branch=cache_branch,
             **_control(control_image, controlnet_conditioning_scale, control_guidance_start, control_guidance_end))
         return self.run(request, progress=progress, should_stop=should_stop, _stacklevel=3)
 
@@ -222,6 +251,8 @@ class Engine:
         controlnet_conditioning_scale=None,
         control_guidance_start=0.0,
         control_guidance_end=1.0,
+        cache_interval: int = 1,
+        cache_branch: int = 0,
     ):
         """Generate images from an init image and text (img2img: SDEdit, Meng et al. 2021, as diffusers'
         ``StableDiffusionImg2ImgPipeline`` / ``StableDiffusionXLImg2ImgPipeline`` run it, on this engine's optimized
@@ -242,6 +273,7 @@ class Engine:
             image, prompt, strength=strength, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale, seed=seed, num_images_per_prompt=num_images_per_prompt,
             scheduler=scheduler, long_prompt=long_prompt,
+            cache_interval=cache_interval, cache_branch=cache_branch,
             **_control(control_image, controlnet_conditioning_scale, control_guidance_start, control_guidance_end))
         return self.run(request, progress=progress, should_stop=should_stop, _stacklevel=3)
 
@@ -265,6 +297,8 @@ class Engine:
         controlnet_conditioning_scale=None,
         control_guidance_start=0.0,
         control_guidance_end=1.0,
+        cache_interval: int = 1,
+        cache_branch: int = 0,
     ):
         """Repaint the masked part of an image from text (inpainting, as diffusers' ``StableDiffusionInpaintPipeline``
         / ``StableDiffusionXLInpaintPipeline`` run it, on this engine's optimized components: the same images as
@@ -284,6 +318,7 @@ class Engine:
             image, mask_image, prompt, strength=strength, negative_prompt=negative_prompt,
             num_inference_steps=num_inference_steps, guidance_scale=guidance_scale, seed=seed,
             num_images_per_prompt=num_images_per_prompt, scheduler=scheduler, long_prompt=long_prompt,
+            cache_interval=cache_interval, cache_branch=cache_branch,
             **_control(control_image, controlnet_conditioning_scale, control_guidance_start, control_guidance_end))
         return self.run(request, progress=progress, should_stop=should_stop, _stacklevel=3)
 
@@ -350,6 +385,7 @@ class Engine:
         pipe = self.pipeline_for(request.task)
         sched = self.scheduler_for(request.scheduler)
         check_steps(request.num_inference_steps, sched, request.scheduler)
+        deep_cache.check(pipe.unet, request.cache_interval, request.cache_branch)
         prompts = list(request.prompts)
         negatives = None if request.negative_prompts is None else list(request.negative_prompts)
         n = request.num_images
@@ -397,13 +433,18 @@ class Engine:
         text = prompt_policy.encode_chunked(pipe, prep.prompts, prep.negatives, report.chunks, do_cfg=prep.do_cfg,
                                             batch_cfg=session.graphed, tokens=prep.tokens)
         pipe.set_progress_bar_config(disable=not progress)
-        stop = {} if should_stop is None else {"callback_on_step_end": _stopper(should_stop)}
+        cache = None if request.cache_interval == 1 else deep_cache.DeepCache(
+            pipe.unet, request.cache_interval, request.cache_branch)
+        callbacks = [c for c in (cache and cache.on_step_end, should_stop and _stopper(should_stop)) if c]
+        step_end = {"callback_on_step_end": _chain(callbacks)} if callbacks else {}
+        self.last_deep_cache = None
         t0 = time.perf_counter()
         with session.call(prep.scheduler, what=f"{n} image(s) of {width}x{height} on {self.device}") as finite, \
-                quiet_loading():
+                quiet_loading(), \
+                cache or contextlib.nullcontext():
             out = pipe(
                 **text,
-                **stop,
+                **step_end,
                 **request.pipeline_kwargs(height, width),
                 num_inference_steps=request.num_inference_steps,
                 guidance_scale=request.guidance_scale,
@@ -413,6 +454,7 @@ class Engine:
             )
         pixels, all_finite = _to_uint8(out.images, tuple(finite))
         self.last_timings = {"total_s": time.perf_counter() - t0}
+        self.last_deep_cache = None if cache is None else cache.report()
         session.check_finite(all_finite, request.guidance_scale)
         return pil_images(pixels, prep.seeds, report, request.num_images_per_prompt)
 

@@ -2,8 +2,8 @@
 
 ``PASSES`` is the one table (over the UNet, the ControlNets if any, and the VAE, as each pass says): fp32 VAE ->
 attention processor -> norm fusion -> channels_last layout ->
-time-embedding packing -> upsampling -> skip concatenation -> convolution biases -> small-K linears -> CUDA graphs
--> execution device. Each pass is its own module (``sdfast.passes``, ``sdfast.runtime``), counts what it changed,
+time-embedding packing -> upsampling -> skip concatenation -> convolution biases -> small-K linears -> the DeepCache
+split forward -> CUDA graphs -> execution device. Each pass is its own module (``sdfast.passes``, ``sdfast.runtime``), counts what it changed,
 and can be undone (``unoptimize`` runs the table backwards). What one pass leaves for another is a typed slot of
 ``sdfast.passes.state``. The pipeline object stays the same diffusers pipeline.
 """
@@ -192,6 +192,20 @@ def _undo_graphs(pipe, state: OptimizeState) -> None:
     host_timesteps.release(pipe.scheduler)
 
 
+def _deep_cache(pipe, state: OptimizeState) -> int:
+    """The UNet's forward becomes ``runtime.deep_cache.SplitForward`` (the exact forward unless a call asks for a
+    DeepCache step), so the graph pass captures the full and shallow steps as graphs of their own."""
+    from .runtime import deep_cache
+
+    return int(deep_cache.is_diffusers_unet(pipe.unet) and deep_cache.install(pipe.unet))
+
+
+def _undo_deep_cache(pipe, state: OptimizeState) -> None:
+    from .runtime import deep_cache
+
+    deep_cache.uninstall(pipe.unet)
+
+
 def _execution_device(pipe, state: OptimizeState) -> int:
     execution_device.install(pipe)  # no walk over every submodule at each call (host time, GPU idle)
     return 1
@@ -212,7 +226,8 @@ class Pass:
 
 # The one pass table: optimize applies it top to bottom, unoptimize undoes it bottom to top. Order matters where a
 # pass reads what an earlier one left (sdfast.passes.state): time-embedding packing needs the norm pass's fused
-# ResNet blocks and runs after the layout pass (the pack's views are the final storage); CUDA graphs come last.
+# ResNet blocks and runs after the layout pass (the pack's views are the final storage); the DeepCache split forward
+# goes in before the CUDA graphs, which capture it; CUDA graphs come last.
 PASSES: tuple[Pass, ...] = (
     Pass("vae_dtype", lambda c, p: c.vae_fp32_when_asked or c.vae_decoder_dtype is not None, _vae_dtype,
          _undo_vae_dtype, counted=False),
@@ -227,6 +242,7 @@ PASSES: tuple[Pass, ...] = (
          _per_denoiser("conv_bias", "undo")),
     Pass("linear", lambda c, p: c.tma_linear, _per_denoising_net("linear", "apply"),
          _per_denoising_net("linear", "undo")),
+    Pass("deep_cache", lambda c, p: True, _deep_cache, _undo_deep_cache, counted=False),
     Pass("cuda_graphs", lambda c, p: c.cuda_graphs and p.unet.device.type == "cuda", _graphs, _undo_graphs),
     Pass("execution_device", lambda c, p: True, _execution_device, lambda p, s: execution_device.uninstall(p),
          counted=False),

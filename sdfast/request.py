@@ -26,6 +26,9 @@ MAX_IMAGES = 64  # images per call (prompts x num_images_per_prompt); loop for m
 MAX_GUIDANCE = 100.0  # guidance_scale: SD is used at 1-20 (the HTTP service takes 0-30); 1e308 overflows to Inf/NaN
 MAX_CONTROLNETS = 8  # control images per request (one per ControlNet of a multi-ControlNet)
 MAX_CONTROLNET_SCALE = 10.0  # controlnet_conditioning_scale: used at 0-2; the residuals are multiplied by it
+MAX_CACHE_INTERVAL = 1000  # DeepCache's cache_interval: 1 (exact) to past the longest schedule (999 steps)
+MAX_CACHE_BRANCH = 15  # DeepCache's cache_branch: below the UNet's down blocks (SD 1.x/2.x: 0-3, SDXL: 0-2), which
+# the engine checks against the loaded model (``sdfast.runtime.deep_cache.check``)
 # num_inference_steps: at least 1; the upper bound is the scheduler's (``sdfast.schedulers.check_steps``: 999 for
 # SD's 1000 training timesteps, 50 for LCM), checked by the engine against the loaded model's scheduler.
 
@@ -40,6 +43,9 @@ class Txt2ImgRequest:
     seeds: one per image (image ``i`` of prompt ``p`` is ``p * num_images_per_prompt + i``), or None: the engine
         draws a random seed at each run.
     tokens: the texts' CLIP token ids (``sdfast.prompts.PromptTokens``), or None: ``Engine.run`` tokenizes.
+    cache_interval, cache_branch: DeepCache (``sdfast.runtime.deep_cache``): the full UNet runs every
+        ``cache_interval``-th step, the steps between only skip branch ``cache_branch``; 1 (default): the exact
+        pipeline, every step full.
     """
 
     prompts: tuple[str, ...]
@@ -54,6 +60,8 @@ class Txt2ImgRequest:
     long_prompt: str = "chunk"
     tokens: PromptTokens | None = None
     control: ControlInputs | None = None
+    cache_interval: int = 1
+    cache_branch: int = 0
 
     task = "txt2img"  # the pipeline that runs it (``Engine.pipeline_for``); a class attribute, not a field
 
@@ -75,7 +83,7 @@ class Txt2ImgRequest:
               height: int | None = None, width: int | None = None, seed=None, num_images_per_prompt: int = 1,
               scheduler: str | None = None, long_prompt: str = "chunk", control_image=None,
               controlnet_conditioning_scale=None, control_guidance_start=0.0, control_guidance_end=1.0,
-              tokenize=None) -> Txt2ImgRequest:
+              cache_interval: int = 1, cache_branch: int = 0, tokenize=None) -> Txt2ImgRequest:
         """Validate ``Engine.txt2img``'s arguments (see there) and return the request. Raises
         ``InvalidRequestError`` (a ``ValueError``) naming the field. ``tokenize``: None, or a function
         ``(prompts, negative_prompts) -> PromptTokens`` (``sdfast.prompts.tokenize`` bound to a pipeline) called
@@ -93,6 +101,7 @@ class Txt2ImgRequest:
             seed=seed)
         negatives = check_negative_prompt(negative_prompt, len(prompts))
         check_long_prompt(long_prompt)
+        cache_interval, cache_branch = check_deep_cache(cache_interval, cache_branch)
         # checked integral (numpy scalars included): plain ints from here on
         steps, per_prompt = int(num_inference_steps), int(num_images_per_prompt)
         n = len(prompts) * per_prompt
@@ -103,24 +112,28 @@ class Txt2ImgRequest:
             height=None if height is None else int(height), width=None if width is None else int(width),
             num_inference_steps=steps, guidance_scale=float(guidance_scale), num_images_per_prompt=per_prompt,
             seeds=seeds, scheduler=scheduler, long_prompt=long_prompt, control=control,
+            cache_interval=cache_interval, cache_branch=cache_branch,
             tokens=None if tokenize is None else tokenize(list(prompts), negatives))
 
     def as_kwargs(self) -> dict:
         """``Engine.txt2img``'s (and ``build``'s) keyword arguments that make this request again (without its
-        tokens): ``Txt2ImgRequest.build(**r.as_kwargs())`` equals ``r`` with ``tokens=None``."""
+        tokens): ``Txt2ImgRequest.build(**r.as_kwargs())`` equals ``r`` with ``tokens=None``. The ControlNet and
+        DeepCache arguments only when set."""
         return dict(
             prompt=list(self.prompts), negative_prompt=None if self.negative_prompts is None else list(self.negative_prompts),
             num_inference_steps=self.num_inference_steps, guidance_scale=self.guidance_scale, height=self.height,
             width=self.width, seed=None if self.seeds is None else list(self.seeds),
             num_images_per_prompt=self.num_images_per_prompt, scheduler=self.scheduler, long_prompt=self.long_prompt,
+            **({} if (self.cache_interval, self.cache_branch) == (1, 0) else
+               dict(cache_interval=self.cache_interval, cache_branch=self.cache_branch)),
             **({} if self.control is None else self.control.as_kwargs()))
 
     @classmethod
     def concat(cls, requests: list[Txt2ImgRequest]) -> Txt2ImgRequest:
         """Requests batched into one engine call (the HTTP service's batches): their prompts, negative prompts,
         seeds and tokens in order. Each must have its seeds, one image per prompt, and the same settings
-        (size, steps, guidance, scheduler, long-prompt policy, with or without negative prompts); raises
-        ``ValueError`` otherwise, and ``InvalidRequestError`` (field ``num_images_per_prompt``) past
+        (size, steps, guidance, scheduler, long-prompt policy, DeepCache settings, with or without negative
+        prompts); raises ``ValueError`` otherwise, and ``InvalidRequestError`` (field ``num_images_per_prompt``) past
         ``MAX_IMAGES`` images in all."""
         from .prompts import PromptTokens
 
@@ -130,13 +143,14 @@ class Txt2ImgRequest:
 
         def settings(r):
             return (r.height, r.width, r.num_inference_steps, r.guidance_scale, r.scheduler, r.long_prompt,
-                    r.negative_prompts is None, r.num_images_per_prompt, r.control is None)
+                    r.negative_prompts is None, r.num_images_per_prompt, r.control is None, r.cache_interval,
+                    r.cache_branch)
 
         if (any(r.seeds is None or settings(r) != settings(first) for r in requests) or first.num_images_per_prompt != 1
                 or first.control is not None):
             raise ValueError("concat: requests batched into one call need their seeds, one image per prompt, no "
-                             "control image and the same size, steps, guidance, scheduler, long-prompt policy and "
-                             "negative-prompt presence")
+                             "control image and the same size, steps, guidance, scheduler, long-prompt policy, "
+                             "DeepCache settings and negative-prompt presence")
         prompts = tuple(p for r in requests for p in r.prompts)
         if len(prompts) > MAX_IMAGES:
             raise InvalidRequestError(
@@ -244,6 +258,22 @@ def check_negative_prompt(negative_prompt, n_prompts: int) -> list[str] | None:
     raise InvalidRequestError("negative_prompt", f"must be None, a string or a list of strings (got {type(negative_prompt).__name__})")
 
 
+def check_deep_cache(cache_interval, cache_branch) -> tuple[int, int]:
+    """Validate DeepCache's settings (``sdfast.runtime.deep_cache``): ``cache_interval`` an integer in [1,
+    ``MAX_CACHE_INTERVAL``] (1: the exact pipeline; above the steps: only the first step runs the full UNet),
+    ``cache_branch`` an integer in [0, ``MAX_CACHE_BRANCH``] (the engine checks it against the model's UNet, which
+    has fewer). Returns them as ints. Raises ``InvalidRequestError`` naming the field."""
+    cache_interval, cache_branch = _as_int(cache_interval), _as_int(cache_branch)
+    if not isinstance(cache_interval, int) or isinstance(cache_interval, bool) \
+            or not 1 <= cache_interval <= MAX_CACHE_INTERVAL:
+        raise InvalidRequestError("cache_interval", f"must be an integer in [1, {MAX_CACHE_INTERVAL}] (1: every step "
+                                                    f"runs the full UNet, the exact pipeline; got {cache_interval!r})")
+    if not isinstance(cache_branch, int) or isinstance(cache_branch, bool) or not 0 <= cache_branch <= MAX_CACHE_BRANCH:
+        raise InvalidRequestError("cache_branch", f"must be an integer in [0, {MAX_CACHE_BRANCH}], a skip branch of the "
+                                                  f"UNet (0: the shallowest; got {cache_branch!r})")
+    return cache_interval, cache_branch
+
+
 def check_long_prompt(policy: str) -> str:
     """Validate the long-prompt policy (see ``sdfast.prompts``): "chunk" or "truncate"."""
     from .prompts import POLICIES
@@ -288,7 +318,8 @@ class Img2ImgRequest(Txt2ImgRequest):
     @classmethod
     def build(cls, image, prompt, *, strength: float = 0.8, negative_prompt=None, num_inference_steps: int = 30,
               guidance_scale: float = 7.5, seed=None, num_images_per_prompt: int = 1, scheduler: str | None = None,
-              long_prompt: str = "chunk", tokenize=None, **control) -> Img2ImgRequest:
+              long_prompt: str = "chunk", cache_interval: int = 1, cache_branch: int = 0, tokenize=None,
+              **control) -> Img2ImgRequest:
         """Validate ``Engine.img2img``'s arguments (see there) and return the request. Raises
         ``InvalidRequestError`` (a ``ValueError``) naming the field: ``image`` (not a PIL image or an (H, W, 3)
         uint8 array, or a side under 8 or over ``MAX_SIDE`` pixels), ``strength`` (not a number in (0, 1], or so
@@ -300,7 +331,7 @@ class Img2ImgRequest(Txt2ImgRequest):
             prompt, negative_prompt=negative_prompt, num_inference_steps=num_inference_steps,
             guidance_scale=guidance_scale, height=height, width=width, seed=seed,
             num_images_per_prompt=num_images_per_prompt, scheduler=scheduler, long_prompt=long_prompt,
-            tokenize=tokenize, **control)
+            cache_interval=cache_interval, cache_branch=cache_branch, tokenize=tokenize, **control)
         if isinstance(strength, bool) or not isinstance(strength, numbers.Real) or not 0 < float(strength) <= 1:
             raise InvalidRequestError("strength", f"must be a number in (0, 1], got {strength!r}")
         if int(base.num_inference_steps * float(strength)) < 1:

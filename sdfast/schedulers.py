@@ -3,6 +3,12 @@
 Each entry is (diffusers class name, config overrides). A scheduler is built with
 ``cls.from_config(pipe.scheduler.config, **overrides)``, so it keeps the model's beta schedule,
 prediction type and timestep spacing, exactly as diffusers' docs recommend for swapping schedulers.
+
+Few-step models: ``lcm`` (LCM and LCM-LoRA, Luo et al. 2023: diffusers' ``LCMScheduler``, 2-8 steps, guidance 1-2),
+``euler_a_trailing`` (SDXL-Turbo's scheduler: Euler ancestral with "trailing" timestep spacing, which starts at the
+last training timestep, 999, as a 1-4 step schedule needs; guidance 0) and ``euler_trailing`` (SDXL-Lightning's:
+Euler, trailing). "trailing" is from Lin et al. 2023, "Common Diffusion Noise Schedules and Sample Steps are
+Flawed"; with SDXL's own "leading" spacing a 4-step schedule starts at timestep 751 and leaves noise in the image.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ SCHEDULERS: dict[str, tuple[str, dict]] = {
     "dpmpp_2m_karras": ("DPMSolverMultistepScheduler", {"use_karras_sigmas": True}),
     "unipc": ("UniPCMultistepScheduler", {}),
     "lcm": ("LCMScheduler", {}),
+    "euler_a_trailing": ("EulerAncestralDiscreteScheduler", {"timestep_spacing": "trailing"}),
+    "euler_trailing": ("EulerDiscreteScheduler", {"timestep_spacing": "trailing"}),
 }
 
 

@@ -309,7 +309,7 @@ class Service:
                        num_images: int, width: int | None, height: int | None, num_inference_steps: int,
                        guidance_scale: float, scheduler: str | None, images_field: str = "num_images",
                        task: dict | None = None, fields: dict | None = None,
-                       control: dict | None = None) -> tuple[Job, JobResult] | None:
+                       control: dict | None = None, deep_cache: tuple[int, int] = (1, 0)) -> tuple[Job, JobResult] | None:
         """Queue one request and wait for it. Returns None if the client disconnected (its job is
         cancelled); raises ``ServiceError`` (429 full, 504 deadline, 503/500/422 from the worker; 422 naming
         ``images_field`` for more images than ``max_batch``, the most one engine call may take).
@@ -317,8 +317,10 @@ class Service:
         ``task``: None (txt2img), or img2img's ``{"image", "strength"}`` (inpainting's with ``"mask_image"``): the
         prepared images (``server.parse.prepare_images``), whose size replaces ``width`` / ``height``. ``fields``:
         the endpoint's names of the engine's fields, for its 422s (e.g. ``{"mask_image": "mask"}``). ``control``:
-        None, or the ControlNet arguments of the engine's requests (``control_inputs``)."""
+        None, or the ControlNet arguments of the engine's requests (``control_inputs``). ``deep_cache``:
+        (``cache_interval``, ``cache_branch``), the branch checked against the model's UNet here (a 422)."""
         self._check_steps(num_inference_steps, scheduler)
+        self._check_deep_cache(*deep_cache)
         if num_images > self.worker.max_batch:
             raise InvalidRequest(
                 f"{images_field}: at most {self.worker.max_batch} images per request on this service (its max batch; "
@@ -333,7 +335,7 @@ class Service:
         job = self._job(prompt=prompt, negative_prompt=negative_prompt, seed=seed, num_images=num_images,
                         width=width, height=height, num_inference_steps=num_inference_steps,
                         guidance_scale=guidance_scale, scheduler=scheduler, images_field=images_field,
-                        task=task, fields=fields, control=control)
+                        task=task, fields=fields, control=control, deep_cache=deep_cache)
         self.worker.submit(job)  # QueueFull -> 429 at once
         waiter = asyncio.wrap_future(job.future)
         try:
@@ -364,7 +366,7 @@ class Service:
     def _job(self, *, prompt: str, negative_prompt: str | None, seed: int, num_images: int, width: int | None,
              height: int | None, num_inference_steps: int, guidance_scale: float, scheduler: str | None,
              images_field: str, task: dict | None = None, fields: dict | None = None,
-             control: dict | None = None) -> Job:
+             control: dict | None = None, deep_cache: tuple[int, int] = (1, 0)) -> Job:
         """The job of one request: its ``sdfast.request.Txt2ImgRequest`` (``Img2ImgRequest`` / ``InpaintRequest``
         with a ``task``; one prompt per image, so that a batch is the concatenation of its jobs' requests), built
         once here with the texts tokenized once (the worker and the engine take it as it is). The schemas' limits
@@ -378,7 +380,7 @@ class Service:
             negative_prompt=None if negative_prompt is None else [negative_prompt] * num_images,
             seed=[seed + i for i in range(num_images)], num_inference_steps=num_inference_steps,
             guidance_scale=float(guidance_scale), num_images_per_prompt=1, scheduler=scheduler,
-            tokenize=self._tokenize, **(control or {}))
+            cache_interval=deep_cache[0], cache_branch=deep_cache[1], tokenize=self._tokenize, **(control or {}))
         names = {"num_images_per_prompt": images_field, **(fields or {})}
         try:
             if task is None:
@@ -406,6 +408,20 @@ class Service:
 
         try:
             check_steps(steps, get(scheduler), scheduler)
+        except InvalidRequestError as e:
+            raise InvalidRequest(str(e), field=e.field) from None
+
+    def _check_deep_cache(self, cache_interval: int, cache_branch: int) -> None:
+        """DeepCache's branch against the model's UNet (``sdfast.runtime.deep_cache.check``: SD 1.x/2.x have 4 skip
+        branches, SDXL 3) as a 422 before the request is queued."""
+        unet = getattr(getattr(self.engine, "pipe", None), "unet", None)
+        if unet is None or cache_interval == 1:
+            return
+        from sdfast.errors import InvalidRequestError
+        from sdfast.runtime import deep_cache
+
+        try:
+            deep_cache.check(unet, cache_interval, cache_branch)
         except InvalidRequestError as e:
             raise InvalidRequest(str(e), field=e.field) from None
 
@@ -518,6 +534,8 @@ def _params(job: Job, seed: int, controlnets=()) -> dict:
               "width": job.width, "height": job.height}
     if job.request.task != "txt2img":  # img2img, inpainting: what else made the image
         params.update(task=job.request.task, strength=job.request.strength)
+    if job.request.cache_interval != 1:  # DeepCache
+        params.update(cache_interval=job.request.cache_interval, cache_branch=job.request.cache_branch)
     control = job.request.control
     if control is not None:  # one value per ControlNet, in their order
         scale = None if control.conditioning_scale is None else list(control.conditioning_scale)
@@ -753,7 +771,7 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
             request, prompt=body.prompt, negative_prompt=body.negative_prompt, seed=body.seed,
             num_images=body.num_images, width=width, height=height,
             num_inference_steps=body.num_inference_steps, guidance_scale=body.guidance_scale,
-            scheduler=body.scheduler, control=control)
+            scheduler=body.scheduler, control=control, deep_cache=(body.cache_interval, body.cache_branch))
         return await _answer(body, out, arrived)
 
     async def _from_image(request: Request, parsed: ImageBody):
@@ -769,7 +787,8 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
             request, prompt=body.prompt, negative_prompt=body.negative_prompt, seed=body.seed,
             num_images=body.num_images, width=None, height=None, num_inference_steps=body.num_inference_steps,
             guidance_scale=body.guidance_scale, scheduler=body.scheduler,
-            task={"image": image, "mask_image": mask, "strength": body.strength}, control=control)
+            task={"image": image, "mask_image": mask, "strength": body.strength}, control=control,
+            deep_cache=(body.cache_interval, body.cache_branch))
         return await _answer(body, out, arrived)
 
     @app.post("/v1/img2img", responses={200: {"content": {"image/png": {}}, "model": Txt2ImgResponse}},
@@ -805,7 +824,8 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
         out = await service.generate(
             request, prompt=body.prompt, negative_prompt=body.negative_prompt, seed=body.seed, num_images=body.n,
             width=width, height=height, num_inference_steps=body.num_inference_steps,
-            guidance_scale=body.guidance_scale, scheduler=None, images_field="n", control=control)
+            guidance_scale=body.guidance_scale, scheduler=None, images_field="n", control=control,
+            deep_cache=(body.cache_interval, body.cache_branch))
         return await _openai_answer(body, out)
 
     @app.post("/v1/images/edits", response_model=ImagesGenerationsResponse,
@@ -834,7 +854,7 @@ def create_app(engine_or_model, *, max_batch: int = 4, queue_size: int = 64, api
             width=None, height=None, num_inference_steps=body.num_inference_steps,
             guidance_scale=body.guidance_scale, scheduler=None, images_field="n",
             task={"image": image, "mask_image": mask, "strength": body.strength}, fields={"mask_image": "mask"},
-            control=control)
+            control=control, deep_cache=(body.cache_interval, body.cache_branch))
         return await _openai_answer(body, out)
 
     key = api_key.encode() if api_key else None

@@ -18,6 +18,9 @@ accept always builds an ``sdfast.request.Txt2ImgRequest`` (``server.app``) witho
   seed + i, so with n images the seed is at most 2**32 - n (checked by ``server.app``: every seed the
   service returns is one it accepts);
 - ``scheduler``: one of ``sdfast.SCHEDULERS`` or null (the model's own);
+- ``cache_interval`` (DeepCache): [1, ``SERVICE_MAX_CACHE_INTERVAL``] (1, the default: the exact pipeline);
+  ``cache_branch``: [0, ``SERVICE_MAX_CACHE_BRANCH``], and below the model's UNet down blocks (checked by
+  ``server.app`` before the request is queued: SD 1.x/2.x 0-3, SDXL 0-2);
 - ``output_compression`` (OpenAI endpoint): [0, 100];
 - ``strength`` (img2img, inpainting): in (0, 1] (the engine's range), and ``int(num_inference_steps * strength)``
   at least 1 (checked when the engine's request is built);
@@ -51,6 +54,8 @@ SERVICE_MAX_STEPS = 150  # the schedulers take up to 999 (LCM 50, checked by the
 SERVICE_MAX_IMAGES = 8  # per request; the worker's --max-batch bounds one engine call too
 SERVICE_MAX_GUIDANCE = 30.0  # SD is used at 1-20
 SERVICE_MAX_SEED = 2**32 - 1  # a 32-bit seed, as most SD front ends take
+SERVICE_MAX_CACHE_INTERVAL = 20  # DeepCache: the paper's schedules use 2-20; the engine takes up to 1000
+SERVICE_MAX_CACHE_BRANCH = 3  # DeepCache: SD 1.x/2.x UNets have branches 0-3, SDXL 0-2
 
 
 def _within(name: str, service: float, lowest: float, highest: float) -> float:
@@ -68,6 +73,9 @@ MAX_STEPS = SERVICE_MAX_STEPS  # the engine's bound is the scheduler's: ``server
 MAX_IMAGES = _within("SERVICE_MAX_IMAGES", SERVICE_MAX_IMAGES, 1, engine_limits.MAX_IMAGES)
 MAX_GUIDANCE = _within("SERVICE_MAX_GUIDANCE", SERVICE_MAX_GUIDANCE, 0.0, engine_limits.MAX_GUIDANCE)
 MAX_SEED = _within("SERVICE_MAX_SEED", SERVICE_MAX_SEED, 0, engine_limits.MAX_SEED)
+MAX_CACHE_INTERVAL = _within("SERVICE_MAX_CACHE_INTERVAL", SERVICE_MAX_CACHE_INTERVAL, 1,
+                             engine_limits.MAX_CACHE_INTERVAL)
+MAX_CACHE_BRANCH = _within("SERVICE_MAX_CACHE_BRANCH", SERVICE_MAX_CACHE_BRANCH, 0, engine_limits.MAX_CACHE_BRANCH)
 SERVICE_MAX_UPLOAD_PIXELS = 4096 * 4096  # an uploaded image, before resizing: 64 MiB as RGBA, a 12-megapixel photo fits
 MAX_UPLOAD_PIXELS = _within("SERVICE_MAX_UPLOAD_PIXELS", SERVICE_MAX_UPLOAD_PIXELS, MAX_SIDE**2, engine_limits.MAX_SIDE**2)
 MAX_UPLOAD_SIDE = engine_limits.MAX_SIDE  # an uploaded image's longest side (a 8192 x 2048 panorama fits)
@@ -155,6 +163,21 @@ def check_images(v: int) -> int:
 
 def check_seed(v: int | None) -> int | None:
     return v if v is None else _in_range(v, 0, MAX_SEED, "an integer")
+
+
+def check_cache_interval(v: int) -> int:
+    return _in_range(v, 1, MAX_CACHE_INTERVAL, "an integer")
+
+
+def check_cache_branch(v: int) -> int:
+    return _in_range(v, 0, MAX_CACHE_BRANCH, "an integer")
+
+
+CACHE_INTERVAL_DOC = (f"DeepCache, 1 to {MAX_CACHE_INTERVAL}: the full UNet runs every cache_interval-th step, the "
+                      "steps between only its shallow branch on the cached deep features (faster; the image changes "
+                      "a little); 1 (default): the exact pipeline")
+CACHE_BRANCH_DOC = (f"DeepCache's skip branch, 0 to {MAX_CACHE_BRANCH} and below the model's UNet down blocks (SD 1.x/"
+                    "2.x: 0-3, SDXL: 0-2); 0 (default): the shallowest and fastest")
 
 
 def check_strength(v: float) -> float:
@@ -265,6 +288,8 @@ class Txt2ImgRequest(BaseModel):
     controlnet_conditioning_scale: ControlScale = Field(None, description=CONTROL_SCALE_DOC)
     control_guidance_start: ControlFraction = Field(0.0, description=CONTROL_START_DOC)
     control_guidance_end: ControlFraction = Field(1.0, description=CONTROL_END_DOC)
+    cache_interval: int = Field(1, strict=True, description=CACHE_INTERVAL_DOC)
+    cache_branch: int = Field(0, strict=True, description=CACHE_BRANCH_DOC)
 
     # The uploads, decoded by ``server.parse``: each a file, a list of files for ``image_lists``; ``list_fields``
     # may be repeated in a multipart body (one value per control image).
@@ -283,6 +308,8 @@ class Txt2ImgRequest(BaseModel):
     _guidance = field_validator("guidance_scale")(staticmethod(check_guidance))
     _num_images = field_validator("num_images")(staticmethod(check_images))
     _seed = field_validator("seed")(staticmethod(check_seed))
+    _cache_interval = field_validator("cache_interval")(staticmethod(check_cache_interval))
+    _cache_branch = field_validator("cache_branch")(staticmethod(check_cache_branch))
 
 
 IMAGE_INPUT = ("JSON: the file as base64 or a data URL (data:image/png;base64,...); multipart/form-data: the file. "
@@ -356,8 +383,8 @@ class ImagesGenerationsRequest(BaseModel):
     sdfast extensions, all optional: ``negative_prompt``, ``num_inference_steps``, ``guidance_scale``,
     ``seed`` and, on a service with ControlNets, ``control_image`` (base64 or a data URL, a list for several; a
     size left out or ``auto``: the first control image's size rounded down to multiples of 8),
-    ``controlnet_conditioning_scale``, ``control_guidance_start``, ``control_guidance_end`` (as in
-    ``Txt2ImgRequest``; OpenAI has no such fields).
+    ``controlnet_conditioning_scale``, ``control_guidance_start``, ``control_guidance_end``, and DeepCache's
+    ``cache_interval`` / ``cache_branch`` (as in ``Txt2ImgRequest``; OpenAI has no such fields).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -391,6 +418,8 @@ class ImagesGenerationsRequest(BaseModel):
     controlnet_conditioning_scale: ControlScale = Field(None, description="sdfast extension: " + CONTROL_SCALE_DOC)
     control_guidance_start: ControlFraction = Field(0.0, description="sdfast extension: " + CONTROL_START_DOC)
     control_guidance_end: ControlFraction = Field(1.0, description="sdfast extension: " + CONTROL_END_DOC)
+    cache_interval: int = Field(1, strict=True, description="sdfast extension: " + CACHE_INTERVAL_DOC)
+    cache_branch: int = Field(0, strict=True, description="sdfast extension: " + CACHE_BRANCH_DOC)
 
     image_fields: ClassVar[tuple[str, ...]] = ("control_image",)
     image_lists: ClassVar[tuple[str, ...]] = ("control_image",)
@@ -402,6 +431,8 @@ class ImagesGenerationsRequest(BaseModel):
     _steps = field_validator("num_inference_steps")(staticmethod(check_steps))
     _guidance = field_validator("guidance_scale")(staticmethod(check_guidance))
     _seed = field_validator("seed")(staticmethod(check_seed))
+    _cache_interval = field_validator("cache_interval")(staticmethod(check_cache_interval))
+    _cache_branch = field_validator("cache_branch")(staticmethod(check_cache_branch))
 
     _n = field_validator("n")(staticmethod(check_images))
 

@@ -95,6 +95,7 @@ class BatchKey:
     image, so only equal counts share a call.
     ``task``: the request's (``"txt2img"``, ``"img2img"``, ``"inpaint"``: each runs its own pipeline);
     ``strength``: img2img's and inpainting's (it sets the timesteps that run), None for txt2img.
+    ``deep_cache``: DeepCache's (``cache_interval``, ``cache_branch``): one schedule per engine call.
     """
 
     width: int
@@ -106,6 +107,7 @@ class BatchKey:
     text_windows: tuple[int, int] = (1, 1)
     task: str = "txt2img"
     strength: float | None = None
+    deep_cache: tuple[int, int] = (1, 0)
 
 
 @dataclass
@@ -194,7 +196,8 @@ class Job:
         strength = getattr(self.request, "strength", None)
         return BatchKey(self.width, self.height, self.num_inference_steps, float(self.guidance_scale),
                         self.scheduler, self.negative_prompt is not None, tuple(self.text_windows),
-                        self.request.task, None if strength is None else float(strength))
+                        self.request.task, None if strength is None else float(strength),
+                        (self.request.cache_interval, self.request.cache_branch))
 
 
 @dataclass(frozen=True)

@@ -609,3 +609,77 @@ def test_a_controlnet_run_times_the_controlnet_and_compares_with_stock_controlne
     # the references are stock diffusers' ControlNet pipelines (txt2img: the stock engine's own image)
     assert float(by[("stock", "img2img")]["psnr_db"]) == float("inf")  # JSON holds it as "inf"
     assert float(by[("sdfast", "txt2img")]["psnr_db"]) >= 35 and float(by[("sdfast", "img2img")]["psnr_db"]) >= 35
+
+
+@pytest.fixture(scope="module")
+def tier_run(tmp_path_factory):
+    """DeepCache speed tiers (issue 34) on stock and sdfast, with a scheduler for every generation."""
+    out = tmp_path_factory.mktemp("bench-tiers")
+    rc, text = _quiet_main([*TINY, "--steps", "4", "--systems", "stock,sdfast", "--no-fp32-ref", "--scheduler", "euler",
+                            "--cache-interval", "2,3", "--out", str(out)])
+    return rc, text, out
+
+
+def test_speed_tiers_give_a_row_per_setting_against_the_exact_row(tier_run):
+    rc, text, out = tier_run
+    assert rc == 0
+    rows = _rows(out)["rows"]
+    assert [(r["system"], r["tier"]) for r in rows] == [
+        (s, t) for s in ("stock", "sdfast") for t in (None, "deepcache 2/0", "deepcache 3/0")]
+    exact = {r["system"]: r for r in rows if r["tier"] is None}
+    for r in rows:
+        assert r["scheduler"] == "euler" and not r["error"], r["error"]
+        if r["tier"] is None:
+            continue
+        assert (r["cache_branch"], r["unet_calls_per_image"]) == (0, 4)
+        assert r["cache_interval"] in (2, 3) and r["psnr_vs_exact_db"] < float("inf")
+        assert 0 < r["ssim_vs_exact"] <= 1 and r["psnr_db"] is not None
+        assert math.isclose(r["speedup_vs_exact"], exact[r["system"]]["e2e_s"] / r["e2e_s"])
+        assert r["unet_ms_full"] > 0 and r["unet_ms_shallow"] > 0 and r["e2e_breakdown"]
+    assert "### Speed tiers" in text and "| stock | tiny | deepcache 3/0 |" in text
+    assert "scheduler euler" in text
+
+
+def test_ssim_and_the_full_shallow_split():
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    a = Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8))
+    b = Image.fromarray(np.clip(np.asarray(a, np.int16) + rng.integers(-30, 31, (40, 48, 3)), 0, 255).astype(np.uint8))
+    assert bench_txt2img.ssim(a, a) == (pytest.approx(1.0), None)
+    value, note = bench_txt2img.ssim(a, b)
+    assert note is None and 0 < value < 0.99
+    # 2 images of 5 calls at interval 2: calls 0, 2, 4 of each are full
+    split = bench_txt2img._full_and_shallow([10, 1, 10, 1, 10, 12, 2, 12, 2, 12], 2, 2)
+    assert split == {"unet_ms_full": 11, "unet_ms_shallow": 1.5}
+
+
+def test_presets_set_flags_and_flags_given_win(monkeypatch):
+    seen = []
+    monkeypatch.setattr(bench_txt2img, "model_specs", lambda args, ctx: seen.append(args) or [])
+    monkeypatch.setattr(bench_txt2img, "env_metadata", lambda: {}, raising=False)
+    import benchmarks.report as report
+
+    monkeypatch.setattr(report, "env_metadata", lambda: {})
+    bench_txt2img.main(["--preset", "turbo-sdxl-512"])
+    bench_txt2img.main(["--preset", "deepcache-sd15", "--steps", "20"])
+    turbo, dc = seen
+    assert (turbo.models, turbo.size, turbo.steps, turbo.guidance, turbo.scheduler) == (
+        "sdxl", "512", 4, 0.0, "euler_a_trailing")
+    assert (dc.models, dc.steps, dc.cache_interval, dc.systems, dc.fp32_ref) == ("sd15", 20, "2,3,5", "sdfast", False)
+    assert set(bench_txt2img.PRESETS) == {"deepcache-sd15", "deepcache-sdxl", "turbo-sdxl-512", "lcm-sdxl-1024",
+                                          "lcm-sd15-512"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cache-interval", "1"], "--cache-interval takes integers >= 2"),
+    (["--cache-interval", "2,x"], "comma list of integers"),
+    (["--cache-interval", "2", "--cache-branch", "-1"], "--cache-branch takes integers >= 0"),
+    (["--scheduler", "nope"], "--scheduler: unknown scheduler 'nope'"),
+    (["--preset", "nope"], "invalid choice"),
+])
+def test_bad_tier_arguments_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_txt2img.main(argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err

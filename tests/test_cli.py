@@ -410,3 +410,40 @@ def test_img2img_and_inpaint_take_the_files_as_flags_too(tmp_path, capsys):
                           (["inpaint", "a cat", "--image", str(init)], "--mask: give it with --image")]:
         assert main([*args, "--out", str(tmp_path / "x.png")]) == 2
         assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cache-interval", "0"], "--cache-interval: must be an integer in [1, 1000]"),
+    (["--cache-interval", "1001"], "--cache-interval: must be an integer in [1, 1000]"),
+    (["--cache-interval", "2.5"], "invalid int value"),
+    (["--cache-branch", "-1"], "--cache-branch: must be an integer in [0, 15]"),
+])
+def test_deep_cache_bad_values_are_one_line_exit_2_before_the_load(tmp_path, capsys, monkeypatch, args, message):
+    import sdfast
+
+    monkeypatch.setattr(sdfast, "load", lambda *a, **k: pytest.fail("the model was loaded before the input was checked"))
+    try:
+        code = main(["txt2img", "a cat", "--out", str(tmp_path / "x.png"), *args])
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("sdfast: error:") and message in err[0], err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_deep_cache_flags_run_and_a_branch_the_model_lacks_is_exit_2(tmp_path, capsys):
+    """``--cache-interval 2 --cache-branch 1`` runs DeepCache (the file records it); random:tiny has two skip
+    branches, so ``--cache-branch 2`` is refused after the load, before any step, naming the flag."""
+    import json
+
+    out = tmp_path / "x.png"
+    base = ["txt2img", "a cat", "--model", "random:tiny", "--no-optimize", "--steps", "3", "--size", "32x32",
+            "--seed", "1", "--cache-interval", "2"]
+    assert main([*base, "--cache-branch", "1", "--out", str(out)]) == 0
+    params = json.loads(Image.open(out).text["sdfast"])
+    assert (params["cache_interval"], params["cache_branch"]) == (2, 1)
+    capsys.readouterr()
+    assert main([*base, "--cache-branch", "2", "--out", str(tmp_path / "y.png")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("sdfast: error: --cache-branch:") and "[0, 1]" in err[-1], err
+    assert not (tmp_path / "y.png").exists()

@@ -129,6 +129,7 @@ def test_join_refuses_alone_what_the_engine_refuses(tiny):
     assert str(refused) == str(engine_says.value)
     assert isinstance(size, ValueError) and "128" in str(size)
     assert isinstance(img2img, ValueError) and not supports(tiny, image) and supports(tiny, good)
+    assert not supports(tiny, tiny.request("a cat", seed=1, num_inference_steps=4, cache_interval=2, **SIZE))
 
 
 def test_long_prompts_get_their_own_key(tiny_xl):

@@ -417,6 +417,16 @@ class GraphedForward:
             del self.born[key]
         return len(new)
 
+    def drop_where(self, predicate) -> int:
+        """Drop the graphs whose signature's leaf keys (a tuple: ``("T", shape, stride, dtype, device)`` per tensor,
+        ``("V", type, value)`` per hashable non-tensor) satisfy ``predicate`` (e.g. the DeepCache steps', whose cache
+        buffer goes: ``runtime.deep_cache``). Returns how many."""
+        keys = [key for key in self.graphs if predicate(key[1])]
+        for key in keys:
+            del self.graphs[key]
+            self.born.pop(key, None)
+        return len(keys)
+
     def invalidate(self) -> None:
         """Drop every captured graph (after ``watch.changed()`` saw replaced weights, hooks, adapters...)."""
         self.graphs.clear()

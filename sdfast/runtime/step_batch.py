@@ -78,8 +78,11 @@ def _pipeline_classes():
 def supports(engine, request) -> bool:
     """Whether ``request`` can be stepped by a ``StepBatch`` of ``engine``: an ``sdfast.Engine`` whose pipeline is
     ``StableDiffusionPipeline`` or ``StableDiffusionXLPipeline`` (no ControlNet), that runs txt2img (not an
-    inpainting checkpoint), and a plain ``Txt2ImgRequest`` (not img2img or inpainting) without control images."""
+    inpainting checkpoint), and a plain ``Txt2ImgRequest`` (not img2img or inpainting) without control images and
+    without DeepCache (``cache_interval`` 1: a shallow step of one member would skip the deep blocks of all)."""
     if not isinstance(engine, Engine) or type(request) is not Txt2ImgRequest or request.control is not None:
+        return False
+    if request.cache_interval != 1:
         return False
     return isinstance(engine.pipe, _pipeline_classes()) and "txt2img" in engine.tasks and not engine.controlnets
 
