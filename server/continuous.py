@@ -257,6 +257,16 @@ class ContinuousWorker(Worker):
         group.batch.leave(slot)
         group.jobs.pop(slot, None)
 
+    def _drop(self, group: _Group, slots: list, error_of, failure: str) -> None:
+        """Take ``slots`` out of the batch and answer each one's job with ``error_of(job)``; ``failure`` ("oom",
+        "error") is the group's last failure."""
+        for slot in slots:
+            job = group.jobs.get(slot)
+            self._leave(group, slot)
+            if job is not None:
+                self._settle(job, error=error_of(job))
+        group.last_failure = failure
+
     def _close(self, group: _Group) -> None:
         """The group is empty (or failed as a whole): forget it and report its run (``on_batch``), once."""
         if group.closed:
@@ -355,23 +365,14 @@ class ContinuousWorker(Worker):
         if outcome == "oom":
             free_gpu_memory()
             if len(slots) == 1:
-                job = group.jobs.get(slots[0])
-                self._leave(group, slots[0])
-                if job is not None:
-                    self._settle(job, error=self._oom_error(group, job))
-                group.last_failure = "oom"
+                self._drop(group, slots, lambda job: self._oom_error(group, job), "oom")
                 return []
             half = (len(slots) + 1) // 2
             group.chunk = min(group.chunk or half, half)
             log.warning("worker: out of memory stepping %d requests; retrying them in groups of %d", len(slots), half)
             return self._step(group, slots[:half]) + self._step(group, slots[half:])
         if outcome == "error":
-            for slot in slots:
-                job = group.jobs.get(slot)
-                self._leave(group, slot)
-                if job is not None:
-                    self._settle(job, error=type(error)(error.message, field=error.field))
-            group.last_failure = "error"
+            self._drop(group, slots, lambda job: type(error)(error.message, field=error.field), "error")
             return []
         now = time.monotonic()
         for slot in slots:
@@ -399,22 +400,13 @@ class ContinuousWorker(Worker):
             if not oom:
                 log.exception("worker: decoding %d request(s) failed", len(slots))
                 error = self._failure(e)
-                for slot in slots:
-                    job = group.jobs.get(slot)
-                    self._leave(group, slot)
-                    if job is not None:
-                        self._settle(job, error=type(error)(error.message, field=error.field))
-                group.last_failure = "error"
+                self._drop(group, slots, lambda job: type(error)(error.message, field=error.field), "error")
             _clear_exception_chain(e)
             outputs = None
         if oom:
             free_gpu_memory()
             if len(slots) == 1:
-                job = group.jobs.get(slots[0])
-                self._leave(group, slots[0])
-                if job is not None:
-                    self._settle(job, error=self._oom_error(group, job))
-                group.last_failure = "oom"
+                self._drop(group, slots, lambda job: self._oom_error(group, job), "oom")
                 return
             half = (len(slots) + 1) // 2
             self._finish(group, slots[:half])

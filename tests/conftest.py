@@ -90,3 +90,18 @@ def tiny_engine():
     import sdfast
 
     return sdfast.load("random:tiny")
+
+
+@pytest.fixture(scope="module")
+def stock_tiny():
+    """``random:tiny`` on the CPU, stock pipeline, one per test module: for tests of the service, its workers and
+    step batches, not of the kernels. One intra-op thread while it is in use: OpenMP
+    threads that spin at every barrier run a tiny model many times slower on a shared 2-core machine."""
+    import sdfast
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield sdfast.load("random:tiny", optimize=False)
+    finally:
+        torch.set_num_threads(threads)

@@ -19,13 +19,8 @@ SIZE = dict(width=64, height=64)
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield sdfast.load("random:tiny", optimize=False)
-    finally:
-        torch.set_num_threads(threads)
+def tiny(stock_tiny):
+    return stock_tiny
 
 
 @pytest.fixture(scope="module")

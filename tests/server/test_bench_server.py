@@ -43,17 +43,8 @@ def test_the_mix_and_the_arrivals_are_reproducible():
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    import torch
-
-    import sdfast
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield sdfast.load("random:tiny", optimize=False)
-    finally:
-        torch.set_num_threads(threads)
+def tiny(stock_tiny):
+    return stock_tiny
 
 
 def test_open_loop_against_static_batching_in_one_run(tiny):

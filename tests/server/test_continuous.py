@@ -27,15 +27,8 @@ PACE_S = 0.01  # at least this long per UNet call, whatever the machine's speed
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    import sdfast
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield sdfast.load("random:tiny", optimize=False)
-    finally:
-        torch.set_num_threads(threads)
+def tiny(stock_tiny):
+    return stock_tiny
 
 
 @pytest.fixture

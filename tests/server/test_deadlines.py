@@ -19,23 +19,6 @@ from .helpers import serving, wait_for
 SMALL = {"prompt": "a cat", "num_inference_steps": 3, "seed": 5, "width": 64, "height": 64}
 
 
-@pytest.fixture(scope="module")
-def stock_tiny():
-    """``random:tiny`` on the CPU, stock pipeline: these tests are about stopping, not the kernels. One intra-op
-    thread while it runs (as the live server in conftest.py): OpenMP threads that spin at every barrier run a tiny
-    model many times slower on a shared 2-core machine."""
-    import torch
-
-    import sdfast
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield sdfast.load("random:tiny", optimize=False)
-    finally:
-        torch.set_num_threads(threads)
-
-
 @pytest.fixture
 def unet_calls(stock_tiny):
     """A list that gets one entry per UNet forward (one per denoising step without CFG batching) from now on."""
