@@ -1,6 +1,7 @@
 """Where a warm image's wall time goes that no GPU work covers: one ``engine.txt2img`` under torch.profiler.
 
-    python -m benchmarks.trace_e2e --out DIR [--model random:sd15] [--steps 50]
+    python -m benchmarks.trace_e2e --out DIR [--model random:sd15] [--steps 50] [--size 512] [--guidance 7.5]
+        [--scheduler lcm] [--vae-decoder-dtype bfloat16]
 
 Records one warm image (the third at its size) with CPU, CUDA and Python-function events, merges the GPU's
 kernel/copy/memset intervals, and lists every stretch of the call where the GPU is idle for at least
@@ -73,6 +74,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--model", default="random:sd15")
     ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--size", type=int, default=None, help="width = height in pixels (default: the model's)")
+    ap.add_argument("--guidance", type=float, default=7.5, help="guidance_scale (<= 1: no CFG)")
+    ap.add_argument("--scheduler", default=None, help="an sdfast scheduler name (default: the model's own)")
+    ap.add_argument("--vae-decoder-dtype", default=None, help="OptimizeConfig.vae_decoder_dtype")
     ap.add_argument("--min-gap-us", type=float, default=100.0)
     ap.add_argument("--no-stack", action="store_true",
                     help="no Python frames (torch ops only): the Python tracer slows Python-heavy host code about 3x, "
@@ -87,8 +92,11 @@ def main(argv=None) -> int:
 
     if not torch.cuda.is_available():
         raise SystemExit("trace_e2e needs a CUDA GPU")
-    engine = sdfast.load(args.model, optimize=True)
-    kw = dict(num_inference_steps=args.steps, seed=0)
+    optimize = sdfast.OptimizeConfig(vae_decoder_dtype=args.vae_decoder_dtype) if args.vae_decoder_dtype else True
+    engine = sdfast.load(args.model, optimize=optimize)
+    kw = dict(num_inference_steps=args.steps, seed=0, guidance_scale=args.guidance, scheduler=args.scheduler)
+    if args.size:
+        kw.update(width=args.size, height=args.size)
     for _ in range(2):
         engine.txt2img("a photo of a cat", **kw)
     torch.cuda.synchronize()
@@ -105,7 +113,8 @@ def main(argv=None) -> int:
         shutil.copyfileobj(f, g)
     raw.unlink()
     call = next(e for e in events if e.get("name") == "sdfast_txt2img_call" and e.get("cat") == "user_annotation")
-    text = (f"model {args.model}, {args.steps} steps, one warm image: {wall * 1e3:.1f} ms wall (profiled"
+    text = (f"model {args.model}, {args.steps} steps, size {args.size or 'default'}, guidance {args.guidance}, "
+            f"scheduler {args.scheduler or 'default'}, VAE decoder {args.vae_decoder_dtype or 'default'}, one warm image: {wall * 1e3:.1f} ms wall (profiled"
             f"{', no Python frames' if args.no_stack else ', with Python frames'})\n"
             + summarize(events, call["ts"], call["ts"] + call["dur"], args.min_gap_us, call.get("tid")))
     (args.out / "trace_e2e.txt").write_text(text + "\n")
