@@ -117,7 +117,9 @@ class Engine:
 
     @property
     def device(self) -> torch.device:
-        return self.pipe.unet.device
+        """Where the pipeline runs: diffusers' ``pipe._execution_device`` (an optimized pipeline answers it from a
+        cache, ``runtime.execution_device``; ``pipe.unet.device`` walks every UNet module)."""
+        return self.pipe._execution_device
 
     @property
     def dtype(self) -> torch.dtype:
@@ -439,7 +441,7 @@ class Engine:
         step_end = {"callback_on_step_end": _chain(callbacks)} if callbacks else {}
         self.last_deep_cache = None
         t0 = time.perf_counter()
-        with session.call(prep.scheduler, what=f"{n} image(s) of {width}x{height} on {self.device}") as finite, \
+        with session.call(prep.scheduler, what=lambda: f"{n} image(s) of {width}x{height} on {self.device}") as finite, \
                 quiet_loading(), \
                 cache or contextlib.nullcontext():
             out = pipe(

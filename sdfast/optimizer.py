@@ -207,8 +207,18 @@ def _undo_deep_cache(pipe, state: OptimizeState) -> None:
 
 
 def _execution_device(pipe, state: OptimizeState) -> int:
-    execution_device.install(pipe)  # no walk over every submodule at each call (host time, GPU idle)
+    """``pipe._execution_device`` and its diffusers models' ``device``/``dtype`` without a walk over every submodule
+    at each call (host time with the GPU idle)."""
+    execution_device.install(pipe)
+    for component in pipe.components.values():
+        execution_device.install_model(component)
     return 1
+
+
+def _undo_execution_device(pipe, state: OptimizeState) -> None:
+    execution_device.uninstall(pipe)
+    for component in pipe.components.values():
+        execution_device.uninstall_model(component)
 
 
 @dataclass(frozen=True)
@@ -244,8 +254,7 @@ PASSES: tuple[Pass, ...] = (
          _per_denoising_net("linear", "undo")),
     Pass("deep_cache", lambda c, p: True, _deep_cache, _undo_deep_cache, counted=False),
     Pass("cuda_graphs", lambda c, p: c.cuda_graphs and p.unet.device.type == "cuda", _graphs, _undo_graphs),
-    Pass("execution_device", lambda c, p: True, _execution_device, lambda p, s: execution_device.uninstall(p),
-         counted=False),
+    Pass("execution_device", lambda c, p: True, _execution_device, _undo_execution_device, counted=False),
 )
 
 

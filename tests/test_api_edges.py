@@ -136,8 +136,8 @@ def test_host_out_of_memory_is_torch_out_of_memory_error(tiny_engine, monkeypatc
         raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory")
 
     monkeypatch.setattr(type(tiny_engine.pipe), "__call__", fail)
-    with pytest.raises(torch.OutOfMemoryError, match="out of host memory"):
-        tiny_engine.txt2img("a cat", num_inference_steps=1)
+    with pytest.raises(torch.OutOfMemoryError, match=r"out of host memory for 1 image\(s\) of 32x32 on cpu"):
+        tiny_engine.txt2img("a cat", num_inference_steps=1, width=32, height=32)
 
     def other(*args, **kwargs):
         raise RuntimeError("some other failure")

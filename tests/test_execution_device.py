@@ -102,3 +102,54 @@ def test_a_further_subclass_of_the_pipeline_still_works(pipe):
     assert pipe._execution_device == _stock(pipe)
     assert execution_device.install(pipe)  # a subclass of ours: installs over it, no recursion
     assert pipe._execution_device == _stock(pipe)
+
+
+# -- diffusers models: device and dtype ----------------------------------------------------------------------------
+def _stock_model(model, name):
+    from diffusers import ModelMixin
+
+    return getattr(ModelMixin, name).fget(model)
+
+
+def test_model_answers_are_stocks_and_only_this_instance_changes(pipe):
+    unet, cls = pipe.unet, type(pipe.unet)
+    assert execution_device.install_model(unet) and execution_device.install_model(unet)  # idempotent
+    assert type(unet) is not cls and isinstance(unet, cls) and type(unet).__name__ == cls.__name__
+    assert not execution_device.install_model(pipe.text_encoder)  # transformers: not a diffusers model
+    assert (unet.device, unet.dtype) == (_stock_model(unet, "device"), _stock_model(unet, "dtype"))
+    unet.to(torch.float64)
+    assert unet.dtype == torch.float64 == _stock_model(unet, "dtype")
+    execution_device.uninstall_model(unet)
+    assert type(unet) is cls
+
+
+def test_model_dtype_skips_the_fp32_modules_as_stock_does(pipe, monkeypatch):
+    vae = pipe.vae
+    execution_device.install_model(vae)
+    vae.to(torch.float16)
+    first = next(n for n, _ in vae.named_parameters()).split(".")[0]
+    getattr(vae, first).to(torch.float32)  # the first parameters kept in fp32, as _keep_in_fp32_modules asks
+    monkeypatch.setattr(type(vae), "_keep_in_fp32_modules", [first], raising=False)
+    assert vae.dtype == torch.float16 == _stock_model(vae, "dtype")
+    monkeypatch.setattr(type(vae), "_keep_in_fp32_modules", [], raising=False)
+    assert vae.dtype == torch.float32 == _stock_model(vae, "dtype")
+
+
+def test_model_with_a_diffusers_hook_asks_stock(pipe):
+    from diffusers.hooks import apply_layerwise_casting
+
+    vae = pipe.vae
+    execution_device.install_model(vae)
+    apply_layerwise_casting(vae, storage_dtype=torch.float16, compute_dtype=torch.float32)
+    assert vae.dtype == torch.float32 == _stock_model(vae, "dtype")  # the hook's compute dtype, not the storage's
+    assert next(vae.parameters()).dtype == torch.float16
+
+
+def test_optimize_installs_on_the_models_and_unoptimize_removes(pipe):
+    import sdfast
+
+    classes = {name: type(m) for name, m in pipe.components.items()}
+    sdfast.optimize(pipe)
+    assert "_sdfast_original_class" in type(pipe.unet).__dict__ and "_sdfast_original_class" in type(pipe.vae).__dict__
+    sdfast.unoptimize(pipe)
+    assert {name: type(m) for name, m in pipe.components.items()} == classes

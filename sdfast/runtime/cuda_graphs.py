@@ -257,6 +257,20 @@ class GraphedForward:
         self.clock = clock or (lambda: 0)  # GraphCache's capture counter
         self.stream = stream  # side stream for warm-up and capture (None: a new one per capture)
         self.born: dict[tuple, int] = {}  # signature -> clock value at its capture
+        self.check_due = False  # GraphCache.check asked for a full check at the next call
+
+    def check_now(self) -> bool:
+        """The full check: conditionings rerun at their next replay (weights may have changed in ways no version
+        counter shows: ``.data``), and every graph is dropped when the weights, adapters or hooks changed since
+        capture (``WeightsWatch``). Returns whether they had."""
+        self.check_due = False
+        self.forget_conditioning()
+        self.hook_epoch = RemovableHandle.next_id  # this full check covers the hooks registered so far
+        if not self.watch.changed():
+            return False
+        log.info("sdfast: weights or adapters of %s changed; dropping its CUDA graphs", self.name)
+        self.invalidate()
+        return True
 
     def hooked(self) -> bool:
         """Whether a module below the root has forward hooks now. Every hook registration anywhere takes a new
@@ -276,6 +290,8 @@ class GraphedForward:
             if scale != 1.0:
                 torch._foreach_mul_([t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)], scale)
             return out
+        if self.check_due:
+            self.check_now()
         leaves, spec = pytree.tree_flatten((args, kwargs))
         on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in leaves)
         if not on_cuda or torch.cuda.is_current_stream_capturing() or torch.is_grad_enabled() or self.hooked():
@@ -462,19 +478,17 @@ class GraphCache:
         return runner
 
     def check(self, names=None) -> int:
-        """Invalidate every runner (of ``names``, default all) whose module's weights were replaced, or whose LoRA
-        adapter state changed, since capture. Returns how many."""
-        stale = 0
+        """Have every runner (of ``names``, default all) make its full check (``GraphedForward.check_now``: replaced
+        weights, LoRA adapter state, hooks) at its next call, not now: a module that a pipeline call does not run
+        (the VAE encoder in txt2img, text encoders given embeddings) is not checked, and one that runs late (the
+        VAE decoder) is checked while the GPU still works on what was queued before it. Returns how many were
+        marked."""
+        marked = 0
         for name, runner in self.runners.items():
-            if names is not None and name not in names:
-                continue
-            runner.forget_conditioning()  # weights may have changed in ways no version counter shows (``.data``)
-            runner.hook_epoch = RemovableHandle.next_id  # this full check covers the hooks registered so far
-            if runner.watch.changed():
-                log.info("sdfast: weights or adapters of %s changed; dropping its CUDA graphs", runner.name)
-                runner.invalidate()
-                stale += 1
-        return stale
+            if names is None or name in names:
+                runner.check_due = True
+                marked += 1
+        return marked
 
     def mark(self) -> int:
         """A point in the capture history, for :meth:`drop_since`."""

@@ -1,9 +1,12 @@
-"""Answer a pipeline's ``_execution_device`` without walking every submodule at every call.
+"""Answer a pipeline's ``_execution_device``, and its diffusers models' ``device`` and ``dtype``, without probing
+every submodule with a failing attribute lookup at every call.
 
 diffusers' ``DiffusionPipeline._execution_device`` (read once at the start of each pipeline call) looks for
-group-offloading hooks in every submodule of every component, then for accelerate's ``_hf_hook``. Each look
-is a ``hasattr`` that fails through ``nn.Module.__getattr__``: tens of milliseconds of host time at the start
-of every image, with the GPU idle (``benchmarks/trace_e2e.py`` shows it).
+group-offloading hooks in every submodule of every component, then for accelerate's ``_hf_hook``; a
+``ModelMixin``'s ``device`` and ``dtype`` (the SDXL pipeline reads the VAE's three times per call) look for
+diffusers hooks in every submodule. Each look is a ``hasattr`` that fails through ``nn.Module.__getattr__`` (about
+a microsecond and a half): 10 ms for SDXL's UNet, 1 ms for its VAE, with the GPU idle (``benchmarks/trace_e2e.py``
+shows it).
 
 ``install(pipe)`` gives this one pipeline object a subclass of its own class (same name, module and
 behaviour) whose ``_execution_device`` caches stock's answer. The cache is keyed by each component's identity
@@ -11,13 +14,22 @@ and device. While any module of a component carries an offloading hook (``_hf_ho
 ``_diffusers_hook`` from diffusers' hook registry: group offloading at leaf level hooks only the leaves) stock's
 walk runs every time. Submodules are listed once per component object (a module added inside a component
 later is not seen). The class itself is not changed. ``uninstall(pipe)`` puts the original class back.
+
+``install_model(model)`` does the same for one diffusers ``ModelMixin`` (a UNet, a VAE, a ControlNet): its
+``device`` and ``dtype`` take stock's answer the short way, with nothing cached. The hook probe reads each
+submodule's ``__dict__`` (where a hook registry lives: it is a plain attribute, never a parameter, buffer or
+submodule); with a hook anywhere stock answers; without one the answer is what stock then computes: the first
+parameter's (or buffer's) device, the first floating parameter's dtype outside ``_keep_in_fp32_modules``.
 """
 
 from __future__ import annotations
 
+from itertools import chain
+
 import torch
 
 _SUBCLASSES: dict[type, type] = {}
+_MODEL_SUBCLASSES: dict[type, type] = {}
 
 
 def _key(pipe, state: dict):
@@ -84,3 +96,59 @@ def uninstall(pipe) -> None:
     if installed(pipe):
         pipe.__class__ = type(pipe)._sdfast_original_class
     pipe.__dict__.pop("_sdfast_execution_device", None)
+
+
+# -- diffusers models: device and dtype ----------------------------------------------------------------------------
+def _has_diffusers_hook(model: torch.nn.Module) -> bool:
+    """``hasattr(m, "_diffusers_hook")`` for any module ``m`` of ``model``, as dict lookups."""
+    return any("_diffusers_hook" in m.__dict__ for m in model.modules())
+
+
+def _model_subclass(cls: type) -> type:
+    if cls in _MODEL_SUBCLASSES:
+        return _MODEL_SUBCLASSES[cls]
+
+    def device(self):
+        if _has_diffusers_hook(self):  # group offloading: the onload device lives in the hook
+            return cls.device.fget(self)
+        first = next(chain(self.parameters(), self.buffers()), None)
+        return cls.device.fget(self) if first is None else first.device
+
+    def dtype(self):
+        if _has_diffusers_hook(self):  # layerwise casting: the compute dtype lives in the hook
+            return cls.dtype.fget(self)
+        keep = getattr(self, "_keep_in_fp32_modules", None)
+        for name, param in self.named_parameters():
+            if keep and any(m in name for m in keep):
+                continue
+            if param.is_floating_point():
+                return param.dtype
+        return cls.dtype.fget(self)  # no floating parameter outside the fp32 modules: stock's own fallbacks
+
+    _MODEL_SUBCLASSES[cls] = type(cls.__name__, (cls,), {
+        "device": property(device, doc=cls.device.__doc__),
+        "dtype": property(dtype, doc=cls.dtype.__doc__),
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "_sdfast_original_class": cls,
+    })
+    return _MODEL_SUBCLASSES[cls]
+
+
+def install_model(model) -> bool:
+    """Answer ``model.device`` and ``model.dtype`` the short way (this instance only). Returns False, changing
+    nothing, for an object that is not a diffusers ``ModelMixin`` (e.g. a transformers text encoder, whose
+    ``device`` reads the first parameter already). Idempotent."""
+    from diffusers import ModelMixin
+
+    if not isinstance(model, ModelMixin):
+        return False
+    if "_sdfast_original_class" not in type(model).__dict__:
+        model.__class__ = _model_subclass(type(model))
+    return True
+
+
+def uninstall_model(model) -> None:
+    """Give ``model`` its original class back."""
+    if "_sdfast_original_class" in type(model).__dict__:
+        model.__class__ = type(model)._sdfast_original_class

@@ -4,7 +4,9 @@
 ``before_denoising`` (so a user's own ``pipe(...)`` on an optimized pipeline gets it too). In call order:
 
 1. ``CallSession.before_text_encoders``: the text encoders' CUDA-graph check (their weights or hooks may have
-   changed since the last call), before the engine encodes the prompt itself (``sdfast.prompts``).
+   changed since the last call), before the engine encodes the prompt itself (``sdfast.prompts``). Every graph
+   check is made at the module's first run after it was asked for (``GraphCache.check``): a module the call does not
+   run is not checked, and a late one (the VAE decoder) is checked while the GPU still works.
 2. ``CallSession.call`` (a context manager around ``pipe(...)``): the scheduler goes in, with its timesteps kept
    on the host when the UNet runs in CUDA graphs (``runtime.host_timesteps``: no GPU->host sync per step) and
    released otherwise; a forward hook on the VAE decoder records a one-element "all finite" flag on the device
@@ -13,7 +15,7 @@
    would otherwise cast the VAE to fp32 and back to fp16 (dropping its CUDA graph, and leaving it in fp16).
 3. ``before_denoising`` (from ``check_inputs``, inside the pipeline call): the time-embedding pack is refreshed
    first (``passes.time_embedding``: a changed parameter repacks, so the graph check sees its new storage at
-   once and one capture follows, not two), then every CUDA graph is checked.
+   once and one capture follows, not two), then every CUDA graph is due for its check.
 4. On ``torch.OutOfMemoryError`` (or a host allocation failure) the graphs captured since the mark are dropped,
    so a call that could not complete frees their buffers, and a host ``MemoryError`` is raised as
    ``torch.OutOfMemoryError`` (one error type for the service to answer 503).
@@ -40,7 +42,7 @@ def graphs_of(pipe):
 
 def before_denoising(pipe, graphs) -> None:
     """At the start of every pipeline call (the optimizer's ``check_inputs``): the time-embedding refresh, then
-    the check of every graph of ``graphs``."""
+    every graph of ``graphs`` is due for its check (at its next run)."""
     from ..controlnet import controlnets_of
     from ..passes import time_embedding
 
@@ -55,12 +57,13 @@ def _is_oom(e: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def oom_guard(graphs, *, what: str, mark: int | None = None):
+def oom_guard(graphs, *, what, mark: int | None = None):
     """Around work that may run out of memory (a pipeline call, one step of ``runtime.step_batch``): on
     ``torch.OutOfMemoryError`` or a host allocation failure, the graphs of ``graphs`` (a ``GraphCache`` or None)
     captured since ``mark`` (default: now) are dropped, so their buffers are freed, and a host failure is raised as
     ``torch.OutOfMemoryError`` (``what`` in its message, e.g. "2 image(s) of 512x512 on cuda:0"): one error type for
-    the service to answer 503."""
+    the service to answer 503. ``what``: a string, or a callable returning one, called only for that message (it
+    runs around every denoising step of ``runtime.step_batch``: no formatting, no device query on the way in)."""
     if mark is None and graphs is not None:
         mark = graphs.mark()
     try:
@@ -72,7 +75,8 @@ def oom_guard(graphs, *, what: str, mark: int | None = None):
             graphs.drop_since(mark)
         if not isinstance(e, torch.OutOfMemoryError):  # host memory: the same error type as CUDA's
             raise torch.OutOfMemoryError(
-                f"out of host memory for {what} ({e}); ask for fewer or smaller images") from e
+                f"out of host memory for {what() if callable(what) else what} ({e}); "
+                "ask for fewer or smaller images") from e
         raise
 
 
@@ -95,10 +99,11 @@ class CallSession:
             self.graphs.check(names=TEXT_ENCODERS)
 
     @contextlib.contextmanager
-    def call(self, scheduler, *, what: str):
+    def call(self, scheduler, *, what):
         """Around ``pipe(...)``: sets ``scheduler``, collects the VAE decoder's finite flags into the list it
         yields, and on running out of memory drops the graphs captured inside and raises
-        ``torch.OutOfMemoryError`` (``what``, e.g. "2 image(s) of 512x512 on cuda:0", words a host one)."""
+        ``torch.OutOfMemoryError`` (``what``, e.g. "2 image(s) of 512x512 on cuda:0", or a callable returning it,
+        words a host one)."""
         pipe, graphs = self.pipe, self.graphs
         pipe.scheduler = scheduler
         if graphs is not None:  # the graph runner uploads a host timestep by value: no per-step sync (PNDM)

@@ -216,8 +216,9 @@ class StepBatch:
         """UNet rows of a step of every slot (before padding)."""
         return sum(s.rows for s in self.slots)
 
-    def _what(self, images: int) -> str:
-        return f"{images} image(s) of {self.key.width}x{self.key.height} on {self.engine.device}"
+    def _what(self, images: int):
+        """The words ``oom_guard`` puts in a host out-of-memory error, formatted only if one happens."""
+        return lambda: f"{images} image(s) of {self.key.width}x{self.key.height} on {self.engine.device}"
 
     # -- joining -------------------------------------------------------------------------------------------------
     @torch.no_grad()
