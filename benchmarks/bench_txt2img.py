@@ -360,12 +360,16 @@ def parse_ints(text: str | None, flag: str, lo: int) -> list[int]:
 
 
 # Named runs (``--preset``): the flags each sets (flags given beside it win). DeepCache at the settings
-# against the exact sdfast pipeline; the few-step settings of SDXL-Turbo (512², 4 steps, no CFG), SDXL LCM(-LoRA)
-# (1024², 4 steps, CFG at 1.5) and SD1.5 LCM-LoRA (512², 4 steps, guidance 1: no CFG), stock beside sdfast (and, for
-# SDXL, whose VAE decodes in fp32, sdfast with its decoder in bf16: a larger share of a 4-step image).
+# against the exact sdfast pipeline, at skip branch 0 (the shallowest: conv_in and the last up layer) and 2 (the first
+# down block's layers and the whole last up block: branch 0 before branches were counted by skip connection); the
+# few-step settings of SDXL-Turbo (512², 4 steps, no CFG), SDXL LCM(-LoRA) (1024², 4 steps, CFG at 1.5) and SD1.5
+# LCM-LoRA (512², 4 steps, guidance 1: no CFG), stock beside sdfast (and, for SDXL, whose VAE decodes in fp32, sdfast
+# with its decoder in bf16: a larger share of a 4-step image).
 PRESETS: dict[str, dict] = {
-    "deepcache-sd15": dict(models="sd15", steps=50, systems="sdfast", cache_interval="2,3,5", fp32_ref=False),
-    "deepcache-sdxl": dict(models="sdxl", steps=30, systems="sdfast", cache_interval="2,3,5", fp32_ref=False),
+    "deepcache-sd15": dict(models="sd15", steps=50, systems="sdfast", cache_interval="2,3,5", cache_branch="0,2",
+                           fp32_ref=False),
+    "deepcache-sdxl": dict(models="sdxl", steps=30, systems="sdfast", cache_interval="2,3,5", cache_branch="0,2",
+                           fp32_ref=False),
     "turbo-sdxl-512": dict(models="sdxl", size="512", steps=4, guidance=0.0, scheduler="euler_a_trailing",
                            systems="stock,sdfast,sdfast-vae_bf16", repeats=10, fp32_ref=False),
     "lcm-sdxl-1024": dict(models="sdxl", steps=4, guidance=1.5, scheduler="lcm", systems="stock,sdfast,sdfast-vae_bf16",
@@ -1210,7 +1214,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speed tiers: after each system's txt2img row, one row per DeepCache cache_interval (>= 2, "
                         "e.g. 2,3,5) on the same system, with PSNR / SSIM against its exact image and its speedup")
     p.add_argument("--cache-branch", default="0", metavar="B[,B...]",
-                   help="DeepCache's cache_branch of those rows (default 0; a comma list runs every pair)")
+                   help="DeepCache's cache_branch of those rows (default 0, the shallowest; SD 1.x/2.x 0-11, SDXL "
+                        "0-8; a comma list runs every pair)")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
                    help="a named run: sets the flags of PRESETS[name] (flags given beside it win)")
     p.add_argument("--second-size", action="store_true",

@@ -7,10 +7,11 @@
 # (strength 1.0) on the same loaded stock, sdfast and torch.compile systems (compile last: the slowest, cut first by
 # a time limit), 30 steps, per model into OUT_DIR/tasks-<model>/; the same PRESET_* variables apply.
 # Speed tiers (issue 34): `bash benchmarks/presets.sh OUT_DIR deepcache` runs bench_txt2img's deepcache-sd15 (512²,
-# 50 steps) and deepcache-sdxl (1024², 30 steps) presets: sdfast exact and cache_interval 2, 3, 5, with PSNR / SSIM
-# against the exact image (SSIM needs torchmetrics: ship it with ../shared/tools/gpu-wheels.sh torchmetrics==1.9.0
-# lightning_utilities==0.15.3); `... fewstep` the few-step presets turbo-sdxl-512, lcm-sdxl-1024 and lcm-sd15-512
-# (stock and sdfast, 10 repeats, with the e2e breakdown), each into OUT_DIR/<preset>/; PRESET_ARGS applies.
+# 50 steps) and deepcache-sdxl (1024², 30 steps) presets: sdfast exact and cache_interval 2, 3, 5 at cache_branch 0
+# and 2, with PSNR / SSIM against the exact image (SSIM needs torchmetrics: ship it with ../shared/tools/gpu-wheels.sh
+# torchmetrics==1.9.0 lightning_utilities==0.15.3); `... fewstep` the few-step presets turbo-sdxl-512, lcm-sdxl-1024
+# and lcm-sd15-512 (stock and sdfast, 10 repeats, with the e2e breakdown), each into OUT_DIR/<preset>/; PRESET_ARGS
+# applies.
 set -uo pipefail
 out=${1:-out/gpu}
 mode=${2:-presets}

@@ -74,8 +74,9 @@ def _add_generation_flags(p, *, size: bool) -> None:
                         "the cached deep features (faster; the image changes a little); 1 (default): the exact "
                         "pipeline")
     p.add_argument("--cache-branch", type=int, default=0, metavar="B",
-                   help="DeepCache's skip branch, with --cache-interval > 1: 0 (default, the shallowest and fastest) to "
-                        "the UNet's down blocks - 1 (3 on SD 1.x/2.x, 2 on SDXL)")
+                   help="DeepCache's skip branch, with --cache-interval > 1: the shallow steps run the UNet's skip "
+                        "connections 0 to B and the last B + 1 up layers; 0 (default, the shallowest and fastest) to "
+                        "11 on SD 1.x/2.x, 8 on SDXL (everything but the mid block)")
     p.add_argument("--no-optimize", action="store_true", help="run the stock diffusers pipeline")
     p.add_argument("--vae-decoder-dtype", choices=("bfloat16", "float16", "float32"), default=None,
                    help="keep the VAE's decoder in this dtype (OptimizeConfig.vae_decoder_dtype; e.g. bfloat16 for "

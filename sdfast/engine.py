@@ -209,10 +209,12 @@ class Engine:
                 between run only the UNet's shallow path on it (faster; the image changes a little: README's
                 "Speed tiers"). 1 (default): every step full, the exact pipeline. With ControlNets the ControlNets
                 still run every step (their shallow residuals are used at the shallow steps).
-            cache_branch: with ``cache_interval`` > 1, the skip branch the shallow steps run: down blocks 0 to
-                ``cache_branch`` and the matching up blocks (0, default: the shallowest and fastest; at most 3 on
-                SD 1.x/2.x, 2 on SDXL). ``engine.last_deep_cache`` counts the full and shallow UNet calls of the
-                last call (None for an exact one).
+            cache_branch: with ``cache_interval`` > 1, the skip branch m the shallow steps run: the UNet's skip
+                connections 0 to m (conv_in's is 0, then one per down ResNet and downsampler) and the last m + 1
+                up ResNets (``sdfast.runtime.deep_cache``): 0 (default, the shallowest and fastest: conv_in and the
+                last up layer) to 11 on SD 1.x/2.x, 8 on SDXL (everything but the mid block); a whole down block
+                with its up block is 2, 5, 8 (and 11 on SD 1.x/2.x). ``engine.last_deep_cache`` counts the full
+                and shallow UNet calls of the last call (None for an exact one).
 
         Returns: a list of ``PIL.Image.Image`` (RGB, ``width``×``height``). Each carries, as strings,
             ``info["seed"]``, ``info["prompt_tokens"]`` (CLIP content tokens of its prompt),
@@ -220,7 +222,7 @@ class Engine:
             (tokens dropped from its prompt, plus ``info["negative_prompt_truncated_tokens"]`` with a
             negative prompt). ``engine.last_prompt_report`` holds the same for the whole request.
         Raises: ``InvalidRequestError`` (a ``ValueError`` naming the field, e.g. ``cache_branch`` past the UNet's
-            down blocks) before any step runs;
+            skip branches) before any step runs;
             ``GenerationCancelled`` when ``should_stop`` returned True; ``NonFiniteOutputError`` if the
             pipeline produced NaN/Inf (checked on the VAE's output, before pixels are clamped), never a black
             image; ``torch.OutOfMemoryError`` (a host allocation failure too), after dropping the CUDA graphs

@@ -27,7 +27,7 @@ MAX_GUIDANCE = 100.0  # guidance_scale: SD is used at 1-20 (the HTTP service tak
 MAX_CONTROLNETS = 8  # control images per request (one per ControlNet of a multi-ControlNet)
 MAX_CONTROLNET_SCALE = 10.0  # controlnet_conditioning_scale: used at 0-2; the residuals are multiplied by it
 MAX_CACHE_INTERVAL = 1000  # DeepCache's cache_interval: 1 (exact) to past the longest schedule (999 steps)
-MAX_CACHE_BRANCH = 15  # DeepCache's cache_branch: below the UNet's down blocks (SD 1.x/2.x: 0-3, SDXL: 0-2), which
+MAX_CACHE_BRANCH = 15  # DeepCache's cache_branch: below the UNet's skip tensors (SD 1.x/2.x: 0-11, SDXL: 0-8), which
 # the engine checks against the loaded model (``sdfast.runtime.deep_cache.check``)
 # num_inference_steps: at least 1; the upper bound is the scheduler's (``sdfast.schedulers.check_steps``: 999 for
 # SD's 1000 training timesteps, 50 for LCM), checked by the engine against the loaded model's scheduler.
@@ -262,7 +262,7 @@ def check_deep_cache(cache_interval, cache_branch) -> tuple[int, int]:
     """Validate DeepCache's settings (``sdfast.runtime.deep_cache``): ``cache_interval`` an integer in [1,
     ``MAX_CACHE_INTERVAL``] (1: the exact pipeline; above the steps: only the first step runs the full UNet),
     ``cache_branch`` an integer in [0, ``MAX_CACHE_BRANCH``] (the engine checks it against the model's UNet, which
-    has fewer). Returns them as ints. Raises ``InvalidRequestError`` naming the field."""
+    has fewer: 12 skip branches on SD 1.x/2.x, 9 on SDXL). Returns them as ints. Raises ``InvalidRequestError`` naming the field."""
     cache_interval, cache_branch = _as_int(cache_interval), _as_int(cache_branch)
     if not isinstance(cache_interval, int) or isinstance(cache_interval, bool) \
             or not 1 <= cache_interval <= MAX_CACHE_INTERVAL:

@@ -19,8 +19,8 @@ accept always builds an ``sdfast.request.Txt2ImgRequest`` (``server.app``) witho
   service returns is one it accepts);
 - ``scheduler``: one of ``sdfast.SCHEDULERS`` or null (the model's own);
 - ``cache_interval`` (DeepCache): [1, ``SERVICE_MAX_CACHE_INTERVAL``] (1, the default: the exact pipeline);
-  ``cache_branch``: [0, ``SERVICE_MAX_CACHE_BRANCH``], and below the model's UNet down blocks (checked by
-  ``server.app`` before the request is queued: SD 1.x/2.x 0-3, SDXL 0-2);
+  ``cache_branch``: [0, ``SERVICE_MAX_CACHE_BRANCH``], and below the model's UNet skip tensors (checked by
+  ``server.app`` before the request is queued: SD 1.x/2.x 0-11, SDXL 0-8);
 - ``output_compression`` (OpenAI endpoint): [0, 100];
 - ``strength`` (img2img, inpainting): in (0, 1] (the engine's range), and ``int(num_inference_steps * strength)``
   at least 1 (checked when the engine's request is built);
@@ -55,7 +55,7 @@ SERVICE_MAX_IMAGES = 8  # per request; the worker's --max-batch bounds one engin
 SERVICE_MAX_GUIDANCE = 30.0  # SD is used at 1-20
 SERVICE_MAX_SEED = 2**32 - 1  # a 32-bit seed, as most SD front ends take
 SERVICE_MAX_CACHE_INTERVAL = 20  # DeepCache: the paper's schedules use 2-20; the engine takes up to 1000
-SERVICE_MAX_CACHE_BRANCH = 3  # DeepCache: SD 1.x/2.x UNets have branches 0-3, SDXL 0-2
+SERVICE_MAX_CACHE_BRANCH = 11  # DeepCache: SD 1.x/2.x UNets have skip branches 0-11, SDXL 0-8
 
 
 def _within(name: str, service: float, lowest: float, highest: float) -> float:
@@ -176,8 +176,9 @@ def check_cache_branch(v: int) -> int:
 CACHE_INTERVAL_DOC = (f"DeepCache, 1 to {MAX_CACHE_INTERVAL}: the full UNet runs every cache_interval-th step, the "
                       "steps between only its shallow branch on the cached deep features (faster; the image changes "
                       "a little); 1 (default): the exact pipeline")
-CACHE_BRANCH_DOC = (f"DeepCache's skip branch, 0 to {MAX_CACHE_BRANCH} and below the model's UNet down blocks (SD 1.x/"
-                    "2.x: 0-3, SDXL: 0-2); 0 (default): the shallowest and fastest")
+CACHE_BRANCH_DOC = (f"DeepCache's skip branch, 0 to {MAX_CACHE_BRANCH} and below the number of the model's UNet skip "
+                    "connections (SD 1.x/2.x: 0-11, SDXL: 0-8): the shallow steps run the skip connections 0 to "
+                    "cache_branch; 0 (default): the shallowest and fastest")
 
 
 def check_strength(v: float) -> float:

@@ -667,7 +667,8 @@ def test_presets_set_flags_and_flags_given_win(monkeypatch):
     turbo, dc = seen
     assert (turbo.models, turbo.size, turbo.steps, turbo.guidance, turbo.scheduler) == (
         "sdxl", "512", 4, 0.0, "euler_a_trailing")
-    assert (dc.models, dc.steps, dc.cache_interval, dc.systems, dc.fp32_ref) == ("sd15", 20, "2,3,5", "sdfast", False)
+    assert (dc.models, dc.steps, dc.cache_interval, dc.cache_branch, dc.systems, dc.fp32_ref) == (
+        "sd15", 20, "2,3,5", "0,2", "sdfast", False)
     assert set(bench_txt2img.PRESETS) == {"deepcache-sd15", "deepcache-sdxl", "turbo-sdxl-512", "lcm-sdxl-1024",
                                           "lcm-sd15-512"}
 

@@ -432,8 +432,8 @@ def test_deep_cache_bad_values_are_one_line_exit_2_before_the_load(tmp_path, cap
 
 
 def test_deep_cache_flags_run_and_a_branch_the_model_lacks_is_exit_2(tmp_path, capsys):
-    """``--cache-interval 2 --cache-branch 1`` runs DeepCache (the file records it); random:tiny has two skip
-    branches, so ``--cache-branch 2`` is refused after the load, before any step, naming the flag."""
+    """``--cache-interval 2 --cache-branch 1`` runs DeepCache (the file records it); random:tiny has four skip
+    branches, so ``--cache-branch 4`` is refused after the load, before any step, naming the flag."""
     import json
 
     out = tmp_path / "x.png"
@@ -443,7 +443,7 @@ def test_deep_cache_flags_run_and_a_branch_the_model_lacks_is_exit_2(tmp_path, c
     params = json.loads(Image.open(out).text["sdfast"])
     assert (params["cache_interval"], params["cache_branch"]) == (2, 1)
     capsys.readouterr()
-    assert main([*base, "--cache-branch", "2", "--out", str(tmp_path / "y.png")]) == 2
+    assert main([*base, "--cache-branch", "4", "--out", str(tmp_path / "y.png")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("sdfast: error: --cache-branch:") and "[0, 1]" in err[-1], err
+    assert err[-1].startswith("sdfast: error: --cache-branch:") and "[0, 3]" in err[-1], err
     assert not (tmp_path / "y.png").exists()

@@ -168,16 +168,16 @@ def test_sdxl_deep_cache_graphs_and_parity():
     fast = sdfast.load("random:sdxl")
     eager = sdfast.load("random:sdxl", optimize=sdfast.OptimizeConfig(cuda_graphs=False))
     try:
-        for branch in (0, 2):
+        for branch in (0, 4, 8):  # U_2's last ResNet; U_1 entered at its layer 1; everything but the mid block
             kw = dict(seed=6, num_inference_steps=8, cache_interval=2, cache_branch=branch)
             a = fast.txt2img(PROMPT, **kw)[0]
             assert a.size == (1024, 1024) and fast.last_deep_cache["full_steps"] == 4
             p = psnr(a, eager.txt2img(PROMPT, **kw)[0])
             print(f"sdxl DeepCache 2, branch {branch}: vs eager {p:.1f} dB")
             assert p >= SAME
-        assert _modes(_deep_cache_keys(fast), branch=None) == ["full", "full", "shallow", "shallow"]
+        assert _modes(_deep_cache_keys(fast), branch=None) == ["full"] * 3 + ["shallow"] * 3
         with pytest.raises(InvalidRequestError, match="cache_branch"):
-            fast.txt2img(PROMPT, num_inference_steps=2, cache_interval=2, cache_branch=3)  # SDXL: branches 0-2
+            fast.txt2img(PROMPT, num_inference_steps=2, cache_interval=2, cache_branch=9)  # SDXL: branches 0-8
     finally:
         del fast, eager
         _free()

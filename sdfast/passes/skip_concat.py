@@ -30,13 +30,33 @@ def _freeu(block: nn.Module) -> bool:
     return bool(all(getattr(block, n, None) for n in ("s1", "s2", "b1", "b2")))
 
 
-def _cat(hidden_states: torch.Tensor, res_hidden_states: torch.Tensor) -> torch.Tensor:
+def _fast_path(block: nn.Module) -> bool:
+    """Whether the rebound forward of ``block`` runs its own loop (else diffusers' forward): no FreeU, no gradient
+    checkpointing while gradients are on."""
+    return not (_freeu(block) or (torch.is_grad_enabled() and block.gradient_checkpointing))
+
+
+def cat_skip(hidden_states: torch.Tensor, res_hidden_states: torch.Tensor) -> torch.Tensor:
+    """``torch.cat([hidden_states, res_hidden_states], dim=1)``, the same values: on ``cat_channels`` for two
+    channels_last 4-D tensors of one dtype that need no gradients, else on ``torch.cat``."""
     grads = torch.is_grad_enabled() and (hidden_states.requires_grad or res_hidden_states.requires_grad)
     if hidden_states.dim() == res_hidden_states.dim() == 4 and hidden_states.dtype == res_hidden_states.dtype \
             and hidden_states.is_contiguous(memory_format=torch.channels_last) \
             and not grads:  # channels_last: what the kernel is tuned for (NCHW: torch.cat); no autograd formula
         return cat_channels(hidden_states, res_hidden_states)
     return torch.cat([hidden_states, res_hidden_states], dim=1)
+
+
+def _torch_cat(hidden_states: torch.Tensor, res_hidden_states: torch.Tensor) -> torch.Tensor:
+    return torch.cat([hidden_states, res_hidden_states], dim=1)
+
+
+def concat_of(block: nn.Module):
+    """The skip concatenation ``block``'s forward runs before each ResNet, as ``f(hidden_states, res_hidden_states)``:
+    ``cat_skip`` when ``apply`` rebound it and its own loop runs (no FreeU, no gradient checkpointing while gradients
+    are on), else diffusers' ``torch.cat`` along dim 1. For code that runs an up block layer by layer
+    (``sdfast.runtime.deep_cache``) and must do what the block's forward does."""
+    return cat_skip if getattr(block, _MARKER, False) and _fast_path(block) else _torch_cat
 
 
 def _upsample(block: nn.Module, hidden_states: torch.Tensor, upsample_size) -> torch.Tensor:
@@ -48,11 +68,11 @@ def _upsample(block: nn.Module, hidden_states: torch.Tensor, upsample_size) -> t
 def up_block_forward(self, hidden_states, res_hidden_states_tuple, temb=None, upsample_size=None, *args, **kwargs):
     """diffusers ``UpBlock2D.forward`` with the skip concatenation on ``cat_channels``."""
     cls = type(self)
-    if args or kwargs or _freeu(self) or (torch.is_grad_enabled() and self.gradient_checkpointing):
+    if args or kwargs or not _fast_path(self):
         return cls.forward(self, hidden_states, res_hidden_states_tuple, temb, upsample_size, *args, **kwargs)
     skips = list(res_hidden_states_tuple)
     for resnet in self.resnets:
-        hidden_states = resnet(_cat(hidden_states, skips.pop()), temb)
+        hidden_states = resnet(cat_skip(hidden_states, skips.pop()), temb)
     return _upsample(self, hidden_states, upsample_size)
 
 
@@ -60,13 +80,12 @@ def cross_attn_up_block_forward(self, hidden_states, res_hidden_states_tuple, te
                                 cross_attention_kwargs=None, upsample_size=None, attention_mask=None,
                                 encoder_attention_mask=None):
     """diffusers ``CrossAttnUpBlock2D.forward`` with the skip concatenation on ``cat_channels``."""
-    if _freeu(self) or (torch.is_grad_enabled() and self.gradient_checkpointing) or \
-            (cross_attention_kwargs or {}).get("scale") is not None:
+    if not _fast_path(self) or (cross_attention_kwargs or {}).get("scale") is not None:
         return type(self).forward(self, hidden_states, res_hidden_states_tuple, temb, encoder_hidden_states,
                                   cross_attention_kwargs, upsample_size, attention_mask, encoder_attention_mask)
     skips = list(res_hidden_states_tuple)
     for resnet, attn in zip(self.resnets, self.attentions):
-        hidden_states = resnet(_cat(hidden_states, skips.pop()), temb)
+        hidden_states = resnet(cat_skip(hidden_states, skips.pop()), temb)
         hidden_states = attn(hidden_states, encoder_hidden_states=encoder_hidden_states,
                              cross_attention_kwargs=cross_attention_kwargs, attention_mask=attention_mask,
                              encoder_attention_mask=encoder_attention_mask, return_dict=False)[0]

@@ -7,30 +7,55 @@ steps run only the shallow path of one skip branch and take the deep feature fro
 change (it is an approximation: ``README.md`` says by how much); ``cache_interval=1`` is never routed here.
 
 **The split.** A diffusers ``UNet2DConditionModel`` with n down blocks D_0..D_{n-1}, a mid block M and n up blocks
-U_0..U_{n-1} (U_{n-1} is the shallowest, the one before ``conv_out``). Skip branch b (``cache_branch``, 0 <= b < n)
-is the path conv_in -> D_0..D_b -> U_{n-1-b}..U_{n-1} -> conv_out. Its *deep feature* is the input of U_{n-1-b}:
-the output of U_{n-2-b}, or for b = n-1 the mid block's output (a ControlNet's mid residual added).
+U_0..U_{n-1} (U_{n-1} is the shallowest, the one before ``conv_out``) makes N skip tensors s_0..s_{N-1}, in the order
+diffusers makes them: s_0 is conv_in's output, then for each down block the output of each ResNet (with its
+attention: one *layer*), then its downsampler's output if it has one; N = 1 + sum(len(D.resnets) +
+len(D.downsamplers or ())) (``branches``). The up blocks' ResNets, numbered g = 0..N-1 in execution order
+(U_0.resnets[0] is g = 0), consume them from the end: up ResNet g concatenates s_{N-1-g}. Skip branch m
+(``cache_branch``, 0 <= m < N) is the path through s_0..s_m: conv_in, the down layers up to s_m, the last m + 1 up
+layers (up ResNets g0 = N-1-m .. N-1 with their attentions and the upsamplers of their blocks), conv_out. Its *deep
+feature* is the hidden state entering up ResNet g0 (before its skip concatenation): with g0 = layer j0 of up block
+U_j, for j0 = 0 the input of U_j (the output of U_{j-1}, or for m = N-1 the mid block's output, a ControlNet's mid
+residual added); for j0 > 0 the output of U_j's layer j0-1, inside the block.
 
 - full step: the whole UNet, the same diffusers blocks called in the same order with the same arguments as
-  ``UNet2DConditionModel.forward`` (diffusers 0.42), so the same output bit for bit (tested), and the deep feature
-  is copied into the cache;
-- shallow step: the time embedding, conv_in, D_0..D_b, then U_{n-1-b}..U_{n-1} from the cached deep feature with
-  the first ``sum(len(U_j.resnets) for j >= n-1-b)`` skip tensors (those are D_0..D_b's; D_b's downsampler output,
-  when it has one, feeds only deeper up blocks: computed and unused, about 4 GFLOP of SD1.5's 1.6 TFLOP per CFG
-  step), conv_out.
-  The time embedding, the text context and the skip tensors are the current step's; only the deep feature is old.
+  ``UNet2DConditionModel.forward`` (diffusers 0.42), except the one up block U_j a branch with j0 > 0 enters in the
+  middle: it runs through ``_up_layers`` in two halves (layers 0..j0-1, the feature copied, layers j0..), the
+  operations of its forward in the same order. Either way the output is the UNet's bit for bit (tested) and the
+  deep feature is copied into the cache;
+- shallow step: the time embedding, conv_in, the down blocks whose skip tensors all lie in s_0..s_m (diffusers'
+  blocks, whole), the first layers of the next one up to s_m (``_down_layers``; a downsampler's output is its
+  block's last skip tensor, so it runs only in a whole block); then, from the cached deep feature, layers j0.. of
+  U_j (``_up_layers``; for j0 = 0 the block itself) and U_{j+1}..U_{n-1} whole, conv_norm_out, conv_out. Exactly
+  the m + 1 skip tensors the up layers consume are made. The time embedding, the text context and the skip
+  tensors are the current step's; only the deep feature is old.
+
+SD 1.x/2.x (N = 12): s_0; D_0 (64² latents at 512², two ResNet + attention layers, downsampler) s_1..s_3; D_1 s_4..s_6;
+D_2 s_7..s_9; D_3 (no attention, no downsampler) s_10, s_11; U_0 (no attention) is g 0-2, U_1 3-5, U_2 6-8, U_3 (64²)
+9-11. Branch 0 (the default): conv_in, U_3's last layer (ResNet + attention at 64²) on s_0, conv_out; branch 2:
+D_0's two layers and all of U_3; branch 11: everything but the mid block. SDXL (N = 9): s_0; D_0 (128² at 1024², no
+attention) s_1..s_3; D_1 (64², 2-layer transformers) s_4..s_6; D_2 (32², 10-layer transformers) s_7, s_8; U_0 (32²)
+g 0-2, U_1 (64²) 3-5, U_2 (128², no attention) 6-8. Branch 0: conv_in, U_2's last ResNet on s_0, conv_out; branch
+2: D_0's two ResNets and all of U_2; branch 8: everything but the mid block. A whole down block with all of its up
+block, sdfast's branches before this numbering (b in [0, n)), is m = sum(len(U_j.resnets) for j >= n-1-b) - 1: SD
+1.x/2.x 2, 5, 8, 11; SDXL 2, 5, 8.
 
 Step i of a pipeline call's denoising loop (0-based) is full iff ``i % cache_interval == 0`` ("uniform" in the
 paper), decided on the host from diffusers' own step index (``callback_on_step_end``): no GPU value is read.
 
-DeepCache's and OneDiff's branch ids are finer: (``cache_layer_id``, ``cache_block_id``) may enter a block in the
-middle. sdfast's branch b is their ``cache_layer_id = b, cache_block_id = layers_per_block - 1`` (a whole down
-block, all of its up block); the finer ones would need the blocks' forwards rewritten, which sdfast does not do.
+DeepCache's and OneDiff's ids (``cache_layer_id`` L, ``cache_block_id`` B) name the last skip tensor of the shallow
+down path by its down block L and its place B in that block (B = len(D_L.resnets) for the downsampler's output):
+m = 1 + sum(len(D_i.resnets) + len(D_i.downsamplers or ()) for i < L) + B, so on SD 1.x/2.x and SDXL m = 3L + B + 1
+and their (0, 0) is branch 1. Branch 0 (conv_in's skip alone) has no id of theirs.
 
 **ControlNet.** A ControlNet still runs at every step (its input is the current latents). At a full step its
-residuals are added as diffusers does; at a shallow step the residuals of the shallow skip tensors are added
-(``zip`` over the first ones), the deeper ones and the mid residual are not used: the cached deep feature carries
-those of the last full step. The same holds for T2I-Adapter residuals of the shallow down blocks.
+residuals are added as diffusers does; at a shallow step the residuals of s_0..s_m are added (``zip`` over the
+first ones), the deeper ones and the mid residual are not used: the cached deep feature carries those of the last
+full step. **T2I-Adapter** residuals are added where diffusers adds them, at the end of a down block (after a
+``CrossAttnDownBlock2D``'s last layer, after a ``DownBlock2D`` and its downsampler), in the down layers a shallow
+step runs: a block run only in part takes its residual only if that point is among its layers (a
+``CrossAttnDownBlock2D`` whose layers all run and whose downsampler does not); the mid block's residual, as the
+deeper down blocks', is in the cached feature.
 
 **CUDA graphs** (``runtime.cuda_graphs``). The optimizer installs ``SplitForward`` as the UNet's forward before the
 graph pass, so it is what the graph runner captures; the step's ``deep_cache`` keyword (a ``Step``: mode and branch)
@@ -76,45 +101,78 @@ def is_diffusers_unet(unet) -> bool:
     return isinstance(unet, UNet2DConditionModel)
 
 
+def _down_skips(block) -> int:
+    """Skip tensors down block ``block`` makes: one per ResNet (+ attention) layer, one for its downsampler."""
+    return len(block.resnets) + len(block.downsamplers or ())
+
+
 def branches(unet) -> int:
-    """The skip branches of ``unet`` a shallow step can take: its number of down blocks (4 for SD 1.x/2.x, 3 for
-    SDXL)."""
-    return len(unet.down_blocks)
+    """The skip branches of ``unet`` a shallow step can take, N: its skip tensors, conv_in's and those of its down
+    blocks (12 for SD 1.x/2.x, 9 for SDXL; branch m in [0, N))."""
+    return 1 + sum(_down_skips(block) for block in unet.down_blocks)
 
 
-def _skips_needed(unet, branch: int) -> int:
-    """Skip tensors the shallow up blocks U_{n-1-branch}..U_{n-1} consume."""
-    n = len(unet.up_blocks)
-    return sum(len(block.resnets) for block in unet.up_blocks[n - 1 - branch:])
+def _entry(unet, branch: int) -> tuple[int, int]:
+    """(j, j0): the up block U_j and its layer j0 where the shallow up path of ``branch`` starts (up ResNet
+    g0 = N-1-branch). ``ValueError`` for a branch outside [0, N) or up blocks with fewer ResNets than that."""
+    g = branches(unet) - 1 - branch
+    if branch >= 0 and g >= 0:
+        for j, block in enumerate(unet.up_blocks):
+            if g < len(block.resnets):
+                return j, g
+            g -= len(block.resnets)
+    raise ValueError(f"DeepCache: no up layer pairs with skip branch {branch} of this UNet")
 
 
-def _skips_made(unet, branch: int) -> int:
-    """Skip tensors conv_in and D_0..D_branch produce (each resnet's output, each downsampler's)."""
-    return 1 + sum(len(b.resnets) + len(b.downsamplers or ()) for b in unet.down_blocks[:branch + 1])
+def _split_blocks(unet, branch: int) -> list:
+    """The blocks that ``branch`` enters in the middle (run layer by layer): the down block holding s_branch when
+    s_branch is not its last skip tensor, and U_j when j0 > 0."""
+    out, made = [], 1
+    for block in unet.down_blocks:
+        if made <= branch < made + _down_skips(block) - 1:
+            out.append(block)
+        made += _down_skips(block)
+    j, j0 = _entry(unet, branch)
+    return out + ([unet.up_blocks[j]] if j0 > 0 else [])
 
 
 def check(unet, cache_interval: int, cache_branch: int) -> None:
     """Raise ``InvalidRequestError`` unless ``unet`` can run DeepCache on skip branch ``cache_branch``: field
-    ``cache_branch`` for a branch outside [0, ``branches(unet)``), field ``cache_interval`` for a UNet that is not a
-    diffusers ``UNet2DConditionModel`` (e.g. a ``torch.compile`` d module) or is one with features the split forward
-    does not mirror (GLIGEN, an ``image_hint`` embedding, up and down blocks that do not pair). Nothing to check for
-    ``cache_interval`` 1 (the exact forward)."""
+    ``cache_branch`` for a branch outside [0, ``branches(unet)``) or one that enters in the middle a block of a
+    class the layer-by-layer helpers do not mirror (diffusers' ``DownBlock2D``, ``CrossAttnDownBlock2D``,
+    ``UpBlock2D`` and ``CrossAttnUpBlock2D`` they do), field ``cache_interval`` for a UNet that is not a diffusers
+    ``UNet2DConditionModel`` (e.g. a ``torch.compile`` d module) or is one with features the split forward does not
+    mirror (GLIGEN, an ``image_hint`` embedding, up blocks whose ResNets do not pair with the skip tensors).
+    Nothing to check for ``cache_interval`` 1 (the exact forward)."""
     if cache_interval == 1:
         return
     if not is_diffusers_unet(unet):
         raise InvalidRequestError("cache_interval", f"DeepCache splits a diffusers UNet2DConditionModel; this "
                                                     f"pipeline's UNet is a {type(unet).__name__} (use cache_interval=1)")
+    from diffusers.models.unets.unet_2d_blocks import (
+        CrossAttnDownBlock2D,
+        CrossAttnUpBlock2D,
+        DownBlock2D,
+        UpBlock2D,
+    )
+
     n = branches(unet)
-    if not 0 <= cache_branch < n:
-        raise InvalidRequestError("cache_branch", f"this UNet has {n} skip branches (down blocks): must be in "
-                                                  f"[0, {n - 1}] (got {cache_branch})")
     unsupported = ("GLIGEN" if getattr(unet, "position_net", None) is not None else
                    "an image_hint embedding" if unet.config.get("addition_embed_type") == "image_hint" else
-                   "unpaired up and down blocks" if len(unet.up_blocks) != n or
-                   _skips_needed(unet, cache_branch) > _skips_made(unet, cache_branch) else None)
+                   "up blocks whose ResNets do not pair with the skip tensors"
+                   if sum(len(block.resnets) for block in unet.up_blocks) != n else None)
     if unsupported:
         raise InvalidRequestError("cache_interval", f"DeepCache does not run on a UNet with {unsupported} "
                                                     "(use cache_interval=1)")
+    if not 0 <= cache_branch < n:
+        raise InvalidRequestError("cache_branch", f"this UNet has {n} skip branches (its skip connections): must be "
+                                                  f"in [0, {n - 1}] (got {cache_branch})")
+    mirrored = (DownBlock2D, CrossAttnDownBlock2D, UpBlock2D, CrossAttnUpBlock2D)
+    odd = [type(block).__name__ for block in _split_blocks(unet, cache_branch) if type(block) not in mirrored]
+    if odd:
+        raise InvalidRequestError("cache_branch", f"branch {cache_branch} enters a {odd[0]} in the middle, which "
+                                                  "DeepCache's split forward does not run layer by layer; take a "
+                                                  "branch at that block's boundary")
 
 
 def is_full(step_index: int, cache_interval: int) -> bool:
@@ -130,7 +188,7 @@ class SplitForward:
     (B, C, H, W) latents in the UNet's dtype, any memory format; ``timestep``; ``encoder_hidden_states`` (B, L, D);
     ...); returns what it returns ((B, out_channels, H, W) in ``(sample,)`` or ``UNet2DConditionOutput``).
 
-    ``buffers``: the cached deep features, (B, C_b, H_b, W_b) in the layout the up block's input had, keyed by
+    ``buffers``: the cached deep features, (B, C_b, H_b, W_b) in the layout the deep feature had, keyed by
     (branch, sample shape, dtype, device), at most ``MAX_BUFFERS`` (least recently used dropped). Raises
     ``RuntimeError`` for a shallow step without a full step before it at that key, or a buffer that would be
     allocated inside a CUDA-graph capture (the first full step of a shape runs eagerly first under the graph
@@ -318,6 +376,124 @@ def _split_forward(unet, split: SplitForward, step: Step, sample, timestep, enco
             unscale_lora_layers(unet, lora_scale)
 
 
+def _checkpointed(block) -> bool:
+    return torch.is_grad_enabled() and block.gradient_checkpointing
+
+
+def _resnet(block, i: int, h, temb):
+    """ResNet ``i`` of ``block``, through the block's gradient checkpointing as its forward does."""
+    if _checkpointed(block):
+        return block._gradient_checkpointing_func(block.resnets[i], h, temb)
+    return block.resnets[i](h, temb)
+
+
+def _attention(block, i: int, h, cross: dict):
+    return block.attentions[i](h, encoder_hidden_states=cross["encoder_hidden_states"],
+                               cross_attention_kwargs=cross["cross_attention_kwargs"],
+                               attention_mask=cross["attention_mask"],
+                               encoder_attention_mask=cross["encoder_attention_mask"], return_dict=False)[0]
+
+
+def _down_layers(block, h, temb, cross: dict, count: int, additional_residuals=None):
+    """The first ``count`` skip tensors of down block ``block`` (diffusers' ``DownBlock2D`` or
+    ``CrossAttnDownBlock2D``, 1 <= count <= ``_down_skips(block)``), made as its forward makes them: one ResNet
+    (+ attention) layer each, and the downsampler when ``count`` includes its output. Returns (the hidden state
+    after the last thing run, the tuple of the ``count`` skip tensors).
+
+    h: (B, C, H, W) the block's input; temb: the time embedding; cross: ``encoder_hidden_states``,
+    ``attention_mask``, ``cross_attention_kwargs``, ``encoder_attention_mask`` (read by a ``CrossAttnDownBlock2D``
+    only). additional_residuals: the block's T2I-Adapter residual or None, added where diffusers adds it: a
+    ``CrossAttnDownBlock2D`` adds it to its last layer's output (before that becomes a skip tensor and enters the
+    downsampler), so only when ``count`` reaches its last layer; for a ``DownBlock2D`` the UNet adds it in place to
+    the block's output (its last skip tensor too), so only when ``count`` is all of the block's skip tensors."""
+    cross_block = getattr(block, "has_cross_attention", False)
+    layers = len(block.resnets)
+    skips = ()
+    for i in range(min(count, layers)):
+        h = _resnet(block, i, h, temb)
+        if cross_block:
+            h = _attention(block, i, h, cross)
+            if i == layers - 1 and additional_residuals is not None:
+                h = h + additional_residuals
+        skips += (h,)
+    if count > layers:
+        for downsampler in block.downsamplers:
+            h = downsampler(h)
+        skips += (h,)
+    if not cross_block and additional_residuals is not None and count == _down_skips(block):
+        h += additional_residuals
+    return h, skips
+
+
+def _up_layers(block, h, res_tuple: tuple, temb, cross: dict, upsample_size, start: int, stop: int):
+    """Layers ``start``..``stop``-1 of up block ``block`` (diffusers' ``UpBlock2D`` or ``CrossAttnUpBlock2D``,
+    0 <= start < stop <= len(block.resnets)), run as its forward runs them, and its upsamplers when ``stop`` is its
+    last layer. Returns the hidden state after them.
+
+    h: (B, C, H, W) the hidden state entering layer ``start`` (the block's input for 0); res_tuple: the skip tensors
+    of these layers, ``stop - start`` of them, popped from the end as the block pops its own (layer ``start``
+    takes the last one). Each layer: FreeU's rescaling of the two tensors (``apply_freeu``) when the block has
+    ``s1``, ``s2``, ``b1``, ``b2`` set, the concatenation along the channels on the function the block's forward
+    uses (``skip_concat.concat_of``: the optimizer's kernel where it rebound the forward, else ``torch.cat``), the
+    ResNet (checkpointed as the block would be), the attention (``CrossAttnUpBlock2D``: ``cross`` as in
+    ``_down_layers``). upsample_size: the upsamplers' output size or None."""
+    from diffusers.utils.torch_utils import apply_freeu
+
+    from ..passes.skip_concat import concat_of
+
+    if len(res_tuple) != stop - start:
+        raise ValueError(f"_up_layers: layers {start}..{stop - 1} take {stop - start} skip tensors, got "
+                         f"{len(res_tuple)}")
+    cat = concat_of(block)
+    freeu = all(getattr(block, name, None) for name in ("s1", "s2", "b1", "b2"))
+    cross_block = getattr(block, "has_cross_attention", False)
+    for i in range(start, stop):
+        res_hidden_states = res_tuple[-1]
+        res_tuple = res_tuple[:-1]
+        if freeu:
+            h, res_hidden_states = apply_freeu(block.resolution_idx, h, res_hidden_states, s1=block.s1, s2=block.s2,
+                                               b1=block.b1, b2=block.b2)
+        h = _resnet(block, i, cat(h, res_hidden_states), temb)
+        if cross_block:
+            h = _attention(block, i, h, cross)
+    if stop == len(block.resnets):
+        for upsampler in block.upsamplers or ():
+            h = upsampler(h, upsample_size)
+    return h
+
+
+def _down_path(unet, sample, emb, cross: dict, adapter, make: int):
+    """conv_in's output ``sample`` through the down layers until ``make`` skip tensors are made (N: every down
+    block): diffusers' blocks whole, the last one in part (``_down_layers``) when only its first skip tensors are
+    needed. ``adapter``: the T2I-Adapter residuals (a list, popped one per down block as diffusers pops them) or
+    None. Returns (the hidden state, the skip tensors s_0..s_{make-1})."""
+    skips = (sample,)
+    for block in unet.down_blocks:
+        count = min(make - len(skips), _down_skips(block))
+        if count <= 0:
+            break
+        residual = adapter.pop(0) if adapter is not None and len(adapter) > 0 else None
+        if count < _down_skips(block):
+            sample, res_samples = _down_layers(block, sample, emb, cross, count, residual)
+        elif getattr(block, "has_cross_attention", False):
+            extra = {} if residual is None else {"additional_residuals": residual}
+            sample, res_samples = block(hidden_states=sample, temb=emb, **cross, **extra)
+        else:
+            sample, res_samples = block(hidden_states=sample, temb=emb)
+            if residual is not None:
+                sample += residual
+        skips += res_samples
+    return sample, skips
+
+
+def _up_block(block, sample, res_samples, emb, cross: dict, upsample_size):
+    """Up block ``block`` whole: diffusers' block called as ``UNet2DConditionModel.forward`` calls it."""
+    if getattr(block, "has_cross_attention", False):
+        return block(hidden_states=sample, temb=emb, res_hidden_states_tuple=res_samples, upsample_size=upsample_size,
+                     **cross)
+    return block(hidden_states=sample, temb=emb, res_hidden_states_tuple=res_samples, upsample_size=upsample_size)
+
+
 def _blocks(unet, split, step, sample, timestep, encoder_hidden_states, class_labels, timestep_cond, attention_mask,
             cross_attention_kwargs, added_cond_kwargs, down_block_additional_residuals, mid_block_additional_residual,
             down_intrablock_additional_residuals, encoder_attention_mask, return_dict):
@@ -325,7 +501,7 @@ def _blocks(unet, split, step, sample, timestep, encoder_hidden_states, class_la
 
     shallow = step.mode == SHALLOW
     key = split.key(step, sample)
-    first_up = len(unet.up_blocks) - 1 - step.branch  # U_{n-1-b}: its input is the deep feature
+    j, j0 = _entry(unet, step.branch)  # the shallow up path starts at layer j0 of U_j: its input is the deep feature
 
     # -- what every step runs: diffusers' preamble, time embedding, conv_in --
     default_overall_up_factor = 2**unet.num_upsamplers
@@ -361,23 +537,10 @@ def _blocks(unet, split, step, sample, timestep, encoder_hidden_states, class_la
     cross = dict(encoder_hidden_states=encoder_hidden_states, attention_mask=attention_mask,
                  cross_attention_kwargs=cross_attention_kwargs, encoder_attention_mask=encoder_attention_mask)
 
-    # -- down blocks: all of them (full), D_0..D_b (shallow) --
-    down_block_res_samples = (sample,)
-    for i, downsample_block in enumerate(unet.down_blocks):
-        if shallow and i > step.branch:
-            break
-        if getattr(downsample_block, "has_cross_attention", False):
-            additional_residuals = {}
-            if is_adapter and len(down_intrablock_additional_residuals) > 0:
-                additional_residuals["additional_residuals"] = down_intrablock_additional_residuals.pop(0)
-            sample, res_samples = downsample_block(hidden_states=sample, temb=emb, **cross, **additional_residuals)
-        else:
-            sample, res_samples = downsample_block(hidden_states=sample, temb=emb)
-            if is_adapter and len(down_intrablock_additional_residuals) > 0:
-                sample += down_intrablock_additional_residuals.pop(0)
-        down_block_res_samples += res_samples
-    if shallow:  # the skips of the shallow up blocks: the first ones (D_b's downsampler output feeds deeper blocks)
-        down_block_res_samples = down_block_res_samples[:_skips_needed(unet, step.branch)]
+    # -- down layers: all of them (full), those making s_0..s_branch (shallow) --
+    sample, down_block_res_samples = _down_path(unet, sample, emb, cross,
+                                                down_intrablock_additional_residuals if is_adapter else None,
+                                                step.branch + 1 if shallow else branches(unet))
     if is_controlnet:
         down_block_res_samples = tuple(s + r for s, r in zip(down_block_res_samples, down_block_additional_residuals))
 
@@ -393,26 +556,33 @@ def _blocks(unet, split, step, sample, timestep, encoder_hidden_states, class_la
     if not shallow and is_controlnet:
         sample = sample + mid_block_additional_residual
 
-    # -- up blocks: U_0..U_{n-1} (full; the input of U_{n-1-b} cached), U_{n-1-b}.. from the cache (shallow) --
+    # -- up blocks: U_0..U_{n-1} (full: the input of layer j0 of U_j cached), layer j0 of U_j on (shallow) --
     for i, upsample_block in enumerate(unet.up_blocks):
-        if shallow and i < first_up:
+        if shallow and i < j:
             continue
-        if i == first_up:
-            if shallow:
-                sample = split.cached(key)
-            else:
-                split.store(key, sample)
-        is_final_block = i == len(unet.up_blocks) - 1
-        res_samples = down_block_res_samples[-len(upsample_block.resnets):]
-        down_block_res_samples = down_block_res_samples[:-len(upsample_block.resnets)]
-        if not is_final_block and forward_upsample_size:
+        first = j0 if shallow and i == j else 0  # the layers before it are the deep part
+        taken = len(upsample_block.resnets) - first
+        res_samples = down_block_res_samples[-taken:]
+        down_block_res_samples = down_block_res_samples[:-taken]
+        if i != len(unet.up_blocks) - 1 and forward_upsample_size:
             upsample_size = down_block_res_samples[-1].shape[2:]
-        if getattr(upsample_block, "has_cross_attention", False):
-            sample = upsample_block(hidden_states=sample, temb=emb, res_hidden_states_tuple=res_samples,
-                                    upsample_size=upsample_size, **cross)
-        else:
-            sample = upsample_block(hidden_states=sample, temb=emb, res_hidden_states_tuple=res_samples,
-                                    upsample_size=upsample_size)
+        if i != j:
+            sample = _up_block(upsample_block, sample, res_samples, emb, cross, upsample_size)
+        elif shallow:
+            sample = split.cached(key)
+            if j0 == 0:
+                sample = _up_block(upsample_block, sample, res_samples, emb, cross, upsample_size)
+            else:
+                sample = _up_layers(upsample_block, sample, res_samples, emb, cross, upsample_size, j0,
+                                    len(upsample_block.resnets))
+        elif j0 == 0:
+            split.store(key, sample)
+            sample = _up_block(upsample_block, sample, res_samples, emb, cross, upsample_size)
+        else:  # the block in two halves, the feature between them stored
+            sample = _up_layers(upsample_block, sample, res_samples[-j0:], emb, cross, upsample_size, 0, j0)
+            split.store(key, sample)
+            sample = _up_layers(upsample_block, sample, res_samples[:-j0], emb, cross, upsample_size, j0,
+                                len(upsample_block.resnets))
 
     if unet.conv_norm_out:
         sample = unet.conv_norm_out(sample)

@@ -26,6 +26,7 @@ def test_limits_are_within_the_engines():
 
     assert 1 <= schemas.MAX_CACHE_INTERVAL <= engine.MAX_CACHE_INTERVAL
     assert 0 <= schemas.MAX_CACHE_BRANCH <= engine.MAX_CACHE_BRANCH
+    assert schemas.MAX_CACHE_BRANCH == 11  # every skip branch of SD 1.x/2.x (0-11) and SDXL (0-8) passes the schema
 
 
 @pytest.mark.parametrize("path", ["/v1/txt2img", "/v1/images/generations"])
@@ -63,7 +64,7 @@ def test_the_engines_request_carries_them_and_they_key_the_batch():
 def test_the_models_branches_are_checked_before_the_queue_and_the_png_records_them():
     import sdfast
 
-    stock = sdfast.load("random:tiny", optimize=False)  # two down blocks: branches 0 and 1
+    stock = sdfast.load("random:tiny", optimize=False)  # four skip tensors: branches 0 to 3
     runs = []
     run = stock.run
     stock.run = lambda request, **kw: runs.append(request) or run(request, **kw)
@@ -71,13 +72,13 @@ def test_the_models_branches_are_checked_before_the_queue_and_the_png_records_th
     torch.set_num_threads(1)
     try:
         with serving(create_app(stock, api_key="")) as url, httpx.Client(base_url=url, timeout=60) as c:
-            bad = c.post("/v1/txt2img", json={**REQ, "cache_interval": 2, "cache_branch": 2})
+            bad = c.post("/v1/txt2img", json={**REQ, "cache_interval": 2, "cache_branch": 4})
             ok = c.post("/v1/txt2img", json={**REQ, "cache_interval": 2, "cache_branch": 1, "width": 64,
                                              "height": 64})
     finally:
         torch.set_num_threads(threads)
     assert bad.status_code == 422 and bad.json()["error"]["param"] == "cache_branch", bad.text
-    assert "[0, 1]" in bad.json()["error"]["message"]
+    assert "[0, 3]" in bad.json()["error"]["message"]
     assert ok.status_code == 200, ok.text
     params = json.loads(Image.open(io.BytesIO(ok.content)).text["sdfast"])
     assert (params["cache_interval"], params["cache_branch"]) == (2, 1)
