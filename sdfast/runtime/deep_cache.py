@@ -43,10 +43,11 @@ block, sdfast's branches before this numbering (b in [0, n)), is m = sum(len(U_j
 Step i of a pipeline call's denoising loop (0-based) is full iff ``i % cache_interval == 0`` ("uniform" in the
 paper), decided on the host from diffusers' own step index (``callback_on_step_end``): no GPU value is read.
 
-DeepCache's and OneDiff's ids (``cache_layer_id`` L, ``cache_block_id`` B) name the last skip tensor of the shallow
-down path by its down block L and its place B in that block (B = len(D_L.resnets) for the downsampler's output):
-m = 1 + sum(len(D_i.resnets) + len(D_i.downsamplers or ()) for i < L) + B, so on SD 1.x/2.x and SDXL m = 3L + B + 1
-and their (0, 0) is branch 1. Branch 0 (conv_in's skip alone) has no id of theirs.
+DeepCache's and OneDiff's ids (``cache_layer_id`` L, ``cache_block_id`` B): their shallow step runs the last B + 1
+layers of up block U_{n-1-L} and every up block after it, the up layers of sdfast's m = 3L + B on SD 1.x/2.x and
+SDXL (whose up blocks have three ResNets), so their default (0, 0) is branch 0 here. Their down path stops after
+layer B of D_L, one layer past the skip tensors those up layers pair with in the full UNet; sdfast's shallow step
+makes exactly s_0..s_m and pairs every up ResNet with the skip tensor the full UNet gives it.
 
 **ControlNet.** A ControlNet still runs at every step (its input is the current latents). At a full step its
 residuals are added as diffusers does; at a shallow step the residuals of s_0..s_m are added (``zip`` over the
