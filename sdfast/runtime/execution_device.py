@@ -53,6 +53,14 @@ def _key(pipe, state: dict):
     return None if key is None else tuple(key)
 
 
+def _same_named_subclass(cls: type, **getters) -> type:
+    """A subclass of ``cls`` with its name, module and qualified name (what diffusers saves and logs), whose
+    properties ``getters`` (name -> getter) replace the class's, with their docstrings."""
+    props = {name: property(fget, doc=getattr(cls, name).__doc__) for name, fget in getters.items()}
+    return type(cls.__name__, (cls,), {**props, "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                       "_sdfast_original_class": cls})
+
+
 def _subclass(cls: type) -> type:
     if cls in _SUBCLASSES:
         return _SUBCLASSES[cls]
@@ -67,12 +75,7 @@ def _subclass(cls: type) -> type:
             state["key"], state["device"] = key, stock(self)
         return state["device"]
 
-    _SUBCLASSES[cls] = type(cls.__name__, (cls,), {
-        "_execution_device": property(_execution_device, doc=cls._execution_device.__doc__),
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-        "_sdfast_original_class": cls,
-    })
+    _SUBCLASSES[cls] = _same_named_subclass(cls, _execution_device=_execution_device)
     return _SUBCLASSES[cls]
 
 
@@ -125,13 +128,7 @@ def _model_subclass(cls: type) -> type:
                 return param.dtype
         return cls.dtype.fget(self)  # no floating parameter outside the fp32 modules: stock's own fallbacks
 
-    _MODEL_SUBCLASSES[cls] = type(cls.__name__, (cls,), {
-        "device": property(device, doc=cls.device.__doc__),
-        "dtype": property(dtype, doc=cls.dtype.__doc__),
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-        "_sdfast_original_class": cls,
-    })
+    _MODEL_SUBCLASSES[cls] = _same_named_subclass(cls, device=device, dtype=dtype)
     return _MODEL_SUBCLASSES[cls]
 
 
