@@ -26,14 +26,21 @@ def _block_classes() -> tuple[type, ...]:
     return UpBlock2D, CrossAttnUpBlock2D
 
 
-def _freeu(block: nn.Module) -> bool:
+def freeu_enabled(block: nn.Module) -> bool:
+    """Whether an up block's forward applies FreeU (``enable_freeu`` set all of ``s1``, ``s2``, ``b1``, ``b2``), as
+    diffusers' forward decides it."""
     return bool(all(getattr(block, n, None) for n in ("s1", "s2", "b1", "b2")))
+
+
+def checkpointing(block: nn.Module) -> bool:
+    """Whether ``block``'s forward runs its ResNets through gradient checkpointing now (gradients on)."""
+    return torch.is_grad_enabled() and block.gradient_checkpointing
 
 
 def _fast_path(block: nn.Module) -> bool:
     """Whether the rebound forward of ``block`` runs its own loop (else diffusers' forward): no FreeU, no gradient
     checkpointing while gradients are on."""
-    return not (_freeu(block) or (torch.is_grad_enabled() and block.gradient_checkpointing))
+    return not (freeu_enabled(block) or checkpointing(block))
 
 
 def cat_skip(hidden_states: torch.Tensor, res_hidden_states: torch.Tensor) -> torch.Tensor:

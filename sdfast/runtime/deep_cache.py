@@ -377,13 +377,11 @@ def _split_forward(unet, split: SplitForward, step: Step, sample, timestep, enco
             unscale_lora_layers(unet, lora_scale)
 
 
-def _checkpointed(block) -> bool:
-    return torch.is_grad_enabled() and block.gradient_checkpointing
-
-
 def _resnet(block, i: int, h, temb):
     """ResNet ``i`` of ``block``, through the block's gradient checkpointing as its forward does."""
-    if _checkpointed(block):
+    from ..passes.skip_concat import checkpointing
+
+    if checkpointing(block):
         return block._gradient_checkpointing_func(block.resnets[i], h, temb)
     return block.resnets[i](h, temb)
 
@@ -440,13 +438,13 @@ def _up_layers(block, h, res_tuple: tuple, temb, cross: dict, upsample_size, sta
     ``_down_layers``). upsample_size: the upsamplers' output size or None."""
     from diffusers.utils.torch_utils import apply_freeu
 
-    from ..passes.skip_concat import concat_of
+    from ..passes.skip_concat import concat_of, freeu_enabled
 
     if len(res_tuple) != stop - start:
         raise ValueError(f"_up_layers: layers {start}..{stop - 1} take {stop - start} skip tensors, got "
                          f"{len(res_tuple)}")
     cat = concat_of(block)
-    freeu = all(getattr(block, name, None) for name in ("s1", "s2", "b1", "b2"))
+    freeu = freeu_enabled(block)
     cross_block = getattr(block, "has_cross_attention", False)
     for i in range(start, stop):
         res_hidden_states = res_tuple[-1]

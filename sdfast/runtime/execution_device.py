@@ -79,8 +79,9 @@ def _subclass(cls: type) -> type:
     return _SUBCLASSES[cls]
 
 
-def installed(pipe) -> bool:
-    return "_sdfast_original_class" in type(pipe).__dict__
+def installed(obj) -> bool:
+    """Whether ``obj`` (a pipeline, or a model after ``install_model``) has one of this module's subclasses."""
+    return "_sdfast_original_class" in type(obj).__dict__
 
 
 def install(pipe) -> bool:
@@ -140,12 +141,12 @@ def install_model(model) -> bool:
 
     if not isinstance(model, ModelMixin):
         return False
-    if "_sdfast_original_class" not in type(model).__dict__:
+    if not installed(model):
         model.__class__ = _model_subclass(type(model))
     return True
 
 
 def uninstall_model(model) -> None:
     """Give ``model`` its original class back."""
-    if "_sdfast_original_class" in type(model).__dict__:
+    if installed(model):
         model.__class__ = type(model)._sdfast_original_class
