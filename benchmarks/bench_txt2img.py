@@ -518,6 +518,8 @@ COMPRESSION = {
     "w8a8": ("quantize_", "W8A8Config", {}),
     "fp8": ("quantize_", "W8A8Config", {"dtype": "fp8"}),
     "fp8-static": ("quantize_", "W8A8Config", {"dtype": "fp8", "activations": "static", "alpha": 0.0}),
+    "fp8-static-convs": ("quantize_", "W8A8Config", {"dtype": "fp8", "activations": "static", "alpha": 0.0,
+                                                     "convs": True}),
     "w4a16": ("quantize_", "W4A16Config", {"method": "awq"}),
     "w4a16-gptq": ("quantize_", "W4A16Config", {"method": "gptq"}),
     "int8-outlier": ("quantize_", "Int8OutlierConfig", {}),
@@ -533,10 +535,12 @@ CALIBRATION_PROMPTS = [
 CALIBRATION_STEPS = 4
 
 
-def _linear_weight_bytes(unet) -> dict[str, int]:
+def _layer_weight_bytes(unet) -> dict[str, int]:
+    """Weight bytes of each plain linear and convolution (what a preset may convert), by module name."""
     import torch
 
-    return {n: m.weight.numel() * m.weight.element_size() for n, m in unet.named_modules() if type(m) is torch.nn.Linear}
+    return {n: m.weight.numel() * m.weight.element_size() for n, m in unet.named_modules()
+            if type(m) in (torch.nn.Linear, torch.nn.Conv2d)}
 
 
 def build_sdfast_compressed(spec: ModelSpec, ctx: Context, *, preset: str) -> Built:
@@ -553,7 +557,7 @@ def build_sdfast_compressed(spec: ModelSpec, ctx: Context, *, preset: str) -> Bu
     config = getattr(sdfast, config_name)(**kwargs)
     engine = _load(spec, ctx, False)
     pipe = engine.pipe
-    before = _linear_weight_bytes(pipe.unet)
+    before = _layer_weight_bytes(pipe.unet)
 
     def calibration():
         engine.txt2img(CALIBRATION_PROMPTS, num_inference_steps=CALIBRATION_STEPS, height=spec.height,
@@ -562,7 +566,7 @@ def build_sdfast_compressed(spec: ModelSpec, ctx: Context, *, preset: str) -> Bu
     t0 = time.perf_counter()
     converted = int(getattr(sdfast, fn_name)(pipe.unet, config, calibration=calibration))
     compress_s = time.perf_counter() - t0
-    replaced = {n: m for n, m in pipe.unet.named_modules() if n in before and type(m).__name__ != "Linear"}
+    replaced = {n: m for n, m in pipe.unet.named_modules() if n in before and type(m).__name__ not in ("Linear", "Conv2d")}
     after = sum(t.numel() * t.element_size() for m in replaced.values()
                 for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)) if t is not getattr(m, "bias", None))
     sdfast.optimize(pipe)

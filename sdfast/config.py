@@ -20,6 +20,7 @@ POLICY_FIELDS = {
     "group_norm": ("group_norm", ("cluster", "triton"), "SDFAST_GN_CLUSTER", "triton"),
     "linear": ("linear", ("cublas",), "SDFAST_LINEAR_TMA", "cublas"),
     "geglu": ("geglu", ("cublas",), "SDFAST_GEGLU_TMA", "cublas"),
+    "fp8_conv3x3": ("fp8_conv3x3", ("fp8", "cudnn"), "SDFAST_FP8_CONV", "cudnn"),
 }
 
 
@@ -35,11 +36,14 @@ class KernelPolicy:
         run) or "triton".
     linear: the small-K linears (``OptimizeConfig.tma_linear``): "auto" or "cublas" (never the TMA GEMM).
     geglu: GEGLU's projection: "auto" or "cublas" (cuBLAS then the GEGLU kernel; never the TMA GEMM).
+    fp8_conv3x3: the 3x3 convolutions quantized by ``W8A8Config(convs=True)``: "auto", "fp8" (the FP8 implicit GEMM)
+        or "cudnn" (cuDNN on the kept 16-bit weight).
     cusparselt_search: 2:4 sparse linears run cuSPARSELt's algorithm search for each shape (slower to start).
 
     Environment (read by :meth:`from_env` only): ``SDFAST_ATTENTION_BACKEND`` (a backend or "auto"),
     ``SDFAST_ATTENTION_TRITON=0``, ``SDFAST_CONV_GEMM=0`` (cuDNN), ``SDFAST_GN_CLUSTER=0`` (Triton),
-    ``SDFAST_LINEAR_TMA=0`` and ``SDFAST_GEGLU_TMA=0`` (cuBLAS), ``SDFAST_CUSPARSELT_SEARCH=1``.
+    ``SDFAST_LINEAR_TMA=0`` and ``SDFAST_GEGLU_TMA=0`` (cuBLAS), ``SDFAST_FP8_CONV=0`` (cuDNN),
+    ``SDFAST_CUSPARSELT_SEARCH=1``.
     Raises ValueError for a value a field does not take.
     """
 
@@ -49,6 +53,7 @@ class KernelPolicy:
     group_norm: str = "auto"
     linear: str = "auto"
     geglu: str = "auto"
+    fp8_conv3x3: str = "auto"
     cusparselt_search: bool = False
 
     def __post_init__(self):

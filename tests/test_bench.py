@@ -511,16 +511,20 @@ def test_compressed_presets_run_and_report_their_layers(tmp_path, monkeypatch, c
     """Issues 7/8: W8A8 and 2:4 presets are systems of the txt2img benchmark: calibrated on real prompts,
     then optimized; each row reports the layers converted, their weight bytes against fp16, and PSNR."""
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the kernels' PyTorch references: fast on the CPU
-    rc = bench_txt2img.main([*TINY, "--systems", "stock,sdfast-w8a8,sdfast-sparse24", "--out", str(tmp_path)])
+    rc = bench_txt2img.main([*TINY, "--systems", "stock,sdfast-w8a8,sdfast-sparse24,sdfast-fp8-static-convs",
+                             "--out", str(tmp_path)])
     assert rc == 0
     rows = {r["system"]: r for r in _rows(tmp_path)["rows"]}
-    for name in ("sdfast-w8a8", "sdfast-sparse24"):
+    for name in ("sdfast-w8a8", "sdfast-sparse24", "sdfast-fp8-static-convs"):
         r = rows[name]
         assert not r.get("error"), r.get("error")
         assert r["info"]["layers"] > 0 and r["psnr_db"] > 10
         assert r["config"]["optimize"] is True
     # int8 weights + per-channel scales against the original weights (fp32 here: ~0.25 + scales; fp16 on a GPU: ~0.5)
     assert 0.25 < rows["sdfast-w8a8"]["info"]["weight_ratio"] < 0.35
+    # the 3x3 convolutions too (the ResNets' and the upsamplers'), each keeping its 16-bit weight beside the FP8 one
+    assert rows["sdfast-fp8-static-convs"]["info"]["layers"] > rows["sdfast-w8a8"]["info"]["layers"]
+    assert rows["sdfast-fp8-static-convs"]["config"]["convs"] is True
     assert "tiny/sdfast-w8a8: " in capsys.readouterr().out and "x the original bytes" in (tmp_path / "txt2img.md").read_text()
 
 

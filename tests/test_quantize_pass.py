@@ -26,6 +26,7 @@ from sdfast.quantization import (
     QuantizedLinear,
     W4A16Linear,
     W8A8Linear,
+    W8A8StaticConv2d,
     W8A8StaticLinear,
     collect_linear_stats,
 )
@@ -546,3 +547,90 @@ def test_nothing_quantized_warns_why_without_calibrating_and_without_nan(unet):
     assert n.weight_ratio == 1.0 and not math.isnan(n.weight_ratio) and "nan" not in repr(n)
     with pytest.warns(NothingQuantizedWarning, match="no nn.Linear of the module matched filter_fn"):
         assert quantize_(u, W8A8Config(), filter_fn=lambda m, name: False) == 0
+
+
+# W8A8 static FP8 3x3 convolutions (W8A8StaticConv2d)
+# --------------------------------------------------------------------------------------------
+STATIC_CONVS = W8A8Config(dtype="fp8", activations="static", alpha=0.0, min_features=32, convs=True)
+# the tiny UNet's 3x3 convolutions under resnets / upsamplers: down 2 resnets x (conv1, conv2), up 2 resnets per block
+# x 2 blocks x 2, the up block's upsampler, the mid block's 2 resnets x 2 (conv_in / conv_out have 4 channels)
+N_RESNET_CONVS = 4 + 8 + 1 + 4
+
+
+def test_static_convs_config_checks():
+    with pytest.raises(ValueError, match="convs=True"):
+        W8A8Config(dtype="fp8", convs=True)  # dynamic activations
+    with pytest.raises(TypeError, match="convs"):
+        W8A8Config(dtype="fp8", activations="static", convs=1)
+    from sdfast.quantization.conv import conv_problem
+
+    assert conv_problem(nn.Conv2d(32, 16, 3, padding=1)) is None
+    assert "stride-1" in conv_problem(nn.Conv2d(32, 16, 3, stride=2, padding=1))
+    assert "stride-1" in conv_problem(nn.Conv2d(32, 16, 1))
+    assert "multiple of 32" in conv_problem(nn.Conv2d(48, 16, 3, padding=1))
+    assert "plain nn.Conv2d" in conv_problem(nn.Linear(32, 32))
+    with pytest.raises(ValueError, match="stride-1"):
+        W8A8StaticConv2d.from_conv(nn.Conv2d(32, 16, 3, stride=2, padding=1), input_amax=1.0)
+    with pytest.raises(ValueError, match="input_amax"):
+        W8A8StaticConv2d.from_conv(nn.Conv2d(32, 16, 3, padding=1), input_amax=float("inf"))
+
+
+def test_static_convs_end_to_end(unet):
+    """Calibrated static FP8 linears and 3x3 convolutions on the tiny UNet (the references on the CPU): the
+    ResNet and upsampler convolutions are converted (not conv_in / conv_out, not the downsampler's stride 2), the
+    output stays within a few percent of fp32, and dequantize_ gives every original layer back exactly."""
+    from sdfast.quantization import W8A8StaticConv2d
+
+    u = copy.deepcopy(unet)
+    inp = _inputs()
+    ref = _run(u, inp)
+    n = quantize_(u, STATIC_CONVS, calibration=_calibration(u), keep_original=True)
+    convs = {name: m for name, m in u.named_modules() if isinstance(m, W8A8StaticConv2d)}
+    assert len(convs) == N_RESNET_CONVS and n == N_TRANSFORMER_LINEARS + N_RESNET_CONVS
+    assert all(("resnets" in name or "upsamplers" in name) for name in convs)
+    assert type(u.conv_in) is nn.Conv2d and type(u.down_blocks[0].downsamplers[0].conv) is nn.Conv2d
+    assert all(m.input_amax > 0 and m.w_scale.shape == (m.out_channels,) for m in convs.values())
+    out = _run(u, inp)
+    assert torch.isfinite(out).all() and _rel(out, ref) < 0.12  # linears alone: < 0.06; E4M3 keeps 3 mantissa bits
+    assert dequantize_(u) == n
+    torch.testing.assert_close(_run(u, inp), ref, rtol=0, atol=0)  # the kept originals: exactly stock
+
+
+def test_static_conv_module_matches_its_definition(monkeypatch):
+    """One W8A8StaticConv2d: the FP8 path is the convolution of the quantized input and weight (saturating beyond
+    the calibrated range), cuDNN's candidate is the original convolution, the kernel policy's pin picks either,
+    .half() keeps the fp32 scales, and state_dict carries the calibrated range."""
+    from kernels import select
+    from kernels.gemm.fp8_static import quantize_static_ref
+    from sdfast.quantization import W8A8StaticConv2d
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(64, 32, 3, padding=1)
+    m = W8A8StaticConv2d.from_conv(conv, input_amax=3.0)
+    x = torch.randn(2, 64, 5, 6).clamp(-5, 5)
+    with torch.no_grad():
+        y = m(x)
+        q = quantize_static_ref(x.permute(0, 2, 3, 1).reshape(-1, 64), m.input_scale_inv).float() * m.input_scale
+        want = nn.functional.conv2d(q.view(2, 5, 6, 64).permute(0, 3, 1, 2), m.dequantized_weight(), conv.bias, 1, 1)
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4)
+        assert y.is_contiguous(memory_format=torch.channels_last)
+        assert _rel(y, conv(x.clamp(-3, 3))) < 0.06
+        with select.pinned({"fp8_conv3x3": "cudnn"}):
+            torch.testing.assert_close(m(x), conv(x), rtol=1e-5, atol=1e-5)
+    m.half()
+    assert m.input_scale_inv.dtype == torch.float32 and m.w_scale.dtype == torch.float32
+    assert m.qweight.dtype == torch.uint8 and m.weight.dtype == torch.float16
+    other = W8A8StaticConv2d.from_conv(conv, input_amax=1.0).half()
+    other.load_state_dict(m.state_dict())
+    assert other.input_amax == 3.0 and torch.equal(other.input_scale, m.input_scale)
+    assert m.to_conv().weight.dtype == torch.float16 and "input_amax=3" in repr(m)
+
+
+def test_conv_calibration_counts_channels():
+    """A convolution's statistics are per input channel over every pixel."""
+    conv = nn.Conv2d(8, 8, 3, padding=1)
+    x = torch.zeros(1, 8, 4, 4)
+    x[0, 3, 2, 1] = -7.0
+    stats = collect_linear_stats({"c": conv}, lambda: conv(x))
+    assert stats["c"].absmax.shape == (8,) and stats["c"].n_tokens == 16
+    assert stats["c"].absmax[3] == 7.0 and stats["c"].absmax.sum() == 7.0

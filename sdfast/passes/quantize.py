@@ -1,4 +1,5 @@
-"""Quantization pass: swap the UNet's ``nn.Linear`` layers for quantized ones, and back.
+"""Quantization pass: swap the UNet's ``nn.Linear`` layers (and, for static FP8, its 3x3 convolutions) for quantized
+ones, and back.
 
     from sdfast.passes.quantize import quantize_, dequantize_, W8A8Config, W4A16Config, Int8OutlierConfig
 
@@ -20,8 +21,10 @@ outlier columns per call; AWQ and GPTQ require calibration.
 
 Default targets (:func:`default_filter`): the UNet transformer blocks' linears (attention
 ``to_q/to_k/to_v/to_out``, feed-forward ``ff``) and ``proj_in`` / ``proj_out`` where they are linear.
-The VAE and the text encoder have none of these names, so they stay in their dtype unless a
-``filter_fn`` selects them. Layers with ``min(in_features, out_features) < config.min_features`` are
+With ``W8A8Config(activations="static", convs=True)`` the
+ResNet blocks' and upsamplers' 3x3 convolutions (``resnets``, ``upsamplers``) are targets too
+(:class:`~sdfast.quantization.conv.W8A8StaticConv2d`). The VAE and the text encoder have none of these names
+under the UNet, so they stay in their dtype unless a ``filter_fn`` selects them. Layers with ``min(in_features, out_features) < config.min_features`` are
 skipped and counted (``QuantizeStats.skipped_shape``): they are too small for an 8/4-bit kernel to pay.
 """
 
@@ -38,6 +41,7 @@ from torch import nn
 from kernels.gemm.w8a8 import check_fp8_supported
 from sdfast.passes.attention.qkv import FUSED_PROJECTIONS
 from sdfast.quantization.calibration import collect_linear_stats
+from sdfast.quantization.conv import W8A8StaticConv2d, conv_problem
 from sdfast.quantization.modules import Int8OutlierLinear, QuantizedLinear, W4A16Linear, W8A8Linear, W8A8StaticLinear
 from sdfast.quantization.registry import Calibration, handler_for, register_quantize_module_handler
 
@@ -74,6 +78,10 @@ class W8A8Config:
         (:class:`~sdfast.quantization.modules.W8A8StaticLinear`); Q/K/V share one quantize pass when
         ``alpha == 0``. Speed: pays on SDXL's large linears, not on SD1.5's (the README's figures). Numerics:
         inputs beyond the calibrated range saturate.
+    convs: "static" only: the UNet's 3x3 convolutions too (ResNet blocks, upsamplers), as FP8 implicit GEMMs
+        with per-output-channel weight scales (:class:`~sdfast.quantization.conv.W8A8StaticConv2d`); each
+        shape runs the faster of that and cuDNN on the kept 16-bit weight (measured). Memory: the 16-bit
+        weight stays beside the FP8 one.
     fast_accum: "static" only: cuBLASLt's fast FP8 accumulation (no periodic fp32 promotion). Speed: faster
         GEMMs (the README's figures). Numerics: the relative error against the fp32 product of the
         unquantized operands is unchanged (0.037, the E4M3 quantization); the largest error against the fp32
@@ -89,6 +97,7 @@ class W8A8Config:
     min_features: int = 320
     activations: str = "dynamic"
     fast_accum: bool = True
+    convs: bool = False
 
     def __post_init__(self):
         _check_ints(self, min_features=1)
@@ -101,6 +110,11 @@ class W8A8Config:
                              "dtype='fp8' and group_size=None")
         if not isinstance(self.fast_accum, bool):
             raise TypeError(f"W8A8Config: fast_accum must be True or False, got {self.fast_accum!r}")
+        if not isinstance(self.convs, bool):
+            raise TypeError(f"W8A8Config: convs must be True or False, got {self.convs!r}")
+        if self.convs and self.activations != "static":
+            raise ValueError("W8A8Config: convs=True quantizes convolutions with static FP8 activations: it needs "
+                             "dtype='fp8' and activations='static'")
         if not 0.0 <= self.alpha <= 1.0:
             raise ValueError(f"W8A8Config: alpha must be in [0, 1], got {self.alpha}")
         if self.group_size is not None and (self.group_size <= 0 or self.group_size % 32):
@@ -205,16 +219,21 @@ class QuantizeStats(int):
 # targets
 # --------------------------------------------------------------------------------------------
 _UNET_LINEAR_SUFFIXES = ("proj_in", "proj_out")
+_UNET_CONV_PARENTS = ("resnets", "upsamplers")
 
 
 def default_filter(module: nn.Module, name: str) -> bool:
     """The UNet's transformer linears: anything under ``transformer_blocks`` (attn1/attn2 ``to_q/k/v/out``,
-    ``ff``) and linear ``proj_in`` / ``proj_out``. VAE attention (``mid_block.attentions.0.to_q``) and
+    ``ff``) and linear ``proj_in`` / ``proj_out``; and its convolutions under ``resnets`` / ``upsamplers`` (a
+    target only for a method that converts convolutions, and only where its shape rule takes them: W8A8's
+    static FP8 with ``convs=True`` takes the 3x3 ones). VAE attention (``mid_block.attentions.0.to_q``) and
     CLIP layers (``q_proj``, ``fc1``) do not match."""
-    if not isinstance(module, nn.Linear):
-        return False
     parts = name.split(".")
     if any(p in ("vae", "text_encoder", "text_encoder_2") for p in parts):
+        return False
+    if isinstance(module, nn.Conv2d):
+        return any(p in _UNET_CONV_PARENTS for p in parts)
+    if not isinstance(module, nn.Linear):
         return False
     return "transformer_blocks" in parts or parts[-1] in _UNET_LINEAR_SUFFIXES
 
@@ -264,9 +283,18 @@ def _w8a8_calibration(config: W8A8Config) -> Calibration:
     return Calibration(collect=config.alpha != 0)  # SmoothQuant's smoothing needs the input ranges
 
 
-def _w8a8_eligible(config: W8A8Config, lin: nn.Linear) -> bool:
-    return min(lin.in_features, lin.out_features) >= config.min_features and not (
-        _static(config) and (lin.in_features % 16 or lin.out_features % 16))  # cuBLASLt FP8: K and N multiples of 16
+def _w8a8_eligible(config: W8A8Config, m: nn.Module) -> bool:
+    if isinstance(m, nn.Conv2d):
+        return conv_problem(m) is None and min(m.in_channels, m.out_channels) >= config.min_features
+    return min(m.in_features, m.out_features) >= config.min_features and not (
+        _static(config) and (m.in_features % 16 or m.out_features % 16))  # cuBLASLt FP8: K and N multiples of 16
+
+
+def _w8a8_shape_rule(config: W8A8Config) -> str:
+    if not _static(config):
+        return ""
+    return ", or not a multiple of 16 as FP8 GEMMs need" + (
+        "; convolutions other than 3x3 stride-1 ones, or with in_channels not a multiple of 32" if config.convs else "")
 
 
 def _w8a8_validate(config: W8A8Config, targets: dict, stats: dict | None) -> None:
@@ -280,9 +308,11 @@ def _w8a8_validate(config: W8A8Config, targets: dict, stats: dict | None) -> Non
 
 
 @register_quantize_module_handler(W8A8Config, calibration=_w8a8_calibration, eligible=_w8a8_eligible,
-                                  shape_rule=lambda c: ", or not a multiple of 16 as FP8 GEMMs need" if _static(c) else "",
-                                  validate=_w8a8_validate)
-def _w8a8(lin: nn.Linear, config: W8A8Config, st) -> nn.Module:
+                                  shape_rule=_w8a8_shape_rule, validate=_w8a8_validate,
+                                  module_types=lambda c: (nn.Linear, nn.Conv2d) if c.convs else (nn.Linear,))
+def _w8a8(lin: nn.Module, config: W8A8Config, st) -> nn.Module:
+    if isinstance(lin, nn.Conv2d):
+        return W8A8StaticConv2d.from_conv(lin, input_amax=max(float(st.absmax.max()), 1e-12))
     if _static(config):
         return W8A8StaticLinear.from_linear(lin, act_absmax=st.absmax, alpha=config.alpha, fast_accum=config.fast_accum)
     return W8A8Linear.from_linear(lin, act_absmax=None if st is None else st.absmax, alpha=config.alpha,
@@ -319,14 +349,16 @@ def quantize_(
     calibration: Callable[[], Any] | None = None,
     keep_original: bool = False,
 ) -> QuantizeStats:
-    """Replace the targeted ``nn.Linear`` layers of ``module`` (in place) by quantized modules.
+    """Replace the targeted ``nn.Linear`` layers of ``module`` (and ``nn.Conv2d`` ones, for a method that converts
+    them) in place by quantized modules.
 
     module: an ``nn.Module`` (e.g. ``pipe.unet``) or a pipeline with ``.unet``.
     config: a config with a registered handler (``sdfast.quantization.registry``): :class:`W8A8Config`,
         :class:`W4A16Config`, :class:`Int8OutlierConfig`, or one registered with
         ``register_quantize_module_handler``.
     filter_fn: ``(module, name) -> bool`` choosing layers (default :func:`default_filter`); only exact
-        ``nn.Linear`` instances are converted, already-quantized layers are skipped and counted.
+        ``nn.Linear`` (and, where the method takes them, ``nn.Conv2d``) instances are converted, already-quantized
+        layers are skipped and counted.
     calibration: callable that runs the model once; pre-hooks collect the statistics the method needs.
     keep_original: keep a CPU copy of each original weight so :func:`dequantize_` restores it exactly
         (otherwise it restores the dequantized weight).
@@ -339,18 +371,20 @@ def quantize_(
     root = _root(module)
     handler = handler_for(config, "quantize_")
     filter_fn = filter_fn or default_filter
-    targets: dict[str, nn.Linear] = {}
+    targets: dict[str, nn.Module] = {}
     skipped_shape = skipped_already = 0
     widest_skipped = 0  # the largest min(in, out) among the layers skipped for their shape
+    types = handler.module_types(config)
     for name, m in root.named_modules():
-        if isinstance(m, QuantizedLinear):
+        if isinstance(m, _QUANTIZED):
             skipped_already += 1
             continue
-        if type(m) is not nn.Linear or name.endswith(FUSED_PROJECTIONS) or not filter_fn(m, name):
+        if type(m) not in types or name.endswith(FUSED_PROJECTIONS) or not filter_fn(m, name):
             continue
         if not handler.eligible(config, m):
             skipped_shape += 1
-            widest_skipped = max(widest_skipped, min(m.in_features, m.out_features))
+            if type(m) is nn.Linear:
+                widest_skipped = max(widest_skipped, min(m.in_features, m.out_features))
             continue
         targets[name] = m
     if not targets:
@@ -375,7 +409,7 @@ def quantize_(
     for name, lin in targets.items():
         with torch.no_grad():
             q = handler.convert(lin, config, stats.get(name))
-        if keep_original:
+        if keep_original and isinstance(q, QuantizedLinear):  # a quantized conv keeps its original weight anyway
             q.keep_original(lin)
         before += lin.weight.numel() * lin.weight.element_size()
         after += q.weight_nbytes()
@@ -404,13 +438,18 @@ def _warn_nothing_quantized(config, handler, skipped_shape: int, skipped_already
                   + ("; calibration was not run" if calibration else ""), NothingQuantizedWarning, stacklevel=3)
 
 
+_QUANTIZED = (QuantizedLinear, W8A8StaticConv2d)
+
+
 def dequantize_(module: nn.Module, *, filter_fn: FilterFn | None = None) -> int:
     """Undo :func:`quantize_`: replace every :class:`QuantizedLinear` (passing ``filter_fn`` when given)
-    by an ``nn.Linear`` (the kept original weight, else the dequantized one). Returns how many."""
+    by an ``nn.Linear`` (the kept original weight, else the dequantized one), and every quantized convolution by
+    its original ``nn.Conv2d``. Returns how many."""
     root = _root(module)
-    names = [n for n, m in root.named_modules() if isinstance(m, QuantizedLinear) and (filter_fn is None or filter_fn(m, n))]
+    names = [n for n, m in root.named_modules() if isinstance(m, _QUANTIZED) and (filter_fn is None or filter_fn(m, n))]
     for n in names:
-        _set_submodule(root, n, root.get_submodule(n).to_linear())
+        m = root.get_submodule(n)
+        _set_submodule(root, n, m.to_conv() if isinstance(m, W8A8StaticConv2d) else m.to_linear())
     return len(names)
 
 

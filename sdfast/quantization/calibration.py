@@ -1,4 +1,5 @@
-"""Activation statistics of nn.Linear inputs, collected with forward pre-hooks during a calibration run.
+"""Activation statistics of nn.Linear (and nn.Conv2d) inputs, collected with forward pre-hooks during a calibration
+run.
 
 ``collect_linear_stats(linears, calibration)`` hooks every given ``nn.Linear``, calls
 ``calibration()`` once (e.g. ``lambda: pipe("a photo of a cat", num_inference_steps=2)``) under
@@ -10,7 +11,8 @@ layer with what the quantizers need:
 * ``xtx`` (K, K): sum over tokens of ``x^T x`` (GPTQ's Hessian is ``2 * xtx / n_tokens``), when ``hessian=True``
 * ``samples`` (S, K): up to ``n_samples`` input rows drawn uniformly over all calls (AWQ's scale search)
 
-All statistics are fp32 on the layer's device. Memory: ``xtx`` is K² fp32 per layer (100 MiB at
+All statistics are fp32 on the layer's device. A convolution's input (N, C, H, W) counts each pixel as a token of
+its C channels (K = in_channels). Memory: ``xtx`` is K² fp32 per layer (100 MiB at
 K = 5120), so GPTQ calibration of a whole SDXL UNet holds several GiB on the GPU.
 """
 
@@ -84,7 +86,7 @@ def collect_linear_stats(
 ) -> dict[str, LinearStats]:
     """Run ``calibration()`` once with pre-hooks on ``linears`` and return their input statistics.
 
-    linears: name -> module (any module whose first forward argument is the (..., K) input).
+    linears: name -> module (any module whose first forward argument is the (..., K) input, or an ``nn.Conv2d``).
     hessian: also accumulate ``x^T x`` (K, K) (GPTQ). n_samples: keep that many input rows (AWQ).
     Raises RuntimeError when no hooked layer ran during ``calibration()``.
     """
@@ -95,6 +97,8 @@ def collect_linear_stats(
     def make_hook(name: str):
         def hook(module: nn.Module, args: tuple) -> None:
             x = args[0]
+            if isinstance(module, nn.Conv2d):  # (N, C, H, W): the channels are the features
+                x = x.movedim(1, -1)
             st = stats.get(name)
             if st is None:
                 K = x.shape[-1]

@@ -56,6 +56,8 @@ class Handler:
     eligible(config, linear) -> whether a targeted layer's shape suits the method (default: both feature counts
         >= ``config.min_features``); the others are counted as skipped for their shape.
     shape_rule(config) -> words added to the "skipped for their shape" warning ("" for none).
+    module_types(config) -> the exact module classes the method converts (default ``(nn.Linear,)``; e.g. W8A8's
+        static FP8 adds ``nn.Conv2d`` with ``convs=True``); ``convert`` and ``eligible`` get modules of these.
     validate(config, targets, stats): raises before anything is replaced; called with ``stats=None`` before the
         calibration runs and with the statistics after it.
     """
@@ -67,6 +69,7 @@ class Handler:
     eligible: Callable[[Any, nn.Linear], bool] = _min_features
     shape_rule: Callable[[Any], str] = field(default=lambda config: "")
     validate: Callable[[Any, dict, dict | None], None] = _nothing
+    module_types: Callable[[Any], tuple] = field(default=lambda config: (nn.Linear,))
 
 
 _HANDLERS: dict[type, Handler] = {}
@@ -85,11 +88,11 @@ def _register(entry: str, config_type: type, **hooks) -> Callable:
 
 
 def register_quantize_module_handler(config_type: type, *, calibration=None, eligible=None, shape_rule=None,
-                                     validate=None) -> Callable:
+                                     validate=None, module_types=None) -> Callable:
     """Decorator: the decorated ``convert(linear, config, stats) -> nn.Module`` is how ``quantize_`` applies
     ``config_type`` (the keyword hooks are :class:`Handler`'s). Registering a type again replaces its handler."""
     return _register("quantize_", config_type, calibration=calibration, eligible=eligible, shape_rule=shape_rule,
-                     validate=validate)
+                     validate=validate, module_types=module_types)
 
 
 def register_sparsify_module_handler(config_type: type, *, calibration=None, eligible=None, validate=None) -> Callable:
