@@ -20,7 +20,7 @@ POLICY_FIELDS = {
     "group_norm": ("group_norm", ("cluster", "triton"), "SDFAST_GN_CLUSTER", "triton"),
     "linear": ("linear", ("cublas",), "SDFAST_LINEAR_TMA", "cublas"),
     "geglu": ("geglu", ("cublas",), "SDFAST_GEGLU_TMA", "cublas"),
-    "fp8_conv3x3": ("fp8_conv3x3", ("fp8", "cudnn"), "SDFAST_FP8_CONV", "cudnn"),
+    "fp8_conv3x3": ("fp8_conv3x3", ("fp8", "fp8_tma", "cudnn"), "SDFAST_FP8_CONV", "cudnn"),
 }
 
 
@@ -36,8 +36,8 @@ class KernelPolicy:
         run) or "triton".
     linear: the small-K linears (``OptimizeConfig.tma_linear``): "auto" or "cublas" (never the TMA GEMM).
     geglu: GEGLU's projection: "auto" or "cublas" (cuBLAS then the GEGLU kernel; never the TMA GEMM).
-    fp8_conv3x3: the 3x3 convolutions quantized by ``W8A8Config(convs=True)``: "auto", "fp8" (the FP8 implicit GEMM)
-        or "cudnn" (cuDNN on the kept 16-bit weight).
+    fp8_conv3x3: the 3x3 convolutions quantized by ``W8A8Config(convs=True)``: "auto", "fp8" / "fp8_tma" (the FP8
+        implicit GEMM's pointer or TMA kernel) or "cudnn" (cuDNN on the kept 16-bit weight).
     cusparselt_search: 2:4 sparse linears run cuSPARSELt's algorithm search for each shape (slower to start).
 
     Environment (read by :meth:`from_env` only): ``SDFAST_ATTENTION_BACKEND`` (a backend or "auto"),

@@ -7,8 +7,9 @@ of ``benchmarks.sd_shapes.SD_CONV3X3_SHAPES`` (fp16, batch 2, channels_last, no 
 run them): cuDNN (``F.conv2d``), cuDNN after ``torch.backends.cudnn.benchmark`` picked its fastest engine, im2col +
 cuBLAS (``kernels.conv.conv3x3.gemm_conv3x3``), what ``kernels.conv.conv3x3``'s measured choice picks (from
 ``kernels.select.decisions()``), and on sm_89+ the FP8 path of ``W8A8Config(convs=True)``
-(``sdfast.quantization.W8A8StaticConv2d``: the implicit-GEMM kernel ``kernels.conv.fp8_conv3x3`` alone, with its
-autotuned tile, and with the input's quantize pass before it, its relative error against the fp32 convolution of
+(``sdfast.quantization.W8A8StaticConv2d``: the implicit-GEMM kernels of ``kernels.conv.fp8_conv3x3`` alone, the
+pointer kernel and the TMA kernel with their autotuned tiles, the TMA kernel again with fp32-promoted accumulation;
+the faster kernel with the input's quantize pass before it, its relative error against the fp32 convolution of
 the unquantized operands), each timed in a CUDA graph (``triton.testing.do_bench_cudagraph``, median) and
 checked against the fp32 ``F.conv2d`` (max abs error, cuDNN's beside it). Writes ``DIR/conv.json`` (with the GPU,
 versions and date) and ``DIR/conv.md``; prints one line per shape.
@@ -65,7 +66,9 @@ def sweep_rows(models=("sd15", "sdxl")) -> list[dict]:
             row.update(_fp8_row(x, wt, ref))
         rows.append(row)
         fp8 = (f", FP8 {row['fp8_us']:.1f} us ({gflop / row['fp8_us'] * 1e3:.0f} TFLOP/s, {row['fp8_tile']}), "
-               f"with quantize {row['fp8_quant_us']:.1f}, rel err {row['fp8_err']:.3f}") if "fp8_us" in row else ""
+               f"FP8 TMA {row['fp8_tma_us']:.1f} us ({gflop / row['fp8_tma_us'] * 1e3:.0f} TFLOP/s, "
+               f"{row['fp8_tma_tile']}), promoted {row['fp8_tma_promoted_us']:.1f}, "
+               f"faster + quantize {row['fp8_quant_us']:.1f}, rel err {row['fp8_err']:.3f}") if "fp8_us" in row else ""
         print(f"{model} {cin}->{cout} {h}x{w} x{count}: cuDNN {row['cudnn_us']:.1f} us "
               f"({gflop / row['cudnn_us'] * 1e3:.0f} TFLOP/s), cuDNN benchmark {row['cudnn_benchmark_us']:.1f}, "
               f"im2col+cuBLAS {row['gemm_us']:.1f} (err {row['gemm_err']:.2e}), choice {row['measured_choice']}, "
@@ -88,21 +91,35 @@ def _fp8_row(x, wt, ref) -> dict:
     n, c, h, w = x.shape
     with torch.no_grad():
         xq = (x.float() * m.input_scale_inv).clamp(-448, 448).to(torch.float8_e4m3fn).permute(0, 2, 3, 1).contiguous()
-        kernel = lambda: fc.fp8_conv3x3(xq, m.weight_q, m.input_scale, m.w_scale, None)  # noqa: E731
-        kernel()
-        best = fc._tuned(x.device.index or 0).best_config
-        y = m.fp8_forward(x).float()
-        return {"fp8_us": _time(kernel), "fp8_quant_us": _time(lambda: m.fp8_forward(x)),
-                "fp8_err": float((y - ref).norm() / ref.norm()),
-                "fp8_tile": f"{best.kwargs['BLOCK_M']}x{best.kwargs['BLOCK_N']}x{best.kwargs['BLOCK_K']} "
-                            f"s{best.num_stages} w{best.num_warps}"}
+        def kernel(tma, fast=True):
+            return lambda: fc.fp8_conv3x3(xq, m.weight_q, m.input_scale, m.w_scale, None, tma=tma, fast_accum=fast)
+
+        def tile(tuner) -> str:
+            best = tuner.best_config
+            return (f"{best.kwargs['BLOCK_M']}x{best.kwargs['BLOCK_N']}x{best.kwargs['BLOCK_K']} "
+                    f"s{best.num_stages} w{best.num_warps}")
+
+        row = {}
+        kernel(False)()
+        row["fp8_us"], row["fp8_tile"] = _time(kernel(False)), tile(fc._tuned(x.device.index or 0))
+        kernel(True)()
+        row["fp8_tma_us"], row["fp8_tma_tile"] = _time(kernel(True)), tile(fc._tuned_tma(x.device.index or 0))
+        kernel(True, False)()
+        row["fp8_tma_promoted_us"] = _time(kernel(True, False))
+        tma = row["fp8_tma_us"] < row["fp8_us"]
+        y = m.fp8_forward(x, tma=tma).float()
+        row["fp8_quant_us"] = _time(lambda: m.fp8_forward(x, tma=tma))
+        row["fp8_err"] = float((y - ref).norm() / ref.norm())
+        return row
 
 
 def markdown(rows: list[dict]) -> str:
     fp8 = any("fp8_us" in r for r in rows)
     out = ["| model | Cin | Cout | H×W | per step | cuDNN µs | TFLOP/s | cuDNN benchmark µs | im2col + cuBLAS µs | choice |"
-           + (" FP8 kernel µs | TFLOP/s | tile | FP8 + quantize µs | FP8 rel err |" if fp8 else ""),
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- | --- | --- | --- | --- |" if fp8 else "")]
+           + (" FP8 µs | tile | FP8 TMA µs | TFLOP/s | tile | TMA promoted µs | faster FP8 + quantize µs | FP8 rel err |"
+              if fp8 else ""),
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+           + (" --- | --- | --- | --- | --- | --- | --- | --- |" if fp8 else "")]
     saved_gemm, cudnn_sum, fp8_sum = {}, {}, {}
     for r in rows:
         saved_gemm[r["model"]] = saved_gemm.get(r["model"], 0.0) + r["count"] * max(0.0, r["cudnn_us"] - r["gemm_us"])
@@ -112,7 +129,8 @@ def markdown(rows: list[dict]) -> str:
         if "fp8_us" in r:
             cudnn_sum[r["model"]] = cudnn_sum.get(r["model"], 0.0) + r["count"] * r["cudnn_us"]
             fp8_sum[r["model"]] = fp8_sum.get(r["model"], 0.0) + r["count"] * min(r["cudnn_us"], r["fp8_quant_us"])
-            line += (f" {r['fp8_us']:.1f} | {r['gflop'] / r['fp8_us'] * 1e3:.0f} | {r['fp8_tile']} | "
+            line += (f" {r['fp8_us']:.1f} | {r['fp8_tile']} | {r['fp8_tma_us']:.1f} | "
+                     f"{r['gflop'] / r['fp8_tma_us'] * 1e3:.0f} | {r['fp8_tma_tile']} | {r['fp8_tma_promoted_us']:.1f} | "
                      f"{r['fp8_quant_us']:.1f} | {r['fp8_err']:.3f} |")
         out.append(line)
     out.append("")

@@ -11,6 +11,20 @@ accumulator is fp32; the epilogue applies the per-tensor activation scale, the p
 the bias, and writes the (M, Cout) output rows: the channels_last (N, Cout, H, W) result. No im2col matrix is
 written (the 9x patch matrix of ``kernels.conv.im2col`` would cost more memory traffic than FP8 saves).
 
+Two kernels compute it:
+
+* the pointer kernel (``tma=False``): each K tile's rows are loaded with computed addresses and masks, the
+  output pixels taken in flat order (``BLOCK_M`` consecutive pixels);
+* the TMA kernel (``tma=True``, sm_90): the output tile is ``BLOCK_M / BW`` rows of ``BW`` pixels of one image, and
+  each tap's input tile is one 4-D TMA box of the (N, H, W, Cin) tensor at (n, h0 + dy, w0 + dx, c0), whose parts
+  outside the image the copy engine fills with zeros (negative coordinates included): the padding costs no
+  instruction; the weight tile is a 2-D box of (Cout, 9*Cin).
+
+Accumulation (``fast_accum``): Hopper's FP8 tensor-core accumulation keeps fewer bits than fp32 (DeepSeek-V3's
+report measured about 14 on H800s); with ``fast_accum=False`` each K tile's products are promoted into the fp32
+accumulator (Triton's ``max_num_imprecise_acc = BLOCK_K``, DeepSeek-V3's promotion interval), as cuBLASLt's
+non-fast FP8 mode does; ``True`` keeps the hardware's accumulation (the static FP8 linears' default too).
+
 Method: the implicit-GEMM formulation of convolution (Chetlur et al., "cuDNN: Efficient Primitives for Deep
 Learning", 2014; CUTLASS's ``Conv2dFprop`` implicit GEMM), on FP8 E4M3 operands (Micikevicius et al., 2022) with
 static scales (SmoothQuant's per-tensor static activations, per-channel weights). Triton lowers ``tl.dot`` on FP8
@@ -28,6 +42,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels.dispatch import interpret_mode, launch_autotuned, use_triton
 from kernels.gemm._common import autotune_bench, device_index, grouped_tile, smem_limit
@@ -67,6 +83,7 @@ def _fp8_conv3x3_kernel(
     CIN,
     COUT,
     HAS_BIAS: tl.constexpr,
+    FAST_ACC: tl.constexpr,  # the tensor cores' FP8 accumulation as it is; else promoted to fp32 every K tile
     K_TILES: tl.constexpr,  # > 0: the K-loop trip count 9*CIN/BLOCK_K as a constexpr (interpreter); 0: at run time
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -97,7 +114,10 @@ def _fp8_conv3x3_kernel(
         pix = (offs_m + dy * W + dx).to(tl.int64)  # the input pixel of this tap in the same image, where valid
         a = tl.load(x_ptr + pix[:, None] * CIN + (c0 + rk)[None, :], mask=valid[:, None], other=0.0)
         b = tl.load(b_ptrs)
-        acc = tl.dot(a, b, acc)
+        if FAST_ACC:
+            acc = tl.dot(a, b, acc)
+        else:
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         b_ptrs += BLOCK_K
     scale = tl.load(a_scale_ptr) * tl.load(w_scale_ptr + rn)
     y = acc * scale[None, :]
@@ -105,6 +125,62 @@ def _fp8_conv3x3_kernel(
         y += tl.load(bias_ptr + rn).to(tl.float32)[None, :]
     mask = in_m[:, None] & (offs_n[None, :] < COUT)
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * COUT + offs_n[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fp8_conv3x3_tma_kernel(
+    x_desc,  # (NB, H, W, CIN) fp8, box (1, BLOCK_M // BW, BW, BLOCK_K)
+    w_desc,  # (COUT, 9*CIN) fp8, box (BLOCK_N, BLOCK_K)
+    a_scale_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    out_ptr,  # (NB*H*W, COUT) rows of the output (NHWC)
+    NB,
+    H,
+    W,
+    CIN,
+    COUT,
+    HAS_BIAS: tl.constexpr,
+    FAST_ACC: tl.constexpr,
+    K_TILES: tl.constexpr,  # as in the pointer kernel
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BW: tl.constexpr,  # output pixels per tile row (a power of two <= BLOCK_M)
+    GROUP_M: tl.constexpr,
+):
+    BH: tl.constexpr = BLOCK_M // BW
+    tiles_w = tl.cdiv(W, BW)
+    tiles_hw = tl.cdiv(H, BH) * tiles_w
+    pid_m, pid_n = grouped_tile(tl.program_id(0), NB * tiles_hw * BLOCK_M, COUT, BLOCK_M, BLOCK_N, GROUP_M)
+    n = pid_m // tiles_hw
+    r = pid_m - n * tiles_hw
+    h0 = (r // tiles_w) * BH
+    w0 = (r % tiles_w) * BW
+    off_n = pid_n * BLOCK_N
+    c_tiles = CIN // BLOCK_K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kt in range(0, K_TILES if K_TILES > 0 else 9 * c_tiles):
+        tap = kt // c_tiles
+        c0 = (kt - tap * c_tiles) * BLOCK_K
+        a = x_desc.load([n, h0 + tap // 3 - 1, w0 + tap % 3 - 1, c0]).reshape(BLOCK_M, BLOCK_K)
+        b = w_desc.load([off_n, tap * CIN + c0])
+        if FAST_ACC:
+            acc = tl.dot(a, b.T, acc)
+        else:
+            acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
+    rn = off_n + tl.arange(0, BLOCK_N)
+    in_n = rn < COUT
+    i = tl.arange(0, BLOCK_M)
+    hh = h0 + i // BW
+    ww = w0 + i % BW
+    rows = (n * H + hh).to(tl.int64) * W + ww
+    scale = tl.load(a_scale_ptr) * tl.load(w_scale_ptr + rn, mask=in_n, other=0.0)
+    y = acc * scale[None, :]
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rn, mask=in_n, other=0.0).to(tl.float32)[None, :]
+    mask = ((hh < H) & (ww < W))[:, None] & in_n[None, :]
+    tl.store(out_ptr + rows[:, None] * COUT + rn[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,9 +218,47 @@ def _prune(configs, named_args, **kwargs):
 
 @functools.lru_cache(maxsize=None)
 def _tuned(device_idx: int):
-    return triton.autotune(configs=gpu_configs(device_idx), key=["M", "H", "W", "CIN", "COUT", "HAS_BIAS"],
+    return triton.autotune(configs=gpu_configs(device_idx), key=["M", "H", "W", "CIN", "COUT", "HAS_BIAS", "FAST_ACC"],
                            prune_configs_by={"early_config_prune": _prune}, do_bench=autotune_bench,
                            cache_results=True)(_fp8_conv3x3_kernel)
+
+
+def tile_width(w: int, block_m: int) -> int:
+    """The TMA kernel's ``BW``: output pixels per tile row, the smallest power of two >= the image width, at most
+    ``block_m``."""
+    return min(triton.next_power_of_2(w), block_m)
+
+
+def _set_boxes(nargs: dict) -> None:
+    """Autotuner pre-hook: the descriptors' boxes for this config (built before the config is known)."""
+    bm, bn, bk, bw = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"], nargs["BW"]
+    nargs["x_desc"].block_shape = [1, bm // bw, bw, bk]
+    nargs["w_desc"].block_shape = [bn, bk]
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) of the TMA kernel
+_TMA_CONFIGS = (
+    (128, 128, 128, 4, 8),
+    (128, 256, 128, 3, 8),
+    (128, 128, 128, 4, 4),
+    (64, 128, 128, 5, 4),
+    (128, 64, 128, 5, 4),
+    (256, 128, 128, 3, 8),
+    (128, 128, 64, 6, 8),
+    (64, 64, 128, 6, 4),
+)
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_tma(device_idx: int):
+    limit = smem_limit(device_idx)
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=nw, num_stages=st,
+                             pre_hook=_set_boxes)
+               for bm, bn, bk, st, nw in _TMA_CONFIGS if st * (bm + bn) * bk <= limit]
+    heuristics = triton.heuristics({"BW": lambda args: tile_width(args["W"], args["BLOCK_M"])})
+    return triton.autotune(configs=configs, key=["NB", "H", "W", "CIN", "COUT", "HAS_BIAS", "FAST_ACC"],
+                           prune_configs_by={"early_config_prune": _prune}, do_bench=autotune_bench,
+                           cache_results=True)(heuristics(_fp8_conv3x3_tma_kernel))
 
 
 def _interp_block_k(cin: int) -> int:
@@ -167,9 +281,22 @@ def problem(xq: torch.Tensor, wq: torch.Tensor) -> str | None:
     return None
 
 
+def tma_problem(xq: torch.Tensor, wq: torch.Tensor) -> str | None:
+    """Why the TMA kernel cannot take these operands (None when it can): :func:`problem`'s rules, an sm_90+ GPU (or
+    the interpreter), both operands starting on a 16-byte boundary."""
+    why = problem(xq, wq)
+    if why is not None:
+        return why
+    if xq.is_cuda and not interpret_mode() and torch.cuda.get_device_capability(xq.device)[0] < 9:
+        return "TMA needs sm_90 or newer"
+    if xq.data_ptr() % 16 or wq.data_ptr() % 16:
+        return "an operand does not start on a 16-byte boundary (TMA needs it)"
+    return None
+
+
 @torch.library.custom_op("sdfast::fp8_conv3x3", mutates_args=())
 def _fp8_conv3x3_op(xq: torch.Tensor, wq: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
-                    bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+                    bias: torch.Tensor | None, out_dtype: torch.dtype, fast_accum: bool, tma: bool) -> torch.Tensor:
     cout = wq.shape[0]
     if not use_triton("fp8_conv3x3", xq, wq, a_scale, w_scale, bias):
         return fp8_conv3x3_ref(xq, wq, a_scale, w_scale, bias, out_dtype)
@@ -182,38 +309,71 @@ def _fp8_conv3x3_op(xq: torch.Tensor, wq: torch.Tensor, a_scale: torch.Tensor, w
     xq, wq = xq.contiguous(), wq.contiguous()
     a_scale = a_scale.float()
     w_scale = w_scale.float().contiguous()
+    if tma:
+        _launch_tma(xq, wq, a_scale, w_scale, bias, out, fast_accum)
+        return out.permute(0, 3, 1, 2)
     args = (xq, wq, a_scale, w_scale, bias if bias is not None else out, out, m, h, w, cin, cout)
     if xq.is_cuda and not interpret_mode():
         def grid(meta):
             return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(cout, meta["BLOCK_N"]),)
 
-        launch_autotuned(_tuned(device_index(xq)), grid, *args, HAS_BIAS=bias is not None, K_TILES=0)
+        launch_autotuned(_tuned(device_index(xq)), grid, *args, HAS_BIAS=bias is not None, FAST_ACC=fast_accum,
+                         K_TILES=0)
     else:
         bk = _interp_block_k(cin)
         bm, bn = 32, 32
         grid = (triton.cdiv(m, bm) * triton.cdiv(cout, bn),)
-        _fp8_conv3x3_kernel[grid](*args, HAS_BIAS=bias is not None, K_TILES=9 * cin // bk, BLOCK_M=bm, BLOCK_N=bn,
-                                  BLOCK_K=bk, GROUP_M=4, num_warps=4, num_stages=1)
+        _fp8_conv3x3_kernel[grid](*args, HAS_BIAS=bias is not None, FAST_ACC=fast_accum, K_TILES=9 * cin // bk,
+                                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=4, num_warps=4, num_stages=1)
     return out.permute(0, 3, 1, 2)
 
 
+def _launch_tma(xq, wq, a_scale, w_scale, bias, out, fast_accum: bool) -> None:
+    nb, h, w, cin = xq.shape
+    cout = wq.shape[0]
+    w2d = wq.view(cout, 9 * cin)
+    bias_arg = bias if bias is not None else out
+    if xq.is_cuda and not interpret_mode():
+        x_desc = TensorDescriptor(xq, [nb, h, w, cin], list(xq.stride()), [1, 1, 8, 32])  # boxes set per config
+        w_desc = TensorDescriptor(w2d, [cout, 9 * cin], [9 * cin, 1], [16, 32])
+
+        def grid(meta):
+            bh = meta["BLOCK_M"] // meta["BW"]
+            return (nb * triton.cdiv(h, bh) * triton.cdiv(w, meta["BW"]) * triton.cdiv(cout, meta["BLOCK_N"]),)
+
+        launch_autotuned(_tuned_tma(device_index(xq)), grid, x_desc, w_desc, a_scale, w_scale, bias_arg, out, nb, h, w,
+                         cin, cout, HAS_BIAS=bias is not None, FAST_ACC=fast_accum, K_TILES=0)
+        return
+    bm, bn, bk = 32, 32, _interp_block_k(cin)
+    bw = tile_width(w, bm)
+    x_desc = TensorDescriptor(xq, [nb, h, w, cin], list(xq.stride()), [1, bm // bw, bw, bk])
+    w_desc = TensorDescriptor(w2d, [cout, 9 * cin], [9 * cin, 1], [bn, bk])
+    grid = (nb * triton.cdiv(h, bm // bw) * triton.cdiv(w, bw) * triton.cdiv(cout, bn),)
+    _fp8_conv3x3_tma_kernel[grid](x_desc, w_desc, a_scale, w_scale, bias_arg, out, nb, h, w, cin, cout,
+                                  HAS_BIAS=bias is not None, FAST_ACC=fast_accum, K_TILES=9 * cin // bk, BLOCK_M=bm,
+                                  BLOCK_N=bn, BLOCK_K=bk, BW=bw, GROUP_M=4, num_warps=4, num_stages=1)
+
+
 @_fp8_conv3x3_op.register_fake
-def _(xq, wq, a_scale, w_scale, bias, out_dtype):
+def _(xq, wq, a_scale, w_scale, bias, out_dtype, fast_accum, tma):
     nb, h, w, _ = xq.shape
     return xq.new_empty((nb, h, w, wq.shape[0]), dtype=out_dtype).permute(0, 3, 1, 2)
 
 
 def fp8_conv3x3(xq: torch.Tensor, wq: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
-                bias: torch.Tensor | None = None, *, out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+                bias: torch.Tensor | None = None, *, out_dtype: torch.dtype = torch.float16, fast_accum: bool = True,
+                tma: bool = False) -> torch.Tensor:
     """3x3, stride-1, padding-1 convolution of FP8 operands with static scales (see the module docstring).
 
     xq: (N, H, W, Cin) float8_e4m3fn activations (NHWC: the memory of a channels_last tensor); wq: (Cout, 3, 3, Cin)
     float8_e4m3fn weight (the memory of a channels_last (Cout, Cin, 3, 3) weight); a_scale: 0-dim fp32 (read by the
     kernel at run time: CUDA graphs see a new value); w_scale: (Cout,) fp32; bias: (Cout,) or None; out_dtype: fp16,
-    bf16 or fp32. Returns (N, Cout, H, W) ``out_dtype``, channels_last. On CPU tensors without the interpreter the
-    reference runs (logged once).
+    bf16 or fp32; fast_accum: see the module docstring; tma: the TMA kernel (:func:`tma_problem` says where it runs).
+    Returns (N, Cout, H, W) ``out_dtype``, channels_last. On CPU tensors without the interpreter the reference runs
+    (logged once).
 
-    Raises: ValueError (shapes: see :func:`problem`), TypeError (dtypes), NotImplementedError (a GPU below sm_89).
+    Raises: ValueError (shapes: see :func:`problem`), TypeError (dtypes), NotImplementedError (a GPU below sm_89),
+    RuntimeError (``tma=True`` where :func:`tma_problem` refuses).
     """
     why = problem(xq, wq)
     if why is not None:
@@ -226,7 +386,9 @@ def fp8_conv3x3(xq: torch.Tensor, wq: torch.Tensor, a_scale: torch.Tensor, w_sca
         raise ValueError(f"fp8_conv3x3: bias must be ({cout},), got {tuple(bias.shape)}")
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"fp8_conv3x3: out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
-    return _fp8_conv3x3_op(xq, wq, a_scale, w_scale, bias, out_dtype)
+    if tma and (why := tma_problem(xq, wq)) is not None:
+        raise RuntimeError(f"fp8_conv3x3(tma=True): {why}")
+    return _fp8_conv3x3_op(xq, wq, a_scale, w_scale, bias, out_dtype, bool(fast_accum), bool(tma))
 
 
-__all__ = ["fp8_conv3x3", "fp8_conv3x3_ref", "problem", "gpu_configs"]
+__all__ = ["fp8_conv3x3", "fp8_conv3x3_ref", "problem", "tma_problem", "gpu_configs", "tile_width"]

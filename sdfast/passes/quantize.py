@@ -82,7 +82,8 @@ class W8A8Config:
         with per-output-channel weight scales (:class:`~sdfast.quantization.conv.W8A8StaticConv2d`); each
         shape runs the faster of that and cuDNN on the kept 16-bit weight (measured). Memory: the 16-bit
         weight stays beside the FP8 one.
-    fast_accum: "static" only: cuBLASLt's fast FP8 accumulation (no periodic fp32 promotion). Speed: faster
+    fast_accum: "static" only: cuBLASLt's fast FP8 accumulation (no periodic fp32 promotion); with ``convs`` the
+        convolution kernels' too (``kernels.conv.fp8_conv3x3``). Speed: faster
         GEMMs (the README's figures). Numerics: the relative error against the fp32 product of the
         unquantized operands is unchanged (0.037, the E4M3 quantization); the largest error against the fp32
         product of the quantized operands grows to 0.024 at K = 5120.
@@ -312,7 +313,7 @@ def _w8a8_validate(config: W8A8Config, targets: dict, stats: dict | None) -> Non
                                   module_types=lambda c: (nn.Linear, nn.Conv2d) if c.convs else (nn.Linear,))
 def _w8a8(lin: nn.Module, config: W8A8Config, st) -> nn.Module:
     if isinstance(lin, nn.Conv2d):
-        return W8A8StaticConv2d.from_conv(lin, input_amax=max(float(st.absmax.max()), 1e-12))
+        return W8A8StaticConv2d.from_conv(lin, input_amax=max(float(st.absmax.max()), 1e-12), fast_accum=config.fast_accum)
     if _static(config):
         return W8A8StaticLinear.from_linear(lin, act_absmax=st.absmax, alpha=config.alpha, fast_accum=config.fast_accum)
     return W8A8Linear.from_linear(lin, act_absmax=None if st is None else st.absmax, alpha=config.alpha,

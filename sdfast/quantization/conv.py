@@ -3,10 +3,10 @@
 
 :class:`W8A8StaticConv2d`: FP8 E4M3 activations with one static scale (calibrated ``input_amax / 448``), FP8 E4M3
 weights with one scale per output channel, the convolution as an implicit GEMM on the tensor cores
-(``kernels.conv.fp8_conv3x3``), the bias in its epilogue. Each call signature runs the faster of that path
-(quantize the input in one pass, then the FP8 convolution) and cuDNN on the original 16-bit weight, measured by
-the kernel-choice service (choice ``fp8_conv3x3``; ``KernelPolicy.fp8_conv3x3`` pins either), so a shape where
-FP8 does not pay keeps cuDNN's speed and 16-bit numerics.
+(``kernels.conv.fp8_conv3x3``), the bias in its epilogue. Each call signature runs the fastest of the FP8 path
+(quantize the input in one pass, then the convolution: the pointer kernel "fp8" or the TMA kernel "fp8_tma") and
+cuDNN on the original 16-bit weight ("cudnn"), measured by the kernel-choice service (choice ``fp8_conv3x3``;
+``KernelPolicy.fp8_conv3x3`` pins one), so a shape where FP8 does not pay keeps cuDNN's speed and 16-bit numerics.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from torch import nn
 from kernels import select
 from kernels.conv.fp8_conv3x3 import fp8_conv3x3
 from kernels.conv.fp8_conv3x3 import problem as fp8_problem
+from kernels.conv.fp8_conv3x3 import tma_problem
 from kernels.gemm.fp8_static import quantize_static
 from kernels.gemm.w8a8 import FP8_QMAX
 
@@ -49,17 +50,18 @@ class W8A8StaticConv2d(nn.Module):
     Buffers: ``weight`` (Cout, Cin, 3, 3) the original weight, channels_last (cuDNN's candidate, and ``to_conv``'s
     exact undo); ``qweight`` (Cout, 3, 3, Cin) E4M3 stored as its uint8 bit pattern; ``w_scale`` (Cout,) fp32;
     ``input_scale`` / ``input_scale_inv`` () fp32; ``bias`` (Cout,) or None. Dtype casts (``.half()``) leave the fp32
-    scales and the uint8 weight alone.
+    scales and the uint8 weight alone. ``fast_accum``: the kernels' FP8 accumulation (``kernels.conv.fp8_conv3x3``).
     """
 
     def __init__(self, in_channels: int, out_channels: int, *, weight: torch.Tensor, qweight: torch.Tensor,
-                 w_scale: torch.Tensor, input_amax: float, bias: torch.Tensor | None):
+                 w_scale: torch.Tensor, input_amax: float, bias: torch.Tensor | None, fast_accum: bool = True):
         super().__init__()
         if not (input_amax > 0 and math.isfinite(input_amax)):
             raise ValueError(f"W8A8StaticConv2d: input_amax must be a positive finite number, got {input_amax!r}")
         self.in_channels, self.out_channels = in_channels, out_channels
         self.kernel_size, self.stride, self.padding = (3, 3), (1, 1), (1, 1)
         self.input_amax = float(input_amax)
+        self.fast_accum = bool(fast_accum)
         scale = torch.tensor(self.input_amax / FP8_QMAX, dtype=torch.float32, device=qweight.device)
         self.register_buffer("weight", weight.detach().clone().contiguous(memory_format=torch.channels_last))
         self.register_buffer("qweight", qweight.contiguous().view(torch.uint8))
@@ -69,7 +71,7 @@ class W8A8StaticConv2d(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     @classmethod
-    def from_conv(cls, conv: nn.Conv2d, *, input_amax: float) -> "W8A8StaticConv2d":
+    def from_conv(cls, conv: nn.Conv2d, *, input_amax: float, fast_accum: bool = True) -> "W8A8StaticConv2d":
         """Quantize ``conv`` (see :func:`conv_problem`) with its calibrated input range ``input_amax`` (the largest
         |x| seen): per-output-channel weight scales ``amax_co / 448``. Raises ValueError for a conv it cannot take."""
         why = conv_problem(conv)
@@ -79,7 +81,7 @@ class W8A8StaticConv2d(nn.Module):
         w_scale = w.abs().amax(dim=(1, 2, 3)).clamp_min(1e-12) / FP8_QMAX
         qweight = (w / w_scale.view(-1, 1, 1, 1)).clamp(-FP8_QMAX, FP8_QMAX).to(_FP8)
         return cls(conv.in_channels, conv.out_channels, weight=conv.weight, qweight=qweight, w_scale=w_scale,
-                   input_amax=input_amax, bias=conv.bias)
+                   input_amax=input_amax, bias=conv.bias, fast_accum=fast_accum)
 
     _FP32_BUFFERS = ("w_scale", "input_scale", "input_scale_inv")
 
@@ -91,29 +93,32 @@ class W8A8StaticConv2d(nn.Module):
         return self
 
     def get_extra_state(self) -> dict:
-        return {"input_amax": self.input_amax}
+        return {"input_amax": self.input_amax, "fast_accum": self.fast_accum}
 
     def set_extra_state(self, state: dict) -> None:
         self.input_amax = float(state["input_amax"])
+        self.fast_accum = bool(state.get("fast_accum", True))
 
     @property
     def weight_q(self) -> torch.Tensor:
         """The quantized weight as ``float8_e4m3fn`` (Cout, 3, 3, Cin)."""
         return self.qweight.view(_FP8)
 
-    def fp8_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The FP8 path: quantize ``x`` (one pass over its NHWC memory), then the implicit-GEMM convolution."""
+    def fp8_forward(self, x: torch.Tensor, tma: bool = False) -> torch.Tensor:
+        """The FP8 path: quantize ``x`` (one pass over its NHWC memory), then the implicit-GEMM convolution (the TMA
+        kernel with ``tma``)."""
         x = x.contiguous(memory_format=torch.channels_last)
         n, c, h, w = x.shape
         q = quantize_static(x.permute(0, 2, 3, 1).reshape(-1, c), self.input_scale_inv).view(n, h, w, c)
-        return fp8_conv3x3(q, self.weight_q, self.input_scale, self.w_scale, self.bias, out_dtype=x.dtype)
+        return fp8_conv3x3(q, self.weight_q, self.input_scale, self.w_scale, self.bias, out_dtype=x.dtype,
+                           fast_accum=self.fast_accum, tma=tma)
 
     def cudnn_forward(self, x: torch.Tensor) -> torch.Tensor:
         """cuDNN on the original weight (``F.conv2d``)."""
         return F.conv2d(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype), 1, 1)
 
     def _problem(self, name: str, x: torch.Tensor) -> str | None:
-        if name != "fp8":
+        if name == "cudnn":
             return None
         if x.dim() != 4 or x.shape[1] != self.in_channels:
             return f"input {tuple(x.shape)} is not (N, {self.in_channels}, H, W)"
@@ -121,15 +126,24 @@ class W8A8StaticConv2d(nn.Module):
             return f"input dtype {x.dtype} (fp16, bf16 or fp32)"
         if torch.is_grad_enabled() and x.requires_grad:
             return "gradients are needed (the FP8 kernels have no backward)"
-        return fp8_problem(torch.empty(0, 1, 1, self.in_channels, dtype=_FP8), self.weight_q)
+        stand_in = torch.empty(0, 1, 1, self.in_channels, dtype=_FP8, device=x.device)  # a fresh (aligned) buffer
+        return (tma_problem if name == "fp8_tma" else fp8_problem)(stand_in, self.weight_q)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         path = select.decide(
             CHOICE, select.signature(x, self.qweight) + (self.bias is not None,), device=x.device,
-            candidates={"fp8": lambda: self.fp8_forward(x), "cudnn": lambda: self.cudnn_forward(x)},
-            problem=lambda name: self._problem(name, x), compile_all=lambda: self.fp8_forward(x),
+            candidates={"fp8": lambda: self.fp8_forward(x), "fp8_tma": lambda: self.fp8_forward(x, tma=True),
+                        "cudnn": lambda: self.cudnn_forward(x)},
+            problem=lambda name: self._problem(name, x), compile_all=self._compile_all(x),
             describe=lambda: f"x {tuple(x.shape)} {x.dtype} -> {self.out_channels} channels")
-        return self.fp8_forward(x) if path == "fp8" else self.cudnn_forward(x)
+        return self.cudnn_forward(x) if path == "cudnn" else self.fp8_forward(x, tma=path == "fp8_tma")
+
+    def _compile_all(self, x: torch.Tensor):
+        def run():  # a precompile dry run: both FP8 kernels compile
+            self.fp8_forward(x)
+            if self._problem("fp8_tma", x) is None:
+                self.fp8_forward(x, tma=True)
+        return run
 
     def dequantized_weight(self) -> torch.Tensor:
         """(Cout, Cin, 3, 3) fp32: the weight the FP8 path multiplies by."""
@@ -151,7 +165,8 @@ class W8A8StaticConv2d(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.in_channels}, {self.out_channels}, kernel_size=(3, 3), padding=(1, 1), dtype=fp8, "
-                f"activations=static, input_amax={self.input_amax:.4g}, bias={self.bias is not None}")
+                f"activations=static, input_amax={self.input_amax:.4g}, fast_accum={self.fast_accum}, "
+                f"bias={self.bias is not None}")
 
 
 __all__ = ["W8A8StaticConv2d", "conv_problem", "CHOICE"]

@@ -1,7 +1,8 @@
-"""kernels.conv.fp8_conv3x3 under TRITON_INTERPRET=1: the implicit-GEMM FP8 convolution against its dequantize +
-F.conv2d reference (both BLOCK_K branches of the interpreter's tiling, with and without a bias, fp32 / fp16 / bf16
-out, pixels at every image border), channels_last output, what it refuses, and the reference run (logged) where no
-Triton can run. The GPU file checks SD's real shapes and the autotuned path."""
+"""kernels.conv.fp8_conv3x3 under TRITON_INTERPRET=1: both implicit-GEMM FP8 kernels (pointer and TMA) against
+their dequantize + F.conv2d reference (both BLOCK_K branches of the interpreter's tiling, with and without a bias,
+fast and promoted accumulation, fp32 / fp16 / bf16 out, pixels at every image border, tile rows wider than the
+image), channels_last output, what they refuse, and the reference run (logged) where no Triton can run. The GPU
+file checks SD's real shapes and the autotuned paths."""
 
 import pytest
 import torch
@@ -27,11 +28,13 @@ def _operands(n, cin, cout, h, w, bias, seed=0):
 SHAPES = [(2, 32, 16, 5, 7), (1, 64, 48, 4, 4), (2, 96, 32, 3, 6), (1, 128, 64, 2, 9)]
 
 
+@pytest.mark.parametrize("fast_accum", [True, False], ids=["fast_accum", "promoted"])
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("n,cin,cout,h,w", SHAPES, ids=str)
-def test_matches_the_reference(n, cin, cout, h, w, bias):
+def test_matches_the_reference(n, cin, cout, h, w, bias, tma, fast_accum):
     xq, wq, a, ws, b = _operands(n, cin, cout, h, w, bias)
-    y = fc.fp8_conv3x3(xq, wq, a, ws, b, out_dtype=torch.float32)
+    y = fc.fp8_conv3x3(xq, wq, a, ws, b, out_dtype=torch.float32, tma=tma, fast_accum=fast_accum)
     ref = fc.fp8_conv3x3_ref(xq, wq, a, ws, b, torch.float32)
     assert y.shape == (n, cout, h, w) and y.is_contiguous(memory_format=CL)
     # the same exact fp8 products summed in fp32 in another order
@@ -47,10 +50,11 @@ def test_reference_is_the_dequantized_convolution():
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("tma", [False, True], ids=["pointer", "tma"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_half_outputs(dtype):
+def test_half_outputs(dtype, tma):
     xq, wq, a, ws, b = _operands(2, 64, 32, 3, 5, True)
-    y = fc.fp8_conv3x3(xq, wq, a, ws, b, out_dtype=dtype)
+    y = fc.fp8_conv3x3(xq, wq, a, ws, b, out_dtype=dtype, tma=tma)
     ref = fc.fp8_conv3x3_ref(xq, wq, a, ws, b, torch.float32)
     assert y.dtype == dtype
     torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2 * float(ref.abs().max()))
@@ -70,6 +74,12 @@ def test_refuses_what_it_cannot_run():
         fc.fp8_conv3x3(xq, wq, a, ws, b[:8])
     with pytest.raises(TypeError, match="out_dtype"):
         fc.fp8_conv3x3(xq, wq, a, ws, b, out_dtype=torch.int8)
+    shifted = torch.empty(xq.numel() + 1, dtype=FP8)[1:].view(xq.shape)  # one byte off a 16-byte boundary
+    shifted.copy_(xq)
+    assert "16-byte" in fc.tma_problem(shifted, wq)
+    with pytest.raises(RuntimeError, match="16-byte"):
+        fc.fp8_conv3x3(shifted, wq, a, ws, b, tma=True)
+    assert fc.tma_problem(xq, wq) is None and fc.tile_width(5, 32) == 8 and fc.tile_width(100, 64) == 64
 
 
 def test_without_triton_the_reference_runs_logged(monkeypatch, caplog):
