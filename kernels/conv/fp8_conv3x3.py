@@ -58,11 +58,12 @@ _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # --------------------------------------------------------------------------------------------
 def fp8_conv3x3_ref(xq: torch.Tensor, wq: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
                     bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """The plain-PyTorch meaning of :func:`fp8_conv3x3`: dequantize both operands to fp32, ``F.conv2d`` (stride 1,
-    padding 1), add the bias, cast. Same arguments; returns (N, Cout, H, W) channels_last ``out_dtype``."""
-    x = xq.float().permute(0, 3, 1, 2) * a_scale.float()
-    w = wq.float().permute(0, 3, 1, 2) * w_scale.float().view(-1, 1, 1, 1)
-    y = F.conv2d(x, w, None if bias is None else bias.float(), 1, 1)
+    """The plain-PyTorch meaning of :func:`fp8_conv3x3`: dequantize both operands, ``F.conv2d`` (stride 1, padding 1)
+    in float64 (no TF32, sums near exact), add the bias, cast. Same arguments; returns (N, Cout, H, W) channels_last
+    ``out_dtype``."""
+    x = xq.double().permute(0, 3, 1, 2) * a_scale.double()
+    w = wq.double().permute(0, 3, 1, 2) * w_scale.double().view(-1, 1, 1, 1)
+    y = F.conv2d(x, w, None if bias is None else bias.double(), 1, 1)
     return y.to(out_dtype).contiguous(memory_format=torch.channels_last)
 
 
@@ -231,7 +232,8 @@ def tile_width(w: int, block_m: int) -> int:
 
 def _set_boxes(nargs: dict) -> None:
     """Autotuner pre-hook: the descriptors' boxes for this config (built before the config is known)."""
-    bm, bn, bk, bw = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"], nargs["BW"]
+    bm, bn, bk = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_K"]
+    bw = tile_width(nargs["W"], bm)  # what the kernel's BW heuristic gives (the hook runs before heuristics)
     nargs["x_desc"].block_shape = [1, bm // bw, bw, bk]
     nargs["w_desc"].block_shape = [bn, bk]
 

@@ -88,10 +88,14 @@ def _resnet_supported(m: nn.Module) -> bool:
 
 
 def folded_conv_bias(conv: nn.Module) -> torch.Tensor | None:
-    """The bias that the fused forwards take out of ``conv`` and add later: that of a plain ``nn.Conv2d`` with
-    one; None for anything else (no bias, a PEFT LoRA wrapper, a quantized conv, a conv with hooks or a
+    """The bias that the fused forwards take out of ``conv`` and add later: that of a plain ``nn.Conv2d`` or an FP8
+    ``W8A8StaticConv2d`` with one; None for anything else (no bias, a PEFT LoRA wrapper, a conv with hooks or a
     replaced ``forward``: those run as they are)."""
-    return conv.bias if conv.bias is not None and runs_as_its_class(conv, nn.Conv2d) else None
+    from sdfast.quantization.conv import W8A8StaticConv2d
+
+    if conv.bias is None:
+        return None
+    return conv.bias if runs_as_its_class(conv, nn.Conv2d) or runs_as_its_class(conv, W8A8StaticConv2d) else None
 
 
 def _conv_without_bias(conv: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -102,9 +106,11 @@ def _conv_without_bias(conv: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, 
     return conv(x), None
 
 
-def _conv_forward_no_bias(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+def _conv_forward_no_bias(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``conv`` without its bias; a 3x3, stride-1, padding-1 one on the measured faster of cuDNN and im2col +
-    cuBLAS (``kernels.conv.conv3x3``: the GEMM wins at SD1.5's 8x8 level)."""
+    cuBLAS (``kernels.conv.conv3x3``: the GEMM wins at SD1.5's 8x8 level); an FP8 one on its measured path."""
+    if not isinstance(conv, nn.Conv2d):  # W8A8StaticConv2d (folded_conv_bias takes no other)
+        return conv(x, bias=False)
     if (conv.kernel_size == (3, 3) and conv.stride == (1, 1) and conv.padding == (1, 1) and conv.dilation == (1, 1)
             and conv.groups == 1 and conv.padding_mode == "zeros"):
         return conv3x3(x, conv.weight, None)

@@ -5,7 +5,8 @@
 weights with one scale per output channel, the convolution as an implicit GEMM on the tensor cores
 (``kernels.conv.fp8_conv3x3``), the bias in its epilogue. Each call signature runs the fastest of the FP8 path
 (quantize the input in one pass, then the convolution: the pointer kernel "fp8" or the TMA kernel "fp8_tma") and
-cuDNN on the original 16-bit weight ("cudnn"), measured by the kernel-choice service (choice ``fp8_conv3x3``;
+the 16-bit convolution on the original weight ("cudnn": ``kernels.conv.conv3x3``, itself the measured faster of cuDNN
+and im2col + cuBLAS), measured by the kernel-choice service (choice ``fp8_conv3x3``;
 ``KernelPolicy.fp8_conv3x3`` pins one), so a shape where FP8 does not pay keeps cuDNN's speed and 16-bit numerics.
 """
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import select
+from kernels.conv.conv3x3 import conv3x3
 from kernels.conv.fp8_conv3x3 import fp8_conv3x3
 from kernels.conv.fp8_conv3x3 import problem as fp8_problem
 from kernels.conv.fp8_conv3x3 import tma_problem
@@ -104,18 +106,24 @@ class W8A8StaticConv2d(nn.Module):
         """The quantized weight as ``float8_e4m3fn`` (Cout, 3, 3, Cin)."""
         return self.qweight.view(_FP8)
 
-    def fp8_forward(self, x: torch.Tensor, tma: bool = False) -> torch.Tensor:
+    def _bias(self, bias: bool) -> torch.Tensor | None:
+        return self.bias if bias else None
+
+    def fp8_forward(self, x: torch.Tensor, tma: bool = False, bias: bool = True) -> torch.Tensor:
         """The FP8 path: quantize ``x`` (one pass over its NHWC memory), then the implicit-GEMM convolution (the TMA
-        kernel with ``tma``)."""
+        kernel with ``tma``), the bias in its epilogue unless ``bias=False``."""
         x = x.contiguous(memory_format=torch.channels_last)
         n, c, h, w = x.shape
         q = quantize_static(x.permute(0, 2, 3, 1).reshape(-1, c), self.input_scale_inv).view(n, h, w, c)
-        return fp8_conv3x3(q, self.weight_q, self.input_scale, self.w_scale, self.bias, out_dtype=x.dtype,
+        return fp8_conv3x3(q, self.weight_q, self.input_scale, self.w_scale, self._bias(bias), out_dtype=x.dtype,
                            fast_accum=self.fast_accum, tma=tma)
 
-    def cudnn_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """cuDNN on the original weight (``F.conv2d``)."""
-        return F.conv2d(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype), 1, 1)
+    def cudnn_forward(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        """The 16-bit convolution on the original weight (``kernels.conv.conv3x3``: cuDNN or im2col + cuBLAS)."""
+        b = self._bias(bias)
+        if x.dtype != self.weight.dtype:  # an fp32 input (CPU tests, autocast off): F.conv2d in the input's dtype
+            return F.conv2d(x, self.weight.to(x.dtype), None if b is None else b.to(x.dtype), 1, 1)
+        return conv3x3(x, self.weight, b)
 
     def _problem(self, name: str, x: torch.Tensor) -> str | None:
         if name == "cudnn":
@@ -129,20 +137,26 @@ class W8A8StaticConv2d(nn.Module):
         stand_in = torch.empty(0, 1, 1, self.in_channels, dtype=_FP8, device=x.device)  # a fresh (aligned) buffer
         return (tma_problem if name == "fp8_tma" else fp8_problem)(stand_in, self.weight_q)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
+        """The convolution of ``x`` on the measured path (see the class docstring); ``bias=False`` leaves the bias out
+        (``sdfast.passes.norms`` adds it elsewhere, as it does a plain convolution's)."""
+        with_bias = bias and self.bias is not None
         path = select.decide(
-            CHOICE, select.signature(x, self.qweight) + (self.bias is not None,), device=x.device,
-            candidates={"fp8": lambda: self.fp8_forward(x), "fp8_tma": lambda: self.fp8_forward(x, tma=True),
-                        "cudnn": lambda: self.cudnn_forward(x)},
-            problem=lambda name: self._problem(name, x), compile_all=self._compile_all(x),
+            CHOICE, select.signature(x, self.qweight) + (with_bias,), device=x.device,
+            candidates={"fp8": lambda: self.fp8_forward(x, bias=bias),
+                        "fp8_tma": lambda: self.fp8_forward(x, tma=True, bias=bias),
+                        "cudnn": lambda: self.cudnn_forward(x, bias=bias)},
+            problem=lambda name: self._problem(name, x), compile_all=self._compile_all(x, bias),
             describe=lambda: f"x {tuple(x.shape)} {x.dtype} -> {self.out_channels} channels")
-        return self.cudnn_forward(x) if path == "cudnn" else self.fp8_forward(x, tma=path == "fp8_tma")
+        if path == "cudnn":
+            return self.cudnn_forward(x, bias=bias)
+        return self.fp8_forward(x, tma=path == "fp8_tma", bias=bias)
 
-    def _compile_all(self, x: torch.Tensor):
+    def _compile_all(self, x: torch.Tensor, bias: bool):
         def run():  # a precompile dry run: both FP8 kernels compile
-            self.fp8_forward(x)
+            self.fp8_forward(x, bias=bias)
             if self._problem("fp8_tma", x) is None:
-                self.fp8_forward(x, tma=True)
+                self.fp8_forward(x, tma=True, bias=bias)
         return run
 
     def dequantized_weight(self) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """GPU tests (marker ``gpu``): the FP8 implicit-GEMM 3x3 convolutions (``kernels.conv.fp8_conv3x3``, pointer and TMA
 kernels, autotuned) at SD1.5's and SDXL's convolution shapes against their dequantize + F.conv2d reference: within
-fp32 rounding with promoted accumulation, within the tensor cores' reduced FP8 accumulation (``fast_accum``: about
-1 % of the output's range at K = 23040) otherwise; the whole quantized path of
+1e-3 of the output's range with promoted accumulation (the tensor cores' reduced-precision sums inside one K tile),
+within 3 % with the hardware's accumulation (``fast_accum``: 1.3 % measured at K = 23040); the whole quantized path of
 ``W8A8StaticConv2d`` against the fp32 convolution of the unquantized operands (E4M3's error); its measured choice
 against cuDNN (logged, kept) and its CUDA-graph replay on new inputs."""
 
@@ -41,13 +41,15 @@ def test_kernel_matches_the_reference_at_sd_shapes(cin, cout, h, w, tma):
     top = float(ref.abs().max())
     y = fc.fp8_conv3x3(xq, wq, a, ws, b, out_dtype=torch.float32, fast_accum=False, tma=tma)
     assert y.is_contiguous(memory_format=CL)
-    torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * top)
+    promoted = (y - ref).abs()
+    assert float(promoted.max()) < 1e-3 * top and float(promoted.mean()) < 1e-4 * top, float(promoted.max()) / top
     fast = fc.fp8_conv3x3(xq, wq, a, ws, b, out_dtype=torch.float32, fast_accum=True, tma=tma)
     err = (fast - ref).abs()
-    assert float(err.max()) < 0.03 * top and float(err.mean()) < 2e-3 * top, (float(err.max()) / top)
+    assert float(err.max()) < 0.03 * top and float(err.mean()) < 2e-3 * top, float(err.max()) / top
+    assert float(err.mean()) > float(promoted.mean())  # the promotion is what makes the difference
     y16 = fc.fp8_conv3x3(xq, wq, a, ws, None, out_dtype=torch.float16, fast_accum=False, tma=tma)
     ref16 = fc.fp8_conv3x3_ref(xq, wq, a, ws, None, torch.float32)
-    torch.testing.assert_close(y16.float(), ref16, rtol=2e-3, atol=2e-3 * float(ref16.abs().max()))
+    torch.testing.assert_close(y16.float(), ref16.float(), rtol=2e-3, atol=2e-3 * float(ref16.abs().max()))
 
 
 def _module(cin, cout, amax=3.0):
