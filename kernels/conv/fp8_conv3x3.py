@@ -23,7 +23,9 @@ Two kernels compute it:
 Accumulation (``fast_accum``): Hopper's FP8 tensor-core accumulation keeps fewer bits than fp32 (DeepSeek-V3's
 report measured about 14 on H800s); with ``fast_accum=False`` each K tile's products are promoted into the fp32
 accumulator (Triton's ``max_num_imprecise_acc = BLOCK_K``, DeepSeek-V3's promotion interval), as cuBLASLt's
-non-fast FP8 mode does; ``True`` keeps the hardware's accumulation (the static FP8 linears' default too).
+non-fast FP8 mode does; ``True`` keeps the hardware's accumulation (the static FP8 linears' default too). Only the
+pointer kernel promotes: on the H200, Triton 3.6 left the TMA kernel's FP8 dot unpromoted (its error stayed that
+of fast accumulation), so the TMA kernel takes ``fast_accum=True`` only (:func:`tma_problem`).
 
 Method: the implicit-GEMM formulation of convolution (Chetlur et al., "cuDNN: Efficient Primitives for Deep
 Learning", 2014; CUTLASS's ``Conv2dFprop`` implicit GEMM), on FP8 E4M3 operands (Micikevicius et al., 2022) with
@@ -149,6 +151,7 @@ def _fp8_conv3x3_tma_kernel(
     BLOCK_K: tl.constexpr,
     BW: tl.constexpr,  # output pixels per tile row (a power of two <= BLOCK_M)
     GROUP_M: tl.constexpr,
+    WARP_SPEC: tl.constexpr = False,  # Triton's automatic warp specialization of the K loop (producer / MMA warps)
 ):
     BH: tl.constexpr = BLOCK_M // BW
     tiles_w = tl.cdiv(W, BW)
@@ -161,7 +164,7 @@ def _fp8_conv3x3_tma_kernel(
     off_n = pid_n * BLOCK_N
     c_tiles = CIN // BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kt in range(0, K_TILES if K_TILES > 0 else 9 * c_tiles):
+    for kt in tl.range(0, K_TILES if K_TILES > 0 else 9 * c_tiles, warp_specialize=WARP_SPEC):
         tap = kt // c_tiles
         c0 = (kt - tap * c_tiles) * BLOCK_K
         a = x_desc.load([n, h0 + tap // 3 - 1, w0 + tap % 3 - 1, c0]).reshape(BLOCK_M, BLOCK_K)
@@ -283,12 +286,14 @@ def problem(xq: torch.Tensor, wq: torch.Tensor) -> str | None:
     return None
 
 
-def tma_problem(xq: torch.Tensor, wq: torch.Tensor) -> str | None:
-    """Why the TMA kernel cannot take these operands (None when it can): :func:`problem`'s rules, an sm_90+ GPU (or
-    the interpreter), both operands starting on a 16-byte boundary."""
+def tma_problem(xq: torch.Tensor, wq: torch.Tensor, fast_accum: bool = True) -> str | None:
+    """Why the TMA kernel cannot take these operands (None when it can): :func:`problem`'s rules, fast accumulation
+    (see the module docstring), an sm_90+ GPU (or the interpreter), both operands starting on a 16-byte boundary."""
     why = problem(xq, wq)
     if why is not None:
         return why
+    if not fast_accum:
+        return "promoted accumulation (fast_accum=False) runs on the pointer kernel only"
     if xq.is_cuda and not interpret_mode() and torch.cuda.get_device_capability(xq.device)[0] < 9:
         return "TMA needs sm_90 or newer"
     if xq.data_ptr() % 16 or wq.data_ptr() % 16:
@@ -388,7 +393,7 @@ def fp8_conv3x3(xq: torch.Tensor, wq: torch.Tensor, a_scale: torch.Tensor, w_sca
         raise ValueError(f"fp8_conv3x3: bias must be ({cout},), got {tuple(bias.shape)}")
     if out_dtype not in _OUT_DTYPES:
         raise TypeError(f"fp8_conv3x3: out_dtype must be one of {_OUT_DTYPES}, got {out_dtype}")
-    if tma and (why := tma_problem(xq, wq)) is not None:
+    if tma and (why := tma_problem(xq, wq, fast_accum)) is not None:
         raise RuntimeError(f"fp8_conv3x3(tma=True): {why}")
     return _fp8_conv3x3_op(xq, wq, a_scale, w_scale, bias, out_dtype, bool(fast_accum), bool(tma))
 

@@ -135,7 +135,9 @@ class W8A8StaticConv2d(nn.Module):
         if torch.is_grad_enabled() and x.requires_grad:
             return "gradients are needed (the FP8 kernels have no backward)"
         stand_in = torch.empty(0, 1, 1, self.in_channels, dtype=_FP8, device=x.device)  # a fresh (aligned) buffer
-        return (tma_problem if name == "fp8_tma" else fp8_problem)(stand_in, self.weight_q)
+        if name == "fp8_tma":
+            return tma_problem(stand_in, self.weight_q, self.fast_accum)
+        return fp8_problem(stand_in, self.weight_q)
 
     def forward(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """The convolution of ``x`` on the measured path (see the class docstring); ``bias=False`` leaves the bias out
