@@ -241,15 +241,15 @@ def _set_boxes(nargs: dict) -> None:
     nargs["w_desc"].block_shape = [bn, bk]
 
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) of the TMA kernel
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) of the TMA kernel: each one's output checked identical over
+# repeated runs on the H200. 128x128x128 with 4 stages and 8 warps is left out: its output changed from run to run
+# (a race in the code Triton 3.6 generates for it; some thousand elements of 5 M at SD's shapes).
 _TMA_CONFIGS = (
-    (128, 128, 128, 4, 8),
-    (128, 256, 128, 3, 8),
+    (256, 128, 128, 3, 8),
+    (128, 128, 64, 6, 8),
     (128, 128, 128, 4, 4),
     (64, 128, 128, 5, 4),
     (128, 64, 128, 5, 4),
-    (256, 128, 128, 3, 8),
-    (128, 128, 64, 6, 8),
     (64, 64, 128, 6, 4),
 )
 
