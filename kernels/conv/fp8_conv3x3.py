@@ -151,7 +151,6 @@ def _fp8_conv3x3_tma_kernel(
     BLOCK_K: tl.constexpr,
     BW: tl.constexpr,  # output pixels per tile row (a power of two <= BLOCK_M)
     GROUP_M: tl.constexpr,
-    WARP_SPEC: tl.constexpr = False,  # Triton's automatic warp specialization of the K loop (producer / MMA warps)
 ):
     BH: tl.constexpr = BLOCK_M // BW
     tiles_w = tl.cdiv(W, BW)
@@ -164,7 +163,7 @@ def _fp8_conv3x3_tma_kernel(
     off_n = pid_n * BLOCK_N
     c_tiles = CIN // BLOCK_K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kt in tl.range(0, K_TILES if K_TILES > 0 else 9 * c_tiles, warp_specialize=WARP_SPEC):
+    for kt in range(0, K_TILES if K_TILES > 0 else 9 * c_tiles):
         tap = kt // c_tiles
         c0 = (kt - tap * c_tiles) * BLOCK_K
         a = x_desc.load([n, h0 + tap // 3 - 1, w0 + tap % 3 - 1, c0]).reshape(BLOCK_M, BLOCK_K)
