@@ -1124,7 +1124,7 @@ def render(rows: list[dict], env: dict, *, profile: bool = False) -> str:
     for r in rows:
         info = r.get("info") or {}
         if info.get("preset"):
-            out.append(f"- {r['model']}/{r['system']}: {info['layers']} linear layers converted in "
+            out.append(f"- {r['model']}/{r['system']}: {info['layers']} layers converted in "
                        f"{fmt(info['compress_s'])} s (calibration on {len(CALIBRATION_PROMPTS)} prompts, "
                        f"{CALIBRATION_STEPS} steps), their weights {fmt(info['weight_ratio'])}x the original bytes")
     split = [r for r in rows + tiers if r.get("e2e_breakdown")]
