@@ -215,8 +215,9 @@ def _prune(configs, named_args, **kwargs):
     wider than Cout needs."""
     cin, cout = named_args["CIN"], named_args["COUT"]
     kept = [c for c in configs if cin % c.kwargs["BLOCK_K"] == 0 and c.kwargs["BLOCK_N"] <= max(64, cout)]
+    # none divides Cin (a multiple of 32 only): one 32-wide K tile, with the configs' pre-hook (the TMA boxes)
     return kept or [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=4,
-                                  num_stages=3)]
+                                  num_stages=3, pre_hook=configs[0].pre_hook)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -102,3 +102,24 @@ def test_empty_batch():
     xq, wq, a, ws, b = _operands(1, 32, 16, 4, 4, True)
     y = fc.fp8_conv3x3(xq[:0], wq, a, ws, b)
     assert y.shape == (0, 16, 4, 4)
+
+
+def test_tile_pruning_keeps_k_tiles_inside_one_tap_and_the_tma_boxes():
+    """The autotuners keep the tiles whose BLOCK_K divides Cin; where none does (Cin a multiple of 32 only) the one
+    32-wide fallback keeps the TMA configs' pre-hook, which sets the descriptors' boxes (without it the TMA kernel
+    would read boxes of the placeholder shape)."""
+    import triton
+
+    cfgs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=nw, num_stages=st,
+                          pre_hook=fc._set_boxes) for bm, bn, bk, st, nw in fc._TMA_CONFIGS]
+    assert {c.kwargs["BLOCK_K"] for c in fc._prune(cfgs, {"CIN": 320, "COUT": 320})} == {64}
+    assert len(fc._prune(cfgs, {"CIN": 1280, "COUT": 1280})) == len(cfgs)
+    [fallback] = fc._prune(cfgs, {"CIN": 96, "COUT": 64})
+    assert fallback.kwargs["BLOCK_K"] == 32 and fallback.pre_hook is fc._set_boxes
+
+    class Desc:
+        block_shape = None
+
+    nargs = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "W": 12, "x_desc": Desc(), "w_desc": Desc()}
+    fc._set_boxes(nargs)
+    assert nargs["x_desc"].block_shape == [1, 4, 16, 32] and nargs["w_desc"].block_shape == [64, 32]
