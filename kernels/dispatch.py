@@ -78,6 +78,9 @@ def launch_autotuned(kernel, grid, *args, **kwargs) -> None:
             kernel.nargs = dict(zip(kernel.arg_names, args))
             meta = dict(kwargs, grid=grid, warmup=False)
             for config in (kernel.prune_configs(meta) if len(kernel.configs) > 1 else kernel.configs):
+                hook = getattr(config, "pre_hook", None)
+                if hook is not None:  # e.g. a TMA descriptor's box for this config (compiled into it)
+                    hook({**kernel.nargs, **kwargs, **config.all_kwargs()})
                 kernel.fn.run(*args, **meta, **config.all_kwargs())
         else:
             kernel[grid](*args, **kwargs)

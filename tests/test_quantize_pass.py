@@ -174,7 +174,7 @@ def test_shape_filter_and_already_quantized(unet, monkeypatch):
     n2 = quantize_(u, W8A8Config(min_features=32))
     assert n2 == N_TRANSFORMER_LINEARS - 8 and n2.skipped_already == 8
     assert sum(isinstance(m, W4A16Linear) for m in u.modules()) == 8
-    with pytest.warns(NothingQuantizedWarning, match=f"{N_TRANSFORMER_LINEARS} linear\\(s\\) are quantized already"):
+    with pytest.warns(NothingQuantizedWarning, match=f"{N_TRANSFORMER_LINEARS} layer\\(s\\) are quantized already"):
         n3 = quantize_(u, W8A8Config(min_features=32))
     assert n3 == 0 and n3.skipped_already == N_TRANSFORMER_LINEARS
     # filter_fn narrows the targets; dequantize_ with a filter restores only those
@@ -624,6 +624,43 @@ def test_static_conv_module_matches_its_definition(monkeypatch):
     other.load_state_dict(m.state_dict())
     assert other.input_amax == 3.0 and torch.equal(other.input_scale, m.input_scale)
     assert m.to_conv().weight.dtype == torch.float16 and "input_amax=3" in repr(m)
+
+
+def test_static_conv_edge_cases(monkeypatch):
+    """Review findings: a decision is keyed by the accumulation mode too (the TMA kernel takes fast accumulation
+    only), gradients run the 16-bit path, the FP8 weight stays contiguous under .to(memory_format=...), and a UNet
+    whose convolutions cannot convert warns why in words about convolutions."""
+    import warnings
+
+    from kernels import select
+    from sdfast.passes.quantize import NothingQuantizedWarning
+    from sdfast.quantization import W8A8StaticConv2d
+
+    select.clear("fp8_conv3x3")
+    conv = nn.Conv2d(64, 32, 3, padding=1)
+    fast = W8A8StaticConv2d.from_conv(conv, input_amax=3.0)
+    precise = W8A8StaticConv2d.from_conv(conv, input_amax=3.0, fast_accum=False)
+    x = torch.randn(1, 64, 4, 4)
+    with select.pinned({"fp8_conv3x3": "fp8_tma"}), torch.no_grad():
+        fast(x)  # a decision for the fast module's key
+        assert precise._problem("fp8_tma", x) is not None
+        torch.testing.assert_close(precise(x), precise.fp8_forward(x))  # its own key: the pin cannot run, measured
+    select.clear("fp8_conv3x3")
+    xg = x.clone().requires_grad_()
+    y = fast(xg)
+    y.sum().backward()
+    torch.testing.assert_close(y, conv(xg), rtol=1e-5, atol=1e-5)
+    assert xg.grad is not None
+    fast.to(memory_format=torch.channels_last)
+    assert fast.qweight.is_contiguous()
+    unet = nn.Module()
+    unet.resnets = nn.ModuleList([nn.Conv2d(48, 64, 3, padding=1), nn.Conv2d(64, 64, 1)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert quantize_(unet, STATIC_CONVS, calibration=lambda: None) == 0
+    text = str(caught[-1].message)
+    assert caught[-1].category is NothingQuantizedWarning and "1 targeted convolution(s)" in text
+    assert "linear" not in text.split("calibration")[0].replace("nn.Linear", "")
 
 
 def test_conv_calibration_counts_channels():

@@ -84,9 +84,7 @@ def decide(choice: Choice, key: tuple, *, candidates: Mapping[str, Callable[[], 
     pin = pins().get(choice.name, pin)
     dev = store.device_name(device)
     found = store.lookup(choice.name, dev, key)
-    # A decision stands unless a pin overrides it; one made under a pin stands only while that pin does (after a
-    # ``pinned`` block or a policy change the choice is made again).
-    if found is not None and (found.winner == pin if found.source == "pinned" else pin is None):
+    if found is not None and (pin is None or (found.source == "pinned" and found.winner == pin)):
         return found.winner
     names = list(candidates)
     if choice.default not in names:

@@ -232,8 +232,8 @@ def default_filter(module: nn.Module, name: str) -> bool:
     parts = name.split(".")
     if any(p in ("vae", "text_encoder", "text_encoder_2") for p in parts):
         return False
-    if isinstance(module, nn.Conv2d):
-        return any(p in _UNET_CONV_PARENTS for p in parts)
+    if isinstance(module, nn.Conv2d):  # the 3x3 ones (not the ResNets' 1x1 conv_shortcut)
+        return module.kernel_size == (3, 3) and any(p in _UNET_CONV_PARENTS for p in parts)
     if not isinstance(module, nn.Linear):
         return False
     return "transformer_blocks" in parts or parts[-1] in _UNET_LINEAR_SUFFIXES
@@ -373,7 +373,7 @@ def quantize_(
     handler = handler_for(config, "quantize_")
     filter_fn = filter_fn or default_filter
     targets: dict[str, nn.Module] = {}
-    skipped_shape = skipped_already = 0
+    skipped_shape = skipped_already = skipped_convs = 0
     widest_skipped = 0  # the largest min(in, out) among the layers skipped for their shape
     types = handler.module_types(config)
     for name, m in root.named_modules():
@@ -386,11 +386,13 @@ def quantize_(
             skipped_shape += 1
             if type(m) is nn.Linear:
                 widest_skipped = max(widest_skipped, min(m.in_features, m.out_features))
+            else:
+                skipped_convs += 1
             continue
         targets[name] = m
     if not targets:
-        _warn_nothing_quantized(config, handler, skipped_shape, skipped_already, widest_skipped,
-                                calibration is not None)
+        _warn_nothing_quantized(config, handler, skipped_shape - skipped_convs, skipped_already, widest_skipped,
+                                calibration is not None, skipped_convs)
         return QuantizeStats(0, skipped_shape=skipped_shape, skipped_already=skipped_already)
 
     need = handler.calibration(config)
@@ -422,8 +424,12 @@ def quantize_(
 
 
 def _warn_nothing_quantized(config, handler, skipped_shape: int, skipped_already: int, widest_skipped: int,
-                            calibration: bool) -> None:
+                            calibration: bool, skipped_convs: int = 0) -> None:
     reasons = []
+    if skipped_convs:
+        reasons.append(f"{skipped_convs} targeted convolution(s) are not 3x3 stride-1 ones with in_channels a multiple "
+                       f"of 32, out_channels of 16 and both >= {type(config).__name__}.min_features="
+                       f"{config.min_features}")
     if skipped_shape:
         reasons.append(
             f"{skipped_shape} targeted linear(s) are smaller than {type(config).__name__}.min_features="
@@ -432,7 +438,7 @@ def _warn_nothing_quantized(config, handler, skipped_shape: int, skipped_already
             + f"; pass min_features<={max(widest_skipped, 1)} to quantize them, though layers that small rarely run "
             "faster quantized)")
     if skipped_already:
-        reasons.append(f"{skipped_already} linear(s) are quantized already")
+        reasons.append(f"{skipped_already} layer(s) are quantized already")
     if not reasons:
         reasons.append("no nn.Linear of the module matched filter_fn (default: the UNet's transformer-block linears)")
     warnings.warn("quantize_: no layer was quantized: " + "; ".join(reasons)
@@ -445,7 +451,8 @@ _QUANTIZED = (QuantizedLinear, W8A8StaticConv2d)
 def dequantize_(module: nn.Module, *, filter_fn: FilterFn | None = None) -> int:
     """Undo :func:`quantize_`: replace every :class:`QuantizedLinear` (passing ``filter_fn`` when given)
     by an ``nn.Linear`` (the kept original weight, else the dequantized one), and every quantized convolution by
-    its original ``nn.Conv2d``. Returns how many."""
+    its original ``nn.Conv2d``. ``filter_fn`` sees the quantized modules (``QuantizedLinear``,
+    ``W8A8StaticConv2d``: neither is an ``nn.Linear`` / ``nn.Conv2d``). Returns how many."""
     root = _root(module)
     names = [n for n, m in root.named_modules() if isinstance(m, _QUANTIZED) and (filter_fn is None or filter_fn(m, n))]
     for n in names:

@@ -136,10 +136,10 @@ class TembPack:
         return n
 
     def _detach(self) -> None:
-        """Clone every parameter of the blocks' projections and conv1s (wrapped ones too) that is a view of the
-        pack, so that a dropped pack's storage is freed."""
+        """Clone every parameter of the blocks' projections and conv1s (wrapped ones too), and every buffer of conv1
+        (a quantized conv's bias is one), that is a view of the pack, so that a dropped pack's storage is freed."""
         for b in self.blocks if self._storages else ():
-            for t in (*b.time_emb_proj.parameters(), *b.conv1.parameters()):
+            for t in (*b.time_emb_proj.parameters(), *b.conv1.parameters(), *b.conv1.buffers()):
                 if t.untyped_storage().data_ptr() in self._storages:
                     t.data = t.data.clone()
 

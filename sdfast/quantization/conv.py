@@ -88,10 +88,14 @@ class W8A8StaticConv2d(nn.Module):
     _FP32_BUFFERS = ("w_scale", "input_scale", "input_scale_inv")
 
     def _apply(self, fn, recurse=True):
+        """Device moves apply to every buffer; dtype casts leave the fp32 scales alone; the FP8 weight stays
+        contiguous (its (Cout, 3, 3, Cin) memory is what the kernels read: ``.to(memory_format=...)`` would permute
+        it)."""
         keep = {n: self._buffers[n] for n in self._FP32_BUFFERS}
         super()._apply(fn, recurse)
         for n, t in keep.items():
             self._buffers[n] = t.to(self._buffers[n].device)
+        self._buffers["qweight"] = self._buffers["qweight"].contiguous()
         return self
 
     def get_extra_state(self) -> dict:
@@ -132,8 +136,8 @@ class W8A8StaticConv2d(nn.Module):
             return f"input {tuple(x.shape)} is not (N, {self.in_channels}, H, W)"
         if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             return f"input dtype {x.dtype} (fp16, bf16 or fp32)"
-        if torch.is_grad_enabled() and x.requires_grad:
-            return "gradients are needed (the FP8 kernels have no backward)"
+        if x.is_cuda and torch.cuda.get_device_capability(x.device) < (8, 9):
+            return "FP8 needs an sm_89+ GPU"
         stand_in = torch.empty(0, 1, 1, self.in_channels, dtype=_FP8, device=x.device)  # a fresh (aligned) buffer
         if name == "fp8_tma":
             return tma_problem(stand_in, self.weight_q, self.fast_accum)
@@ -142,9 +146,11 @@ class W8A8StaticConv2d(nn.Module):
     def forward(self, x: torch.Tensor, bias: bool = True) -> torch.Tensor:
         """The convolution of ``x`` on the measured path (see the class docstring); ``bias=False`` leaves the bias out
         (``sdfast.passes.norms`` adds it elsewhere, as it does a plain convolution's)."""
+        if torch.is_grad_enabled() and x.requires_grad:  # the FP8 kernels have no backward
+            return self.cudnn_forward(x, bias=bias)
         with_bias = bias and self.bias is not None
         path = select.decide(
-            CHOICE, select.signature(x, self.qweight) + (with_bias,), device=x.device,
+            CHOICE, select.signature(x, self.qweight) + (with_bias, self.fast_accum), device=x.device,
             candidates={"fp8": lambda: self.fp8_forward(x, bias=bias),
                         "fp8_tma": lambda: self.fp8_forward(x, tma=True, bias=bias),
                         "cudnn": lambda: self.cudnn_forward(x, bias=bias)},

@@ -41,3 +41,35 @@ def test_launch_autotuned_drops_the_arguments(fail):
     del out
     gc.collect()
     assert kernel.nargs is None and ref() is None
+
+
+def test_a_dry_run_applies_each_configs_pre_hook_before_compiling_it(monkeypatch):
+    """In a precompile dry run every config is compiled with what its pre-hook sets (a TMA descriptor's box is part
+    of the compiled specialization), in config order."""
+    import triton
+
+    from kernels import precompile
+
+    seen = []
+
+    class Desc:
+        box = None
+
+    def hook(nargs):
+        nargs["desc"].box = nargs["BLOCK"]
+
+    class Fn:
+        def run(self, *args, **kwargs):
+            seen.append((kwargs["BLOCK"], args[0].box))
+
+    class Tuner:
+        arg_names = ["desc"]
+        configs = [triton.Config({"BLOCK": 16}, pre_hook=hook), triton.Config({"BLOCK": 32}, pre_hook=hook)]
+        fn, nargs = Fn(), None
+
+        def prune_configs(self, meta):
+            return self.configs
+
+    monkeypatch.setattr(precompile, "active", lambda: True)
+    launch_autotuned(Tuner(), (1,), Desc())
+    assert seen == [(16, 16), (32, 32)]
