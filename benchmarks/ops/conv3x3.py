@@ -95,16 +95,11 @@ def _fp8_row(x, wt, ref) -> dict:
         def kernel(tma, fast=True):
             return lambda: fc.fp8_conv3x3(xq, m.weight_q, m.input_scale, m.w_scale, None, tma=tma, fast_accum=fast)
 
-        def tile(tuner) -> str:
-            best = tuner.best_config
-            return (f"{best.kwargs['BLOCK_M']}x{best.kwargs['BLOCK_N']}x{best.kwargs['BLOCK_K']} "
-                    f"s{best.num_stages} w{best.num_warps}")
-
         row = {}
         kernel(False)()
-        row["fp8_us"], row["fp8_tile"] = _time(kernel(False)), tile(fc._tuned(x.device.index or 0))
+        row["fp8_us"], row["fp8_tile"] = _time(kernel(False)), fc.autotuned_tile(False, x.device.index or 0)
         kernel(True)()
-        row["fp8_tma_us"], row["fp8_tma_tile"] = _time(kernel(True)), tile(fc._tuned_tma(x.device.index or 0))
+        row["fp8_tma_us"], row["fp8_tma_tile"] = _time(kernel(True)), fc.autotuned_tile(True, x.device.index or 0)
         kernel(False, False)()
         row["fp8_promoted_us"] = _time(kernel(False, False))
         tma = row["fp8_tma_us"] < row["fp8_us"]

@@ -144,7 +144,6 @@ def _fp8_conv3x3_tma_kernel(
     CIN,
     COUT,
     HAS_BIAS: tl.constexpr,
-    FAST_ACC: tl.constexpr,
     K_TILES: tl.constexpr,  # as in the pointer kernel
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -168,10 +167,7 @@ def _fp8_conv3x3_tma_kernel(
         c0 = (kt - tap * c_tiles) * BLOCK_K
         a = x_desc.load([n, h0 + tap // 3 - 1, w0 + tap % 3 - 1, c0]).reshape(BLOCK_M, BLOCK_K)
         b = w_desc.load([off_n, tap * CIN + c0])
-        if FAST_ACC:
-            acc = tl.dot(a, b.T, acc)
-        else:
-            acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
+        acc = tl.dot(a, b.T, acc)  # fast accumulation only (the module docstring)
     rn = off_n + tl.arange(0, BLOCK_N)
     in_n = rn < COUT
     i = tl.arange(0, BLOCK_M)
@@ -203,11 +199,18 @@ _GPU_CONFIGS = (
 _MIN_BLOCK_K = 32
 
 
-def gpu_configs(device_idx: int) -> list[triton.Config]:
-    """The tile configs whose pipelined tiles fit the device's shared memory."""
+def _configs(table, device_idx: int, pre_hook=None) -> list[triton.Config]:
+    """The tiles of ``table`` ((BLOCK_M, BLOCK_N, BLOCK_K, num_stages, num_warps) rows) whose pipelined operand tiles
+    fit the device's shared memory."""
     limit = smem_limit(device_idx)
-    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=nw, num_stages=st)
-            for bm, bn, bk, st, nw in _GPU_CONFIGS if st * (bm + bn) * bk <= limit]
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=nw, num_stages=st,
+                          pre_hook=pre_hook)
+            for bm, bn, bk, st, nw in table if st * (bm + bn) * bk <= limit]
+
+
+def gpu_configs(device_idx: int) -> list[triton.Config]:
+    """The pointer kernel's tile configs that fit the device's shared memory."""
+    return _configs(_GPU_CONFIGS, device_idx)
 
 
 def _prune(configs, named_args, **kwargs):
@@ -256,14 +259,19 @@ _TMA_CONFIGS = (
 
 @functools.lru_cache(maxsize=None)
 def _tuned_tma(device_idx: int):
-    limit = smem_limit(device_idx)
-    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_warps=nw, num_stages=st,
-                             pre_hook=_set_boxes)
-               for bm, bn, bk, st, nw in _TMA_CONFIGS if st * (bm + bn) * bk <= limit]
     heuristics = triton.heuristics({"BW": lambda args: tile_width(args["W"], args["BLOCK_M"])})
-    return triton.autotune(configs=configs, key=["NB", "H", "W", "CIN", "COUT", "HAS_BIAS", "FAST_ACC"],
+    return triton.autotune(configs=_configs(_TMA_CONFIGS, device_idx, _set_boxes),
+                           key=["NB", "H", "W", "CIN", "COUT", "HAS_BIAS"],
                            prune_configs_by={"early_config_prune": _prune}, do_bench=autotune_bench,
                            cache_results=True)(heuristics(_fp8_conv3x3_tma_kernel))
+
+
+def autotuned_tile(tma: bool, device_idx: int) -> str:
+    """The tile the autotuner of the TMA (``tma``) or pointer kernel picked at its last launch on that GPU, as
+    "BMxBNxBK s<stages> w<warps>" (for benchmark reports)."""
+    best = (_tuned_tma if tma else _tuned)(device_idx).best_config
+    return (f"{best.kwargs['BLOCK_M']}x{best.kwargs['BLOCK_N']}x{best.kwargs['BLOCK_K']} "
+            f"s{best.num_stages} w{best.num_warps}")
 
 
 def _interp_block_k(cin: int) -> int:
@@ -317,7 +325,7 @@ def _fp8_conv3x3_op(xq: torch.Tensor, wq: torch.Tensor, a_scale: torch.Tensor, w
     a_scale = a_scale.float()
     w_scale = w_scale.float().contiguous()
     if tma:
-        _launch_tma(xq, wq, a_scale, w_scale, bias, out, fast_accum)
+        _launch_tma(xq, wq, a_scale, w_scale, bias, out)
         return out.permute(0, 3, 1, 2)
     args = (xq, wq, a_scale, w_scale, bias if bias is not None else out, out, m, h, w, cin, cout)
     if xq.is_cuda and not interpret_mode():
@@ -335,7 +343,7 @@ def _fp8_conv3x3_op(xq: torch.Tensor, wq: torch.Tensor, a_scale: torch.Tensor, w
     return out.permute(0, 3, 1, 2)
 
 
-def _launch_tma(xq, wq, a_scale, w_scale, bias, out, fast_accum: bool) -> None:
+def _launch_tma(xq, wq, a_scale, w_scale, bias, out) -> None:
     nb, h, w, cin = xq.shape
     cout = wq.shape[0]
     w2d = wq.view(cout, 9 * cin)
@@ -349,7 +357,7 @@ def _launch_tma(xq, wq, a_scale, w_scale, bias, out, fast_accum: bool) -> None:
             return (nb * triton.cdiv(h, bh) * triton.cdiv(w, meta["BW"]) * triton.cdiv(cout, meta["BLOCK_N"]),)
 
         launch_autotuned(_tuned_tma(device_index(xq)), grid, x_desc, w_desc, a_scale, w_scale, bias_arg, out, nb, h, w,
-                         cin, cout, HAS_BIAS=bias is not None, FAST_ACC=fast_accum, K_TILES=0)
+                         cin, cout, HAS_BIAS=bias is not None, K_TILES=0)
         return
     bm, bn, bk = 32, 32, _interp_block_k(cin)
     bw = tile_width(w, bm)
@@ -357,7 +365,7 @@ def _launch_tma(xq, wq, a_scale, w_scale, bias, out, fast_accum: bool) -> None:
     w_desc = TensorDescriptor(w2d, [cout, 9 * cin], [9 * cin, 1], [bn, bk])
     grid = (nb * triton.cdiv(h, bm // bw) * triton.cdiv(w, bw) * triton.cdiv(cout, bn),)
     _fp8_conv3x3_tma_kernel[grid](x_desc, w_desc, a_scale, w_scale, bias_arg, out, nb, h, w, cin, cout,
-                                  HAS_BIAS=bias is not None, FAST_ACC=fast_accum, K_TILES=9 * cin // bk, BLOCK_M=bm,
+                                  HAS_BIAS=bias is not None, K_TILES=9 * cin // bk, BLOCK_M=bm,
                                   BLOCK_N=bn, BLOCK_K=bk, BW=bw, GROUP_M=4, num_warps=4, num_stages=1)
 
 
@@ -398,4 +406,4 @@ def fp8_conv3x3(xq: torch.Tensor, wq: torch.Tensor, a_scale: torch.Tensor, w_sca
     return _fp8_conv3x3_op(xq, wq, a_scale, w_scale, bias, out_dtype, bool(fast_accum), bool(tma))
 
 
-__all__ = ["fp8_conv3x3", "fp8_conv3x3_ref", "problem", "tma_problem", "gpu_configs", "tile_width"]
+__all__ = ["fp8_conv3x3", "fp8_conv3x3_ref", "problem", "tma_problem", "gpu_configs", "tile_width", "autotuned_tile"]

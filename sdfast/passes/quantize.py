@@ -219,6 +219,7 @@ class QuantizeStats(int):
 # --------------------------------------------------------------------------------------------
 # targets
 # --------------------------------------------------------------------------------------------
+_QUANTIZED = (QuantizedLinear, W8A8StaticConv2d)  # what quantize_ made (skipped, counted) and dequantize_ undoes
 _UNET_LINEAR_SUFFIXES = ("proj_in", "proj_out")
 _UNET_CONV_PARENTS = ("resnets", "upsamplers")
 
@@ -443,9 +444,6 @@ def _warn_nothing_quantized(config, handler, skipped_shape: int, skipped_already
         reasons.append("no nn.Linear of the module matched filter_fn (default: the UNet's transformer-block linears)")
     warnings.warn("quantize_: no layer was quantized: " + "; ".join(reasons)
                   + ("; calibration was not run" if calibration else ""), NothingQuantizedWarning, stacklevel=3)
-
-
-_QUANTIZED = (QuantizedLinear, W8A8StaticConv2d)
 
 
 def dequantize_(module: nn.Module, *, filter_fn: FilterFn | None = None) -> int:
