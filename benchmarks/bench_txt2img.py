@@ -125,6 +125,7 @@ class Context:
     strength: float | None = None  # every task's strength (None: each task's own default, ``Task.strength``)
     image_dir: Path | None = None  # where to save the images (``--save-images``), or None
     scheduler: str | None = None  # every generation's scheduler (``--scheduler``; None: the model's own)
+    throughput: tuple[int, ...] = ()  # batches of the throughput sweep (``--throughput``), or none
 
     def __post_init__(self):
         from sdfast.loading import default_device_dtype
@@ -364,7 +365,8 @@ def parse_ints(text: str | None, flag: str, lo: int) -> list[int]:
 # down block's layers and the whole last up block: branch 0 before branches were counted by skip connection); the
 # few-step settings of SDXL-Turbo (512², 4 steps, no CFG), SDXL LCM(-LoRA) (1024², 4 steps, CFG at 1.5) and SD1.5
 # LCM-LoRA (512², 4 steps, guidance 1: no CFG), stock beside sdfast (and, for SDXL, whose VAE decodes in fp32, sdfast
-# with its decoder in bf16: a larger share of a 4-step image).
+# with its decoder in bf16: a larger share of a 4-step image); throughput at MLPerf's SDXL setting (1024², 20 Euler
+# steps, guidance 8.0) and the same for SD1.5 at 512², fp16 and 8-bit.
 PRESETS: dict[str, dict] = {
     "deepcache-sd15": dict(models="sd15", steps=50, systems="sdfast", cache_interval="2,3,5", cache_branch="0,2",
                            fp32_ref=False),
@@ -376,6 +378,10 @@ PRESETS: dict[str, dict] = {
                           repeats=10, fp32_ref=False),
     "lcm-sd15-512": dict(models="sd15", steps=4, guidance=1.0, scheduler="lcm", systems="stock,sdfast", repeats=10,
                          fp32_ref=False),
+    "throughput-sdxl": dict(models="sdxl", steps=20, guidance=8.0, scheduler="euler", throughput="1,2,4,8",
+                            systems="sdfast,sdfast-fp8-static-convs", repeats=2, fp32_ref=False),
+    "throughput-sd15": dict(models="sd15", steps=20, guidance=8.0, scheduler="euler", throughput="1,4,8,16",
+                            systems="sdfast,sdfast-fp8-static-convs", repeats=2, fp32_ref=False),
 }
 
 
@@ -1002,6 +1008,10 @@ def _run_task(task: Task, row: dict, engine, system: System, spec: ModelSpec, ct
             row["second_size"] = f"{w + 128}x{h}"
             log(f"[{label}] first image at {row['second_size']}: {row['second_size_s']:.2f} s")
 
+        if ctx.throughput and task.name == "txt2img":
+            stage = "throughput"
+            row.update(measure_throughput(engine, kw, ctx, label))
+
         if ctx.profile and timer.captured is not None:
             stage = "profile"
             from benchmarks.unet_profile import profile_unet_step
@@ -1015,6 +1025,37 @@ def _run_task(task: Task, row: dict, engine, system: System, spec: ModelSpec, ct
         log(f"[{label}] FAILED in {stage}:\n{traceback.format_exc()}")
     finally:
         timer = None
+
+
+def measure_throughput(engine, kw: dict, ctx: Context, label: str) -> dict:
+    """Images per second at each batch of ``ctx.throughput`` (``num_images_per_prompt``; the UNet runs twice that
+    with CFG): one untimed generation per batch (its CUDA graphs), then ``min(ctx.repeats, 3)`` timed ones, their
+    median. Returns ``throughput`` ([{batch, e2e_s, img_s}] or an ``error`` per batch: an out-of-memory batch ends
+    the sweep), ``best_img_s`` and ``best_batch``."""
+    import torch
+
+    points = []
+    for batch in ctx.throughput:
+        kwb = dict(kw, num_images_per_prompt=batch)
+        try:
+            engine.txt2img(**kwb)
+            times = []
+            for _ in range(min(ctx.repeats, 3)):
+                ctx.sync()
+                t = time.perf_counter()
+                engine.txt2img(**kwb)
+                ctx.sync()
+                times.append(time.perf_counter() - t)
+        except torch.cuda.OutOfMemoryError as e:
+            points.append(dict(batch=batch, error=f"OutOfMemoryError: {str(e)[:200]}"))
+            log(f"[{label}] throughput: batch {batch} ran out of memory; the sweep stops there")
+            break
+        e2e = statistics.median(times)
+        points.append(dict(batch=batch, e2e_s=e2e, img_s=batch / e2e))
+        log(f"[{label}] throughput: batch {batch}: {e2e:.3f} s, {batch / e2e:.2f} images/s")
+    ok = [p for p in points if "img_s" in p]
+    best = max(ok, key=lambda p: p["img_s"]) if ok else None
+    return dict(throughput=points, best_img_s=best and best["img_s"], best_batch=best and best["batch"])
 
 
 def task_reference(engine, task: Task, spec: ModelSpec, ctx: Context, refs: dict, size: tuple[int, int]) -> None:
@@ -1127,6 +1168,21 @@ def render(rows: list[dict], env: dict, *, profile: bool = False) -> str:
             out.append(f"- {r['model']}/{r['system']}: {info['layers']} layers converted in "
                        f"{fmt(info['compress_s'])} s (calibration on {len(CALIBRATION_PROMPTS)} prompts, "
                        f"{CALIBRATION_STEPS} steps), their weights {fmt(info['weight_ratio'])}x the original bytes")
+    swept = [r for r in rows if r.get("throughput")]
+    if swept:
+        batches = list(dict.fromkeys(p["batch"] for r in swept for p in r["throughput"]))
+        table = [dict(system=_label(r), **{f"batch {p['batch']}": fmt(p.get("img_s")) if "img_s" in p else "OOM"
+                                            for p in r["throughput"]},
+                      best=f"{fmt(r['best_img_s'])} (batch {r['best_batch']})" if r.get("best_img_s") else "—")
+                 for r in swept]
+        out += ["", "### Throughput: images/s per GPU at each batch (images per prompt; the UNet runs 2x with CFG)", "",
+                markdown_table(table, ["system", *[f"batch {b}" for b in batches], "best"]), "",
+                "Median of the timed generations at each batch, after one untimed generation (its CUDA graphs)."]
+        for model in dict.fromkeys(r["model"] for r in swept):
+            for ref in reference.reference_rows(model):
+                if ref["unit"] == "images/s per GPU":
+                    out.append(f"- {ref['label']}: {ref['system']}, {ref['gpu']}, {ref['model_size_steps']}: "
+                               f"{ref['figure']} ({ref['source']})")
     split = [r for r in rows + tiers if r.get("e2e_breakdown")]
     if split:
         keys = list(dict.fromkeys(k for r in split for k in r["e2e_breakdown"]))
@@ -1222,6 +1278,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "0-8; a comma list runs every pair)")
     p.add_argument("--preset", default=None, choices=sorted(PRESETS),
                    help="a named run: sets the flags of PRESETS[name] (flags given beside it win)")
+    p.add_argument("--throughput", default=None, metavar="B[,B...]",
+                   help="after each system's timed txt2img images, images/s at each of these batches (e.g. 1,2,4,8): "
+                        "best_img_s and best_batch, beside the published MLPerf figure (preset throughput-sdxl: "
+                        "MLPerf's setting, 20 Euler steps at guidance 8.0)")
     p.add_argument("--second-size", action="store_true",
                    help="after the timed runs, time the first image at a second resolution (width + 128): what a new "
                         "shape costs once warmed up (graph capture / recompilation)")
@@ -1247,6 +1307,7 @@ def main(argv=None) -> int:
                 raise ValueError(f"--scheduler: unknown scheduler {args.scheduler!r}; known: {', '.join(SCHEDULERS)}")
         intervals = parse_ints(args.cache_interval, "--cache-interval", 2)
         branches = parse_ints(args.cache_branch, "--cache-branch", 0) or [0]
+        throughput = tuple(parse_ints(args.throughput, "--throughput", 1))
         tasks += [deep_cache_task(n, b) for n in intervals for b in branches]
         if args.repeats < 1 or args.batch < 1 or (args.steps is not None and args.steps < 1):
             raise ValueError("--repeats, --batch and --steps must be >= 1")
@@ -1254,7 +1315,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--strength must be in (0, 1], got {args.strength}")
         ctx = Context(device=args.device, image_seed=args.seed, batch=args.batch, guidance_scale=args.guidance,
                       repeats=args.repeats, profile=args.profile, second_size=args.second_size,
-                      strength=args.strength, scheduler=args.scheduler,
+                      strength=args.strength, scheduler=args.scheduler, throughput=throughput,
                       image_dir=Path(args.out) / "images" if args.out and args.save_images else None)
         specs = model_specs(args, ctx)
         for spec in specs:

@@ -7,6 +7,7 @@ The numeric columns only serve the chart and the table's comparisons:
 - ``e2e_s``: end-to-end seconds where the source gives them;
 - ``unet_ms_step``: UNet (or denoising-loop) milliseconds per step, where the source gives it or it
   follows directly: 1000 / (it/s) for it/s figures (``unit == 'it/s'``), UNet total / steps otherwise;
+- ``unit == 'images/s per GPU'``: a throughput figure (``bench_txt2img --throughput``'s rows compare with it);
 - ``arch``: which of our architectures the row is comparable with ('sd15' for SD 1.x at 512², 'sdxl').
 
 They were measured on other GPUs (A100, H100, A800), sizes and step counts: never compare them with a
@@ -73,6 +74,11 @@ REFERENCE: list[dict] = [
          "0.76 s e2e, 68.2 it/s, 7.9% ahead of TensorRT",
          arch="sd15", size="512x512", steps="~50", unit="s e2e", value=0.76, e2e_s=0.76, unet_ms_step=1000 / 68.2,
          source="the seed blog's post, Baidu article", note="ms/step = 1000 / 68.2 it/s"),
+    _row("TensorRT (MLPerf Inference v4.1, NVIDIA's submission, FP8 UNet, INT8 VAE)", "8x H200 SXM",
+         "SDXL 1024², 20 (Euler, guidance 8.0)", "17.42 samples/s offline on 8 GPUs: 2.18 images/s per GPU",
+         arch="sdxl", size="1024x1024", steps="20", unit="images/s per GPU", value=17.42 / 8,
+         source="MLPerf Inference v4.1 results (datacenter, closed, stable-diffusion-xl offline)",
+         note="inside MLPerf's FID / CLIP-score window; per GPU = 17.42 / 8"),
     _row("OneDiff (nexfort)", "A800", "SD1.5 512², 20", "76.0 it/s",
          arch="sd15", size="512x512", steps="20", unit="it/s", value=76.0, unet_ms_step=1000 / 76.0,
          source="siliconflow/onediff examples", note="ms/step = 1000 / (it/s)"),

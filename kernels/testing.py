@@ -41,3 +41,13 @@ def assert_close_rule(
     base = max_abs_err(torch_lowp, ref32)
     bound = 2 * base + atol
     assert err <= bound, f"{name}: max|ours-ref32|={err:.3e} > 2*{base:.3e}+{atol:.1e}={bound:.3e}"
+
+
+
+def e4m3_far(ours: torch.Tensor, ref: torch.Tensor, atol: float = 0.0) -> torch.Tensor:
+    """Mask of the elements of two ``float8_e4m3fn`` tensors (or their float values) more than one E4M3 grid step
+    (the spacing at ``ref``'s magnitude: 2^(e-3) in the binade [2^e, 2^(e+1)), 2^-9 among the subnormals) plus
+    ``atol`` apart: a kernel and its reference summing in different orders may round to neighbouring values."""
+    o, r = ours.float(), ref.float()
+    step = torch.exp2(torch.floor(torch.log2(r.abs().clamp_min(2.0**-6))) - 3)
+    return (o - r).abs() > step + atol

@@ -21,6 +21,7 @@ POLICY_FIELDS = {
     "linear": ("linear", ("cublas",), "SDFAST_LINEAR_TMA", "cublas"),
     "geglu": ("geglu", ("cublas",), "SDFAST_GEGLU_TMA", "cublas"),
     "fp8_conv3x3": ("fp8_conv3x3", ("fp8", "fp8_tma", "cudnn"), "SDFAST_FP8_CONV", "cudnn"),
+    "geglu_fp8": ("geglu_fp8", ("scaled_mm",), "SDFAST_FP8_GEGLU", "scaled_mm"),
 }
 
 
@@ -38,11 +39,14 @@ class KernelPolicy:
     geglu: GEGLU's projection: "auto" or "cublas" (cuBLAS then the GEGLU kernel; never the TMA GEMM).
     fp8_conv3x3: the 3x3 convolutions quantized by ``W8A8Config(convs=True)``: "auto", "fp8" / "fp8_tma" (the FP8
         implicit GEMM's pointer or TMA kernel) or "cudnn" (cuDNN on the kept 16-bit weight).
+    geglu_fp8: GEGLU over a static FP8 projection: "auto" or "scaled_mm" (cuBLASLt's FP8 GEMM, the GEGLU kernel and
+        the quantize kernel; never the FP8 TMA GEMM with the activation in its epilogue).
     cusparselt_search: 2:4 sparse linears run cuSPARSELt's algorithm search for each shape (slower to start).
 
     Environment (read by :meth:`from_env` only): ``SDFAST_ATTENTION_BACKEND`` (a backend or "auto"),
     ``SDFAST_ATTENTION_TRITON=0``, ``SDFAST_CONV_GEMM=0`` (cuDNN), ``SDFAST_GN_CLUSTER=0`` (Triton),
-    ``SDFAST_LINEAR_TMA=0`` and ``SDFAST_GEGLU_TMA=0`` (cuBLAS), ``SDFAST_FP8_CONV=0`` (cuDNN),
+    ``SDFAST_LINEAR_TMA=0`` and ``SDFAST_GEGLU_TMA=0`` (cuBLAS), ``SDFAST_FP8_CONV=0`` (cuDNN), ``SDFAST_FP8_GEGLU=0``
+    (scaled_mm),
     ``SDFAST_CUSPARSELT_SEARCH=1``.
     Raises ValueError for a value a field does not take.
     """
@@ -54,6 +58,7 @@ class KernelPolicy:
     linear: str = "auto"
     geglu: str = "auto"
     fp8_conv3x3: str = "auto"
+    geglu_fp8: str = "auto"
     cusparselt_search: bool = False
 
     def __post_init__(self):

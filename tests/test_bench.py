@@ -617,10 +617,11 @@ def test_a_controlnet_run_times_the_controlnet_and_compares_with_stock_controlne
 
 @pytest.fixture(scope="module")
 def tier_run(tmp_path_factory):
-    """DeepCache speed tiers (issue 34) on stock and sdfast, with a scheduler for every generation."""
+    """DeepCache speed tiers (issue 34) on stock and sdfast, with a scheduler for every generation, and the
+    throughput sweep of the exact rows (issue 32)."""
     out = tmp_path_factory.mktemp("bench-tiers")
     rc, text = _quiet_main([*TINY, "--steps", "4", "--systems", "stock,sdfast", "--no-fp32-ref", "--scheduler", "euler",
-                            "--cache-interval", "2,3", "--out", str(out)])
+                            "--cache-interval", "2,3", "--throughput", "1,2", "--out", str(out)])
     return rc, text, out
 
 
@@ -642,6 +643,42 @@ def test_speed_tiers_give_a_row_per_setting_against_the_exact_row(tier_run):
         assert r["unet_ms_full"] > 0 and r["unet_ms_shallow"] > 0 and r["e2e_breakdown"]
     assert "### Speed tiers" in text and "| stock | tiny | deepcache 3/0 |" in text
     assert "scheduler euler" in text
+
+
+def test_the_throughput_sweep_reports_images_per_second_per_batch(tier_run):
+    rc, text, out = tier_run
+    rows = _rows(out)["rows"]
+    for r in rows:
+        if r["tier"] is not None:
+            assert r.get("throughput") is None  # the sweep runs on the exact txt2img row only
+            continue
+        points = r["throughput"]
+        assert [p["batch"] for p in points] == [1, 2]
+        assert all(math.isclose(p["img_s"], p["batch"] / p["e2e_s"]) for p in points)
+        best = max(points, key=lambda p: p["img_s"])
+        assert (r["best_img_s"], r["best_batch"]) == (best["img_s"], best["batch"])
+    assert "### Throughput" in text and "| tiny/sdfast |" in text
+
+
+def test_the_throughput_sweep_stops_at_out_of_memory(monkeypatch):
+    import torch
+
+    calls = []
+
+    class Engine:
+        def txt2img(self, **kw):
+            calls.append(kw["num_images_per_prompt"])
+            if kw["num_images_per_prompt"] >= 4:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    ctx = bench_txt2img.Context(device="cpu", repeats=2, throughput=(1, 4, 8))
+    got = bench_txt2img.measure_throughput(Engine(), {"num_images_per_prompt": 1}, ctx, "t")
+    assert [p["batch"] for p in got["throughput"]] == [1, 4] and "OutOfMemoryError" in got["throughput"][1]["error"]
+    assert got["best_batch"] == 1 and calls == [1, 1, 1, 4]
+    from benchmarks import reference
+
+    mlperf = [r for r in reference.reference_rows("sdxl") if r["unit"] == "images/s per GPU"]
+    assert len(mlperf) == 1 and math.isclose(mlperf[0]["value"], 17.42 / 8)
 
 
 def test_ssim_and_the_full_shallow_split():
@@ -674,7 +711,7 @@ def test_presets_set_flags_and_flags_given_win(monkeypatch):
     assert (dc.models, dc.steps, dc.cache_interval, dc.cache_branch, dc.systems, dc.fp32_ref) == (
         "sd15", 20, "2,3,5", "0,2", "sdfast", False)
     assert set(bench_txt2img.PRESETS) == {"deepcache-sd15", "deepcache-sdxl", "turbo-sdxl-512", "lcm-sdxl-1024",
-                                          "lcm-sd15-512"}
+                                          "lcm-sd15-512", "throughput-sdxl", "throughput-sd15"}
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -682,6 +719,7 @@ def test_presets_set_flags_and_flags_given_win(monkeypatch):
     (["--cache-interval", "2,x"], "comma list of integers"),
     (["--cache-interval", "2", "--cache-branch", "-1"], "--cache-branch takes integers >= 0"),
     (["--scheduler", "nope"], "--scheduler: unknown scheduler 'nope'"),
+    (["--throughput", "0,2"], "--throughput takes integers >= 1"),
     (["--preset", "nope"], "invalid choice"),
 ])
 def test_bad_tier_arguments_exit_2(argv, message, capsys):

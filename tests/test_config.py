@@ -10,13 +10,13 @@ from sdfast.config import KernelPolicy, OptimizeConfig
 def test_from_env_reads_every_kernel_switch():
     env = {"SDFAST_ATTENTION_BACKEND": "flash", "SDFAST_ATTENTION_TRITON": "0", "SDFAST_CONV_GEMM": "0",
            "SDFAST_GN_CLUSTER": "0", "SDFAST_LINEAR_TMA": "0", "SDFAST_GEGLU_TMA": "0", "SDFAST_CUSPARSELT_SEARCH": "1",
-           "SDFAST_FP8_CONV": "0"}
+           "SDFAST_FP8_CONV": "0", "SDFAST_FP8_GEGLU": "0"}
     assert KernelPolicy.from_env(env) == KernelPolicy(attention="flash", attention_triton=False, conv3x3="cudnn",
                                                       group_norm="triton", linear="cublas", geglu="cublas",
-                                                      fp8_conv3x3="cudnn", cusparselt_search=True)
+                                                      fp8_conv3x3="cudnn", geglu_fp8="scaled_mm", cusparselt_search=True)
     assert KernelPolicy.from_env({}) == KernelPolicy() == KernelPolicy.from_env({"SDFAST_CONV_GEMM": "1"})
     assert KernelPolicy.from_env({}).pins() == {"conv3x3": None, "group_norm": None, "linear": None, "geglu": None,
-                                                "fp8_conv3x3": None}
+                                                "fp8_conv3x3": None, "geglu_fp8": None}
 
 
 def test_bad_values_are_refused_with_the_name():

@@ -671,3 +671,40 @@ def test_conv_calibration_counts_channels():
     stats = collect_linear_stats({"c": conv}, lambda: conv(x))
     assert stats["c"].absmax.shape == (8,) and stats["c"].n_tokens == 16
     assert stats["c"].absmax[3] == 7.0 and stats["c"].absmax.sum() == 7.0
+
+
+def test_static_fp8_feedforward_runs_fp8_end_to_end(unet, monkeypatch):
+    """With the norms pass, a static FP8 feed-forward (no smoothing) takes norm3's E4M3 output and the GEGLU GEMM's
+    E4M3 output: no quantize pass for its two linears; the image of the unfused quantized model within rounding.
+    Once through the default path (scaled_mm, GEGLU, quantize kernels) and once through the FP8 TMA GEMM, pinned."""
+    from kernels.geglu import projection as gp
+    from kernels.geglu.triton_tma_gemm import FP8_CONFIGS
+    from kernels.select import rules
+    from sdfast.passes import norms
+
+    u = copy.deepcopy(unet)
+    quantize_(u, STATIC, calibration=_calibration(u))
+    inp = _inputs()
+    ref = _run(u, inp)
+    norms.apply(u)
+    calls = _count_quantize(monkeypatch)
+    ran = []
+    real = gp.geglu_projection_fp8
+    monkeypatch.setattr(norms, "geglu_projection_fp8", lambda *a, **k: ran.append(k["out_scale_inv"]) or real(*a, **k))
+    out = _run(u, inp)
+    assert len(ran) == 4 and all(r is not None for r in ran)  # one per transformer block
+    assert len(calls) == 4 * 8  # 10 linears per block, minus the feed-forward's two
+    assert torch.isfinite(out).all() and _rel(out, ref) < 0.02
+    monkeypatch.setitem(rules._pins, "geglu_fp8", str(FP8_CONFIGS[0]))
+    tma = []
+    real_tma = gp.geglu_linear_fp8
+    monkeypatch.setattr(gp, "geglu_linear_fp8", lambda *a, **k: tma.append(1) or real_tma(*a, **k))
+    out_tma = _run(u, inp)
+    assert len(tma) == 4 and _rel(out_tma, ref) < 0.02
+    # smoothing (alpha > 0) keeps each linear's own quantize pass: the block runs the module path
+    s = copy.deepcopy(unet)
+    quantize_(s, W8A8Config(dtype="fp8", activations="static", alpha=0.5, min_features=32), calibration=_calibration(s))
+    norms.apply(s)
+    ran.clear()
+    _run(s, inp)
+    assert ran == []

@@ -3,6 +3,7 @@
     python -m benchmarks.ops.geglu bench [--quick] [--no-compile] [--out DIR]
     python -m benchmarks.ops.geglu sweep [--out DIR]
     python -m benchmarks.ops.geglu tma [--out DIR] [--extra] [--per-tile]
+    python -m benchmarks.ops.geglu fp8 [--out DIR] [--extra]
 
 ``bench``: the activation kernel (:func:`kernels.geglu.geglu`) at every GEGLU input SD runs
 (``benchmarks.sd_shapes.GEGLU_SITES``; fp16), against eager PyTorch (diffusers' ``a * F.gelu(g)``) and
@@ -26,6 +27,14 @@ with ``--per-tile``, the per-tile grids of :func:`per_tile_configs`), each timed
 (``do_bench_cudagraph``, median) and checked against ``geglu_linear_ref`` (max abs error). Also what
 ``geglu_projection``'s measured choice picks (``measured_choice``, from ``kernels.select.decisions()``). Writes
 ``DIR/geglu_tma.json`` (with the GPU, versions and date) and ``DIR/geglu_tma.md``; prints one line per shape.
+
+``fp8``: the same projections on FP8 operands (static per-tensor scales) with an E4M3 output (the next FP8 layer's
+input), what the static-FP8 feed-forward runs: ``scaled_mm`` (``torch._scaled_mm`` writing the 2N-wide product, the
+GEGLU kernel, the quantize kernel: ``kernels.geglu.projection.scaled_mm_geglu``), ``scaled_mm_gemm`` (the GEMM alone)
+and every ``kernels.geglu.triton_tma_gemm.FP8_CONFIGS`` entry (with ``--extra``, :func:`fp8_extra_configs` too), each
+in a CUDA graph, with its E4M3 output's disagreement with the float64 reference (the share of elements more than one
+grid step off) and the FP8 floor (the FLOPs at the H200's dense FP8 peak, ``FP8_PEAK_TFLOPS``). The per-step total
+weighs each shape by its count. Writes ``DIR/geglu_fp8.json`` / ``.md``.
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ if __package__ in (None, ""):  # run as a script: make the repo root importable
 
 BENCH_OPS = ("geglu",)
 CEILING_TBS = 4.05
+FP8_PEAK_TFLOPS = 1979.0  # H200 SXM dense FP8 (NVIDIA's datasheet)
 # (model, layer, M, K, N, count per UNet step): the feed-forward projections (weight (2N, K)) of one UNet step
 TMA_SHAPES = (("sd15", "l0", 8192, 320, 1280, 5), ("sd15", "l1", 2048, 640, 2560, 5),
               ("sd15", "l2", 512, 1280, 5120, 5), ("sd15", "mid", 128, 1280, 5120, 1),
@@ -257,6 +267,106 @@ def tma(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------------
+# fp8: the FP8 TMA GEGLU GEMM (E4M3 in and out) against scaled_mm + GEGLU + quantize
+# --------------------------------------------------------------------------------------------
+def fp8_extra_configs():
+    """FP8 tiles beyond the candidates: a fourth stage, 64-row persistent tiles, one-program-per-tile 128x128."""
+    from kernels.geglu.triton_tma_gemm import TileConfig
+
+    return (TileConfig(128, 128, 128, 4, 8, group_m=4, single_dot=True),
+            TileConfig(64, 128, 128, 4, 4, group_m=8, single_dot=True),
+            TileConfig(128, 128, 128, 3, 8, single_dot=True, persistent=False),
+            TileConfig(128, 64, 128, 5, 4, single_dot=True, persistent=False))
+
+
+def fp8_rows(extra: bool = False) -> list[dict]:
+    import torch
+
+    from kernels import select
+    from kernels.geglu import projection as gp
+    from kernels.geglu.ref import geglu_linear_fp8_ref
+    from kernels.geglu.triton_tma_gemm import FP8_CONFIGS, geglu_linear_fp8
+    from kernels.gemm.fp8_static import fp8_linear, quantize_static
+    from kernels.testing import e4m3_far
+
+    rows = []
+    for model, name, m, k, n, count in TMA_SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(m, k, device="cuda", generator=g)
+        w = torch.randn(2 * n, k, device="cuda", generator=g) / k**0.5
+        sa, sw = (x.abs().max() / 448).reshape(()), (w.abs().max() / 448).reshape(())
+        q, qw = quantize_static(x, 1 / sa), quantize_static(w, 1 / sw)
+        b = (torch.randn(2 * n, device="cuda", generator=g) * 0.1).half()
+        ref16 = geglu_linear_fp8_ref(q, qw, sa, sw, b, out_dtype=torch.float32)
+        inv = (448 / ref16.abs().max()).reshape(())
+        ref = geglu_linear_fp8_ref(q, qw, sa, sw, b, out_scale_inv=inv)
+
+        def off(y):
+            return float(e4m3_far(y, ref).float().mean())
+
+        row = dict(model=model, layer=name, M=m, K=k, N=n, count=count,
+                   floor_us=2 * m * k * 2 * n / (FP8_PEAK_TFLOPS * 1e12) * 1e6)
+        row["scaled_mm_us"] = _time(lambda: gp.scaled_mm_geglu(q, qw, sa, sw, b, inv, torch.float16))
+        row["scaled_mm_gemm_us"] = _time(lambda: fp8_linear(q, qw, sa, sw, b))
+        row["scaled_mm_off"] = off(gp.scaled_mm_geglu(q, qw, sa, sw, b, inv, torch.float16))
+        row["configs"] = {}
+        for c in FP8_CONFIGS + (fp8_extra_configs() if extra else ()):
+            try:
+                err = off(geglu_linear_fp8(q, qw, sa, sw, b, out_scale_inv=inv, config=c))
+                row["configs"][str(c)] = dict(
+                    us=_time(lambda c=c: geglu_linear_fp8(q, qw, sa, sw, b, out_scale_inv=inv, config=c)), off=err)
+            except Exception as e:  # noqa: BLE001 - recorded: a config that does not compile here
+                row["configs"][str(c)] = dict(us=None, error=f"{type(e).__name__}: {str(e)[:200]}")
+        select.clear(gp.FP8_CHOICE.name)
+        gp.geglu_projection_fp8(q, qw, sa, sw, b, out_scale_inv=inv)
+        made = select.decisions(gp.FP8_CHOICE.name)
+        row["measured_choice"] = made[-1].winner if made else None
+        ok = {cfg: r["us"] for cfg, r in row["configs"].items() if r.get("us")}
+        row["best_tma"] = min(ok, key=ok.get) if ok else None
+        row["best_tma_us"] = ok[row["best_tma"]] if ok else None
+        rows.append(row)
+        best = row["best_tma_us"]
+        print(f"{model} {name} M={m} K={k} N={n}: scaled_mm+GEGLU+quantize {row['scaled_mm_us']:.1f} us (GEMM "
+              f"{row['scaled_mm_gemm_us']:.1f}), best TMA {best and round(best, 1)} us {row['best_tma']}, floor "
+              f"{row['floor_us']:.1f}, choice {row['measured_choice']}", flush=True)
+    return rows
+
+
+def fp8_markdown(rows: list[dict]) -> str:
+    out = ["| model | layer | M | K | N | scaled_mm + GEGLU + quantize µs | its GEMM µs | best FP8 TMA µs | TMA / scaled_mm "
+           "| FP8 floor µs | TFLOP/s | config | off-grid share (TMA / scaled_mm) | x per step |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    per_step: dict[str, list[float]] = {}
+    for r in rows:
+        t = r["best_tma_us"]
+        fl = 2 * r["M"] * r["K"] * 2 * r["N"]
+        tma, ratio, tf = ("—", "—", "—") if t is None else (f"{t:.1f}", f"{t / r['scaled_mm_us']:.2f}",
+                                                              f"{fl / t / 1e6:.0f}")
+        offs = r["configs"].get(r["best_tma"] or "", {}).get("off")
+        out.append(f"| {r['model']} | {r['layer']} | {r['M']} | {r['K']} | {r['N']} | {r['scaled_mm_us']:.1f} | "
+                   f"{r['scaled_mm_gemm_us']:.1f} | {tma} | {ratio} | {r['floor_us']:.1f} | {tf} | {r['best_tma']} | "
+                   f"{offs if offs is None else f'{offs:.1e}'} / {r['scaled_mm_off']:.1e} | {r['count']} |")
+        acc = per_step.setdefault(r["model"], [0.0, 0.0])
+        acc[0] += r["count"] * r["scaled_mm_us"]
+        acc[1] += r["count"] * min(r["scaled_mm_us"], t or float("inf"))
+    out.append("")
+    for model, (a, b) in per_step.items():
+        out.append(f"- {model}, per UNet step: scaled_mm path {a:.0f} µs, the faster of the two per shape {b:.0f} µs")
+    return "\n".join(out) + "\n"
+
+
+def fp8(args) -> int:
+    """The ``fp8`` subcommand."""
+    rows = fp8_rows(args.extra)
+    print(fp8_markdown(rows))
+    if args.out:
+        from benchmarks.report import write_sweep
+
+        write_sweep(args.out, "geglu_fp8", rows, fp8_markdown(rows))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.ops.geglu", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -273,6 +383,10 @@ def main(argv=None) -> int:
     p.add_argument("--extra", action="store_true", help="also time the tiles of extra_configs()")
     p.add_argument("--per-tile", action="store_true", help="also time the per-tile grids of per_tile_configs()")
     p.set_defaults(fn=tma)
+    p = sub.add_parser("fp8", help="the FP8 TMA GEGLU GEMM (E4M3 in and out) against scaled_mm + GEGLU + quantize")
+    p.add_argument("--out", type=Path, default=None, help="write geglu_fp8.json/.md here")
+    p.add_argument("--extra", action="store_true", help="also time the tiles of fp8_extra_configs()")
+    p.set_defaults(fn=fp8)
     args = ap.parse_args(argv)
     return args.fn(args)
 

@@ -39,4 +39,24 @@ def geglu_linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return (a * F.gelu(g)).to(x.dtype)
 
 
-__all__ = ["geglu_ref", "geglu_linear_ref"]
+def geglu_linear_fp8_ref(q: torch.Tensor, qweight: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
+                         bias: torch.Tensor | None = None, *, out_scale_inv: torch.Tensor | None = None,
+                         out_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Plain PyTorch in float64 of :func:`kernels.geglu.triton_tma_gemm.geglu_linear_fp8`: ``a * gelu(g)`` of
+    ``(q * a_scale) @ (qweight * w_scale)^T + bias``; with ``out_scale_inv`` saturated to +-448 after the multiply
+    and cast to ``float8_e4m3fn`` (nearest, ties to even), else cast to ``out_dtype``.
+
+    q: (..., K) float8_e4m3fn; qweight: (2N, K) float8_e4m3fn; a_scale, w_scale, out_scale_inv: 0-dim fp32;
+    bias: (2N,) or None. Returns (..., N)."""
+    s = a_scale.double() * w_scale.double()
+    y = (q.double() @ qweight.double().t()) * s
+    if bias is not None:
+        y = y + bias.double()
+    a, g = y.chunk(2, dim=-1)
+    y = a * F.gelu(g)
+    if out_scale_inv is None:
+        return y.to(out_dtype)
+    return (y * out_scale_inv.double()).clamp(-448.0, 448.0).float().to(torch.float8_e4m3fn)
+
+
+__all__ = ["geglu_ref", "geglu_linear_ref", "geglu_linear_fp8_ref"]

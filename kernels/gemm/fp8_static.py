@@ -77,7 +77,7 @@ def fp8_linear_ref(
 # quantize kernel
 # --------------------------------------------------------------------------------------------
 @triton.jit
-def _round_to_e4m3(v):
+def round_to_e4m3(v):
     """fp32 values already within ±448 -> the nearest E4M3 value (ties to even), still in fp32.
     E4M3 has 3 mantissa bits: the spacing in the binade [2^e, 2^(e+1)) is 2^(e-3); below 2^-6 the
     subnormals keep the spacing 2^-9."""
@@ -109,7 +109,7 @@ def _quantize_static_kernel(
         v = v * tl.load(smooth_ptr + offs % K, mask=mask, other=0.0)
     v = tl.clamp(v * tl.load(inv_ptr), -QMAX, QMAX, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN
     if ROUND_FIRST:
-        v = _round_to_e4m3(v)
+        v = round_to_e4m3(v)
     tl.store(q_ptr + offs, v.to(q_ptr.dtype.element_ty), mask=mask)  # GPU: cvt.rn.satfinite (nearest, ties to even)
 
 

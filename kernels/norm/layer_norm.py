@@ -25,8 +25,11 @@ import triton.language as tl
 
 from kernels.checks import check_like
 from kernels.dispatch import use_triton
+from kernels.gemm.fp8_static import FP8, round_to_e4m3
+from kernels.gemm.w8a8 import FP8_QMAX
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FP8_MAX = tl.constexpr(FP8_QMAX)
 _MAX_FUSED_D = 8192  # rows up to this (padded) width stay in registers
 
 
@@ -43,12 +46,15 @@ def layer_norm_ref(
     return_sum: bool = False,
     sum_bias: torch.Tensor | None = None,
     upcast: bool = True,
+    out_scale_inv: torch.Tensor | None = None,
 ):
     """Plain-PyTorch ``layer_norm(x + residual)`` over the last dim D.
 
     x, residual: (..., D); weight, bias, sum_bias: (D,) or None. With ``upcast`` the math runs in fp32 and
     the outputs are cast to x.dtype; without, in x.dtype. Returns ``y`` or ``(y, s)`` with ``return_sum``;
-    with ``sum_bias``, ``s`` is the sum rounded to x.dtype plus ``sum_bias`` (the norm does not see it).
+    with ``sum_bias``, ``s`` is the sum rounded to x.dtype plus ``sum_bias`` (the norm does not see it). With
+    ``out_scale_inv`` (0-dim fp32) ``y`` is ``(y * out_scale_inv)`` from the compute dtype, saturated to +-448 and
+    cast to ``float8_e4m3fn``.
     """
     dt = x.dtype
     cdt = torch.promote_types(dt, torch.float32) if upcast else dt
@@ -58,7 +64,11 @@ def layer_norm_ref(
     D = x.shape[-1]
     y = F.layer_norm(
         s, (D,), None if weight is None else weight.to(cdt), None if bias is None else bias.to(cdt), eps
-    ).to(dt)
+    )
+    if out_scale_inv is not None:
+        y = (y.float() * out_scale_inv.float()).clamp(-FP8_QMAX, FP8_QMAX).to(FP8)
+    else:
+        y = y.to(dt)
     if return_sum:
         if sum_bias is not None:
             return y, (s.to(dt).to(cdt) + sum_bias.to(cdt)).to(dt)
@@ -78,6 +88,7 @@ def _ln_fwd_kernel(
     y_ptr,  # (M, D) output, contiguous
     s_ptr,  # (M, D) sum output, contiguous; unused without WRITE_SUM
     sb_ptr,  # (D,) bias added to the stored sum only; unused without HAS_SUM_BIAS
+    inv_ptr,  # () fp32 1 / (y's FP8 scale); unused without Y_FP8
     M,
     D,
     eps,
@@ -90,6 +101,8 @@ def _ln_fwd_kernel(
     HAS_B: tl.constexpr,
     WRITE_SUM: tl.constexpr,
     HAS_SUM_BIAS: tl.constexpr,
+    Y_FP8: tl.constexpr,  # y stored as E4M3: sat448(y * inv), the static input of the FP8 GEMM that reads it
+    ROUND_FIRST: tl.constexpr,  # the interpreter: round to the E4M3 grid before the cast (kernels.gemm.fp8_static)
 ):
     rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
@@ -115,7 +128,17 @@ def _ln_fwd_kernel(
         y = y * tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
     if HAS_B:
         y = y + tl.load(b_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + out_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + out_offs, _ln_out(y, inv_ptr, Y_FP8, ROUND_FIRST).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _ln_out(y, inv_ptr, Y_FP8: tl.constexpr, ROUND_FIRST: tl.constexpr):
+    """The normalized fp32 values as stored: unchanged, or scaled and saturated for an E4M3 store."""
+    if Y_FP8:
+        y = tl.clamp(y * tl.load(inv_ptr), -_FP8_MAX, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        if ROUND_FIRST:
+            y = round_to_e4m3(y)
+    return y
 
 
 @triton.jit
@@ -143,6 +166,7 @@ def _ln_fwd_looped_kernel(
     y_ptr,  # (M, D) output, contiguous
     s_ptr,  # (M, D) sum output, contiguous; unused without WRITE_SUM
     sb_ptr,  # (D,) bias added to the stored sum only; unused without HAS_SUM_BIAS
+    inv_ptr,  # () fp32 1 / (y's FP8 scale); unused without Y_FP8
     D,
     eps,
     sxm,
@@ -154,6 +178,8 @@ def _ln_fwd_looped_kernel(
     HAS_B: tl.constexpr,
     WRITE_SUM: tl.constexpr,
     HAS_SUM_BIAS: tl.constexpr,
+    Y_FP8: tl.constexpr,  # y stored as E4M3: sat448(y * inv), the static input of the FP8 GEMM that reads it
+    ROUND_FIRST: tl.constexpr,  # the interpreter: round to the E4M3 grid before the cast (kernels.gemm.fp8_static)
 ):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * sxm
@@ -188,7 +214,7 @@ def _ln_fwd_looped_kernel(
             y = y * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_B:
             y = y + tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * D + cols, y.to(y_ptr.dtype.element_ty), mask=mask)
+        tl.store(y_ptr + row * D + cols, _ln_out(y, inv_ptr, Y_FP8, ROUND_FIRST).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,7 +259,7 @@ def _rows_view(t: torch.Tensor, name: str) -> torch.Tensor:
         ) from e
 
 
-def _check_inputs(x, weight, bias, residual, sum_bias=None, return_sum=False) -> None:
+def _check_inputs(x, weight, bias, residual, sum_bias=None, return_sum=False, out_scale_inv=None) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError(f"layer_norm: x must be (..., D), got {getattr(x, 'shape', type(x).__name__)}")
     if x.dtype not in _SUPPORTED_DTYPES:
@@ -250,15 +276,19 @@ def _check_inputs(x, weight, bias, residual, sum_bias=None, return_sum=False) ->
             raise TypeError(f"layer_norm: {name} must be floating point, got {t.dtype}")
     if residual is not None:
         check_like("layer_norm", "residual", residual, x)
-    devs = {t.device for t in (x, weight, bias, residual, sum_bias) if t is not None}
+    if out_scale_inv is not None and (out_scale_inv.dim() != 0 or out_scale_inv.dtype != torch.float32):
+        raise TypeError(f"layer_norm: out_scale_inv must be a 0-dim fp32 tensor, got {out_scale_inv.dtype} "
+                        f"{tuple(out_scale_inv.shape)}")
+    devs = {t.device for t in (x, weight, bias, residual, sum_bias, out_scale_inv) if t is not None}
     if len(devs) > 1:
         raise ValueError(f"layer_norm: all tensors must be on one device, got {sorted(map(str, devs))}")
 
 
-def _layer_norm_impl(x, weight, bias, eps, residual, return_sum, sum_bias=None):
-    _check_inputs(x, weight, bias, residual, sum_bias, return_sum)
-    if not use_triton("layer_norm", x, weight, bias, residual, sum_bias):
-        out = layer_norm_ref(x, weight, bias, eps, residual=residual, return_sum=return_sum, sum_bias=sum_bias)
+def _layer_norm_impl(x, weight, bias, eps, residual, return_sum, sum_bias=None, out_scale_inv=None):
+    _check_inputs(x, weight, bias, residual, sum_bias, return_sum, out_scale_inv)
+    if not use_triton("layer_norm", x, weight, bias, residual, sum_bias, out_scale_inv):
+        out = layer_norm_ref(x, weight, bias, eps, residual=residual, return_sum=return_sum, sum_bias=sum_bias,
+                             out_scale_inv=out_scale_inv)
         if not return_sum:
             return out, x.new_empty(0)
         y, s = out
@@ -267,24 +297,26 @@ def _layer_norm_impl(x, weight, bias, eps, residual, return_sum, sum_bias=None):
     x2 = _rows_view(x, "x")
     r2 = _rows_view(residual, "residual") if residual is not None else x2
     M = x2.shape[0]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype if out_scale_inv is None else FP8, device=x.device)
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if return_sum else x.new_empty(0)
     if M == 0 or D == 0:
         return y, s
     w = weight.contiguous() if weight is not None else x2
     b = bias.contiguous() if bias is not None else x2
     sb = sum_bias.contiguous() if sum_bias is not None else x2
+    inv = out_scale_inv if out_scale_inv is not None else x2
     flags = dict(HAS_RES=residual is not None, HAS_W=weight is not None, HAS_B=bias is not None, WRITE_SUM=return_sum,
-                 HAS_SUM_BIAS=sum_bias is not None)
+                 HAS_SUM_BIAS=sum_bias is not None, Y_FP8=out_scale_inv is not None,
+                 ROUND_FIRST=out_scale_inv is not None and not x.is_cuda)
     cfg = layer_norm_config(M, D)
     if cfg["looped"]:
         _ln_fwd_looped_kernel[(M,)](
-            x2, r2, w, b, y, s if return_sum else y, sb, D, float(eps), x2.stride(0), r2.stride(0),
+            x2, r2, w, b, y, s if return_sum else y, sb, inv, D, float(eps), x2.stride(0), r2.stride(0),
             N_CHUNKS=cfg["N_CHUNKS"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"], **flags,
         )
     else:
         _ln_fwd_kernel[(triton.cdiv(M, cfg["ROWS"]),)](
-            x2, r2, w, b, y, s if return_sum else y, sb, M, D, float(eps), x2.stride(0), r2.stride(0),
+            x2, r2, w, b, y, s if return_sum else y, sb, inv, M, D, float(eps), x2.stride(0), r2.stride(0),
             ROWS=cfg["ROWS"], BLOCK_D=cfg["BLOCK_D"], num_warps=cfg["num_warps"], **flags,
         )
     return y, s
@@ -302,14 +334,15 @@ def _layer_norm_op(
     residual: Optional[torch.Tensor],
     return_sum: bool,
     sum_bias: Optional[torch.Tensor] = None,
+    out_scale_inv: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _layer_norm_impl(x, weight, bias, eps, residual, return_sum, sum_bias)
+    return _layer_norm_impl(x, weight, bias, eps, residual, return_sum, sum_bias, out_scale_inv)
 
 
 @_layer_norm_op.register_fake
-def _layer_norm_fake(x, weight, bias, eps, residual, return_sum, sum_bias=None):
-    _check_inputs(x, weight, bias, residual, sum_bias, return_sum)
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+def _layer_norm_fake(x, weight, bias, eps, residual, return_sum, sum_bias=None, out_scale_inv=None):
+    _check_inputs(x, weight, bias, residual, sum_bias, return_sum, out_scale_inv)
+    y = torch.empty(x.shape, dtype=x.dtype if out_scale_inv is None else FP8, device=x.device)
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if return_sum else x.new_empty(0)
     return y, s
 
@@ -323,6 +356,7 @@ def layer_norm(
     residual: torch.Tensor | None = None,
     return_sum: bool = False,
     sum_bias: torch.Tensor | None = None,
+    out_scale_inv: torch.Tensor | None = None,
 ):
     """Fused LayerNorm over the last dim: ``y = LayerNorm(x + residual) * weight + bias``.
 
@@ -331,14 +365,17 @@ def layer_norm(
     Returns ``y`` (contiguous, x's shape and dtype), or ``(y, s)`` with ``return_sum`` (``s = x +
     residual``, the residual stream; ``s`` is ``x`` itself when there is no residual). ``sum_bias`` (D,)
     (needs ``return_sum``) is added to ``s`` only: the next layer's bias, so that a GEMM can add its
-    product to ``s`` in place (``s.addmm_``) with no separate bias or residual pass.
+    product to ``s`` in place (``s.addmm_``) with no separate bias or residual pass. ``out_scale_inv`` (0-dim
+    fp32 on x's device, ``1 / s_y``) stores ``y`` as ``float8_e4m3fn``: ``sat448(y * out_scale_inv)`` from the fp32
+    values (nearest, ties to even), the static-scale input of the FP8 GEMM that reads it
+    (``kernels.gemm.fp8_static``), so no quantize pass follows.
     Raises ValueError (shapes, strides, devices) or TypeError (dtypes). Falls back to the PyTorch
     reference where Triton cannot run. Registered as ``torch.ops.sdfast.layer_norm``.
     """
     if return_sum and residual is None and sum_bias is None:
-        y, _ = torch.ops.sdfast.layer_norm(x, weight, bias, float(eps), None, False)
+        y, _ = torch.ops.sdfast.layer_norm(x, weight, bias, float(eps), None, False, None, out_scale_inv)
         return y, x
-    y, s = torch.ops.sdfast.layer_norm(x, weight, bias, float(eps), residual, bool(return_sum), sum_bias)
+    y, s = torch.ops.sdfast.layer_norm(x, weight, bias, float(eps), residual, bool(return_sum), sum_bias, out_scale_inv)
     return (y, s) if return_sum else y
 
 

@@ -10,7 +10,9 @@ Rewrites (each per module instance, reversible with ``undo``):
   replacing the SiLU module.
 - ``conv_norm_out`` + ``conv_act`` (UNet and VAE decoder tails): GroupNorm+SiLU as one kernel.
 - every other ``nn.GroupNorm`` (Transformer2D input norm, VAE attention group_norm): the fused GroupNorm.
-- ``BasicTransformerBlock`` (norm_type "layer_norm"): norm2/norm3 fused with the residual add before them.
+- ``BasicTransformerBlock`` (norm_type "layer_norm"): norm2/norm3 fused with the residual add before them. With the
+  feed-forward's linears quantized to static FP8 (``W8A8Config(dtype="fp8", activations="static")``), norm3 stores
+  the GEGLU projection's E4M3 input and the GEGLU GEMM its output layer's: no quantize pass between them.
 - ``GEGLU``: projection and ``a * gelu(g)`` in one GEMM where that measured faster, else the projection, then
   one kernel for ``a * gelu(g)``.
 Sources of the fusion patterns: stable-fast, Paddle Inference and TensorRT's SD demo (GroupNorm+SiLU,
@@ -28,6 +30,8 @@ from torch import nn
 from kernels.conv.conv3x3 import conv3x3
 from kernels.elementwise import bias_residual_add
 from kernels.geglu import geglu, geglu_projection
+from kernels.geglu.projection import geglu_projection_fp8
+from kernels.gemm.fp8_static import fp8_linear
 from kernels.group_norm import group_norm
 from kernels.norm import layer_norm
 from sdfast.passes._modules import rebind_forward, runs_as_its_class
@@ -208,6 +212,15 @@ def fused_transformer_block_forward(
     a = self.attn1(x, encoder_hidden_states=None, attention_mask=attention_mask, **kwargs)
     x, h = layer_norm(a, n2.weight, n2.bias, n2.eps, residual=hidden_states, return_sum=True)
     a = self.attn2(x, encoder_hidden_states=encoder_hidden_states, attention_mask=encoder_attention_mask, **kwargs)
+    fp8 = _fp8_feedforward(self.ff, a)
+    if fp8 is not None:  # norm3 writes the FP8 projection's input; the GEGLU GEMM writes the output layer's
+        proj, out = fp8
+        q, h = layer_norm(a, n3.weight, n3.bias, n3.eps, residual=h, return_sum=True, out_scale_inv=proj.input_scale_inv)
+        g = geglu_projection_fp8(q.view(-1, q.shape[-1]), proj.weight_q, proj.input_scale, proj.w_scale, proj.bias,
+                                 out_scale_inv=out.input_scale_inv, out_dtype=a.dtype)
+        y = fp8_linear(g, out.weight_q, out.input_scale, out.w_scale, out.bias, out_dtype=a.dtype,
+                       fast_accum=out.fast_accum)
+        return y.view(h.shape) + h
     out_proj = _ff_out_projection(self.ff, a)
     if out_proj is None:
         x, h = layer_norm(a, n3.weight, n3.bias, n3.eps, residual=h, return_sum=True)
@@ -219,6 +232,37 @@ def fused_transformer_block_forward(
         x = m(x)
     h.view(-1, h.shape[-1]).addmm_(x.reshape(-1, x.shape[-1]), out_proj.weight.t())
     return h
+
+
+def _fp8_feedforward(ff: nn.Module, a: torch.Tensor) -> tuple | None:
+    """``(proj, out)``, the two static FP8 linears of diffusers' ``FeedForward`` (GEGLU, dropout, Linear), when the
+    block may run it on FP8 tensors end to end: norm3 storing ``proj``'s E4M3 input, the GEGLU GEMM storing ``out``'s
+    (``kernels.geglu.projection.geglu_projection_fp8``). Both must be ``W8A8StaticLinear`` without SmoothQuant
+    smoothing (its per-channel multiply is the quantize kernel's), the GEGLU's projection with fast accumulation,
+    every module running its own (or the norms pass's) forward, with no autograd and no autocast; else None."""
+    from diffusers.models.activations import GEGLU
+    from diffusers.models.attention import FeedForward
+
+    from sdfast.quantization.modules import W8A8StaticLinear
+
+    net = getattr(ff, "net", None)
+    if not runs_as_its_class(ff, FeedForward) or net is None or len(net) != 3:
+        return None
+    gate, drop, out = net
+    proj = getattr(gate, "proj", None)
+    if not (type(gate) is GEGLU and not gate._forward_hooks and not gate._forward_pre_hooks
+            and getattr(gate.__dict__.get("forward"), "__func__", fused_geglu_forward) is fused_geglu_forward):
+        return None
+    if not (runs_as_its_class(drop, nn.Dropout) and (drop.p == 0 or not drop.training)):
+        return None
+    for lin in (proj, out):
+        if not runs_as_its_class(lin, W8A8StaticLinear) or lin.smooth is not None:
+            return None
+    if not proj.fast_accum or a.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return None
+    if torch.is_grad_enabled() or torch.is_autocast_enabled(a.device.type):
+        return None
+    return proj, out
 
 
 def _ff_out_projection(ff: nn.Module, a: torch.Tensor) -> nn.Linear | None:

@@ -11,7 +11,9 @@ from kernels import precompile
 from kernels.geglu import projection as gp
 from kernels.select import rules
 from kernels.geglu.triton_tma_gemm import TileConfig
-from tests.kernels.geglu.test_triton_tma_gemm import SMALL, _check, _inputs
+from kernels.geglu.ref import geglu_linear_fp8_ref
+from kernels.testing import e4m3_far
+from tests.kernels.geglu.test_triton_tma_gemm import SMALL, SMALL_FP8, _check, _fp8_inputs, _inputs
 
 
 @pytest.fixture
@@ -106,3 +108,62 @@ def test_unsupported_and_disabled_fall_back_logged(clean_choices, monkeypatch, c
     x, w, b = _inputs(20, 64, 48)
     gp.geglu_projection(x, w, b)
     assert clean_choices()[-1] == ("cublas", "pinned")
+
+
+# --------------------------------------------------------------------------------------------
+# geglu_projection_fp8: scaled_mm + GEGLU + quantize, or the FP8 TMA GEMM with both in its epilogue
+# --------------------------------------------------------------------------------------------
+@pytest.fixture
+def fp8_choices(monkeypatch, fresh_choices):
+    monkeypatch.setitem(gp.TUNING, "fp8_configs", (SMALL_FP8,))
+    return lambda: [(d.winner, d.source) for d in fresh_choices("geglu_fp8")]
+
+
+@pytest.mark.parametrize("fp8_out", [True, False])
+def test_fp8_paths_agree(fp8_choices, monkeypatch, fp8_out):
+    """The default (scaled_mm: its CPU reference, logged) and the pinned TMA kernel give the reference's values."""
+    q, qw, sa, sw, b = _fp8_inputs(20, 64, 48)
+    inv = torch.tensor(60.0) if fp8_out else None
+    outs = []
+    for pin in (None, str(SMALL_FP8)):
+        monkeypatch.setitem(rules._pins, "geglu_fp8", pin)
+        out = gp.geglu_projection_fp8(q, qw, sa, sw, b, out_scale_inv=inv)
+        assert out.dtype == (torch.float8_e4m3fn if fp8_out else torch.float16) and out.shape == (20, 48)
+        outs.append(out)
+    ref = geglu_linear_fp8_ref(q, qw, sa, sw, b, out_scale_inv=inv, out_dtype=torch.float32)
+    for out in outs:
+        if fp8_out:
+            assert not e4m3_far(out, ref).any()
+        else:
+            assert (out.float() - ref).abs().max() <= 2e-3 * ref.abs().max() + 1e-3
+    assert fp8_choices() == [(str(SMALL_FP8), "pinned")]
+
+
+def test_fp8_measured_once_per_signature_and_key_holds_the_output_kind(fp8_choices, monkeypatch):
+    measured = []
+    real = rules.decide
+    monkeypatch.setattr(rules, "gpu_time_us", lambda c: measured.append(list(c)) or {n: {"scaled_mm": 2.0}.get(n, 1.0)
+                                                                                       for n in c})
+    monkeypatch.setattr(gp.select, "decide", lambda *a, **k: real(*a, **k, measure_cpu=True))
+    q, qw, sa, sw, b = _fp8_inputs(20, 64, 48)
+    for _ in range(2):
+        gp.geglu_projection_fp8(q, qw, sa, sw, b, out_scale_inv=torch.tensor(60.0))
+    gp.geglu_projection_fp8(q, qw, sa, sw, b)
+    assert measured == [["scaled_mm", str(SMALL_FP8)]] * 2
+    assert fp8_choices() == [(str(SMALL_FP8), "measured")] * 2
+
+
+def test_fp8_tma_refused_logged(fp8_choices, monkeypatch, caplog):
+    """fast_accum=False and an fp32 output keep scaled_mm, logged; the policy pin too."""
+    caplog.set_level(logging.INFO, logger="sdfast.kernels")
+    monkeypatch.setattr(gp, "geglu_linear_fp8", lambda *a, **k: pytest.fail("the TMA kernel must not run"))
+    q, qw, sa, sw, b = _fp8_inputs(20, 64, 48)
+    gp.geglu_projection_fp8(q, qw, sa, sw, b, fast_accum=False)
+    assert "fast accumulation only" in caplog.text
+    gp.geglu_projection_fp8(q, qw, sa, sw, b, out_dtype=torch.float32)
+    assert "not torch.float32" in caplog.text
+    assert fp8_choices() == [("scaled_mm", "only")] * 2
+    monkeypatch.setitem(rules._pins, "geglu_fp8", "scaled_mm")  # KernelPolicy.geglu_fp8
+    q, qw, sa, sw, b = _fp8_inputs(20, 64, 48)
+    gp.geglu_projection_fp8(q, qw, sa, sw, b)
+    assert fp8_choices()[-1] == ("scaled_mm", "pinned")

@@ -145,3 +145,36 @@ def test_sum_bias_goes_into_the_returned_sum_only(D, dtype, atol):
         layer_norm(x, w, b, residual=r, sum_bias=sb)
     with pytest.raises(ValueError, match="sum_bias must have shape"):
         layer_norm(x, w, b, residual=r, return_sum=True, sum_bias=sb[:-1])
+
+
+# E4M3 output (out_scale_inv): the static-scale input of the FP8 GEMM that reads y, in place of a quantize pass
+@pytest.mark.parametrize("D", [320, 1280, 40, 9000])  # 9000: the looped kernel
+@pytest.mark.parametrize("residual", [False, True])
+def test_fp8_output_matches_reference(D, residual):
+    from kernels.testing import e4m3_far
+
+    g = torch.Generator().manual_seed(D)
+    x = torch.randn(6, D, generator=g).half()
+    r = torch.randn(6, D, generator=g).half() if residual else None
+    w = (1 + 0.5 * torch.randn(D, generator=g)).half()
+    b = (0.2 * torch.randn(D, generator=g)).half()
+    inv = torch.tensor(448.0 / 2.5)  # |y| > 2.5 saturates
+    y, s = layer_norm(x, w, b, 1e-5, residual=r, return_sum=True, out_scale_inv=inv)
+    ref_y, ref_s = layer_norm_ref(x, w, b, 1e-5, residual=r, return_sum=True, out_scale_inv=inv)
+    assert y.dtype == ref_y.dtype == torch.float8_e4m3fn and y.shape == x.shape
+    assert s.dtype == x.dtype and torch.equal(s, ref_s)
+    atol = 1e-4 * float(inv)  # the fp32 statistics' error (the looped kernel's shifted sums), in scaled units
+    assert not e4m3_far(y, ref_y, atol).any()
+    assert float((y.float() != ref_y.float()).float().mean()) < 0.02
+    assert float(y.float().abs().max()) == 448.0
+    # the 16-bit kernel's output quantized: within one grid step (it rounds once more, to fp16, first)
+    y16 = layer_norm(x, w, b, 1e-5, residual=r)
+    assert not e4m3_far(y, (y16.float() * inv).clamp(-448, 448).to(torch.float8_e4m3fn), atol).any()
+
+
+def test_fp8_output_scale_is_checked():
+    x = torch.randn(4, 64).half()
+    with pytest.raises(TypeError, match="out_scale_inv"):
+        layer_norm(x, None, None, out_scale_inv=torch.tensor([2.0]))
+    with pytest.raises(TypeError, match="out_scale_inv"):
+        layer_norm(x, None, None, out_scale_inv=torch.tensor(2.0, dtype=torch.float16))

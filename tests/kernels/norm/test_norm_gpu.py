@@ -53,3 +53,22 @@ def test_layer_norm_other_dtypes_and_long_rows(dtype):
         yl, sl = layer_norm_ref(x, w, b, residual=r, return_sum=True, upcast=False)
         assert_close_rule(y, y32, yl, atol=ATOL[dtype])
         assert_close_rule(s, s32, sl, atol=ATOL[dtype])
+
+
+@pytest.mark.parametrize("shape", sd_shapes.unique_layer_norm_shapes(), ids=lambda s: "x".join(map(str, s)))
+def test_layer_norm_fp8_output_sd_shapes(shape):
+    """E4M3 output (``out_scale_inv``): within one grid step of the fp32 reference's quantized values, the sum
+    unchanged."""
+    from kernels.testing import e4m3_far
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    D = shape[-1]
+    x = (torch.randn(*shape, device="cuda", generator=g) * 2 + 0.5).half()
+    r = torch.randn(*shape, device="cuda", generator=g).half()
+    w = (torch.rand(D, device="cuda", generator=g) + 0.5).half()
+    b = torch.randn(D, device="cuda", generator=g).half()
+    inv = torch.tensor(448.0 / 4.0, device="cuda")
+    y, s = layer_norm(x, w, b, residual=r, return_sum=True, out_scale_inv=inv)
+    ref_y, ref_s = layer_norm_ref(x, w, b, residual=r, return_sum=True, out_scale_inv=inv)
+    assert y.dtype == torch.float8_e4m3fn and torch.equal(s, ref_s)
+    assert not e4m3_far(y, ref_y, atol=1e-4 * 112).any()
