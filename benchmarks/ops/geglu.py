@@ -271,13 +271,15 @@ def tma(args) -> int:
 # fp8: the FP8 TMA GEGLU GEMM (E4M3 in and out) against scaled_mm + GEGLU + quantize
 # --------------------------------------------------------------------------------------------
 def fp8_extra_configs():
-    """FP8 tiles beyond the candidates: a fourth stage, 64-row persistent tiles, one-program-per-tile 128x128."""
+    """FP8 tiles beyond the candidates: one program per 128x128 tile with two stages (two programs fit an SM's
+    shared memory), four stages, two products, a grouping of 4; the persistent one-product 128x128 tile."""
     from kernels.geglu.triton_tma_gemm import TileConfig
 
-    return (TileConfig(128, 128, 128, 4, 8, group_m=4, single_dot=True),
-            TileConfig(64, 128, 128, 4, 4, group_m=8, single_dot=True),
-            TileConfig(128, 128, 128, 3, 8, single_dot=True, persistent=False),
-            TileConfig(128, 64, 128, 5, 4, single_dot=True, persistent=False))
+    return (TileConfig(128, 128, 128, 2, 8, single_dot=True, persistent=False),
+            TileConfig(128, 128, 128, 4, 8, single_dot=True, persistent=False),
+            TileConfig(128, 128, 128, 3, 8, persistent=False),
+            TileConfig(128, 128, 128, 3, 8, group_m=4, single_dot=True, persistent=False),
+            TileConfig(128, 128, 128, 3, 8, group_m=4, single_dot=True))
 
 
 def fp8_rows(extra: bool = False) -> list[dict]:

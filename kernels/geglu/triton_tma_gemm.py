@@ -67,12 +67,14 @@ CONFIGS = (
 
 # The FP8 kernel's candidates (:func:`geglu_linear_fp8`): K steps of 128 one-byte elements (the 128-byte rows
 # the TMA swizzle and the FP8 warpgroup MMA, K = 32 per instruction, are built for). Shared memory per stage:
-# (block_m + 2 block_n) * 128 bytes.
+# (block_m + 2 block_n) * 128 bytes. From `python -m benchmarks.ops.geglu fp8 --extra` on sm_90
+# (benchmarks/results/h200-2026-12-03-run28/): one program per 128x128 tile with one product per K step was the
+# fastest at every SD1.5 and SDXL shape but SD1.5's mid block, where 128x64 tiles of 4 warps win; the persistent
+# 128x128 tile with two products stays as the third candidate.
 FP8_CONFIGS = (
-    TileConfig(128, 128, 128, 3, 8, group_m=4, single_dot=True),
-    TileConfig(128, 128, 128, 3, 8, group_m=4),
+    TileConfig(128, 128, 128, 3, 8, group_m=8, single_dot=True, persistent=False),
     TileConfig(128, 64, 128, 4, 4, single_dot=True, persistent=False),
-    TileConfig(128, 64, 128, 4, 4, persistent=False),
+    TileConfig(128, 128, 128, 3, 8, group_m=4),
 )
 
 
