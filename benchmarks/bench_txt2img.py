@@ -379,7 +379,8 @@ PRESETS: dict[str, dict] = {
     "lcm-sd15-512": dict(models="sd15", steps=4, guidance=1.0, scheduler="lcm", systems="stock,sdfast", repeats=10,
                          fp32_ref=False),
     "throughput-sdxl": dict(models="sdxl", steps=20, guidance=8.0, scheduler="euler", throughput="1,2,4,8",
-                            systems="sdfast,sdfast-fp8-static-convs", repeats=2, fp32_ref=False),
+                            systems="sdfast,sdfast-fp8-static-convs,sdfast-fp8-static-convs-vae_bf16", repeats=2,
+                            fp32_ref=False),
     "throughput-sd15": dict(models="sd15", steps=20, guidance=8.0, scheduler="euler", throughput="1,4,8,16",
                             systems="sdfast,sdfast-fp8-static-convs", repeats=2, fp32_ref=False),
 }
@@ -549,12 +550,12 @@ def _layer_weight_bytes(unet) -> dict[str, int]:
             if type(m) in (torch.nn.Linear, torch.nn.Conv2d)}
 
 
-def build_sdfast_compressed(spec: ModelSpec, ctx: Context, *, preset: str) -> Built:
+def build_sdfast_compressed(spec: ModelSpec, ctx: Context, *, preset: str, **config_kwargs) -> Built:
     """A preset: the stock pipeline, its UNet linears quantized or 2:4-pruned by ``sdfast.quantize_`` /
     ``sdfast.sparsify_`` with calibration on real prompts (``CALIBRATION_PROMPTS``, eager: the statistics
     are collected by forward hooks, which CUDA graphs would skip), then ``sdfast.optimize``. Reports the
     layers converted and their weight bytes against the original weights (``weight_ratio``; biases excluded,
-    scales and metadata included)."""
+    scales and metadata included). ``config_kwargs``: ``OptimizeConfig`` fields of the optimize after it."""
     import sdfast
 
     fn_name, config_name, kwargs = COMPRESSION[preset]
@@ -575,7 +576,7 @@ def build_sdfast_compressed(spec: ModelSpec, ctx: Context, *, preset: str) -> Bu
     replaced = {n: m for n, m in pipe.unet.named_modules() if n in before and type(m).__name__ not in ("Linear", "Conv2d")}
     after = sum(t.numel() * t.element_size() for m in replaced.values()
                 for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)) if t is not getattr(m, "bias", None))
-    sdfast.optimize(pipe)
+    sdfast.optimize(pipe, sdfast.OptimizeConfig(**config_kwargs) if config_kwargs else None)
     details = {"preset": preset, "layers": converted, "compress_s": compress_s,
                "weight_ratio": after / sum(before[n] for n in replaced) if replaced else None}
     def info():
@@ -620,6 +621,11 @@ SYSTEMS: dict[str, System] = {
                                 f"sdfast + {COMPRESSION[name][0]}({COMPRESSION[name][1]}"
                                 f"({', '.join(f'{k}={v!r}' for k, v in COMPRESSION[name][2].items())}))")
        for name in COMPRESSION},
+    "sdfast-fp8-static-convs-vae_bf16": System(
+        "sdfast-fp8-static-convs-vae_bf16",
+        partial(build_sdfast_compressed, preset="fp8-static-convs", vae_decoder_dtype="bfloat16"),
+        "sdfast-fp8-static-convs with OptimizeConfig(vae_decoder_dtype='bfloat16'): everything 8-bit that pays, and "
+        "the SDXL decoder in bf16 instead of fp32"),
 }
 DEFAULT_SYSTEMS = ("stock", "compile", "sdfast")
 
