@@ -21,6 +21,7 @@ __all__ = [
     "InvalidRequestError", "ModelNotFoundError", "HubOfflineError", "NonFiniteOutputError", "PromptTruncatedWarning",
     "GenerationCancelled", "NothingQuantizedWarning",
     "quantize_", "dequantize_", "sparsify_", "W8A8Config", "W4A16Config", "Int8OutlierConfig", "Sparse24Config",
+    "layer_report",
 ]
 
 # Imported on first use, so that ``import sdfast`` (and the CLI's ``--help``) does not import torch, diffusers or
@@ -30,7 +31,7 @@ _LAZY = {
     "OptimizeConfig": ".config", "KernelPolicy": ".config", "KERNEL_DTYPES": ".config",
     "SCHEDULERS": ".schedulers", "Txt2ImgRequest": ".request",
     "W8A8Config": ".passes.quantize", "NothingQuantizedWarning": ".passes.quantize", "W4A16Config": ".passes.quantize", "Int8OutlierConfig": ".passes.quantize",
-    "Sparse24Config": ".passes.sparsity",
+    "Sparse24Config": ".passes.sparsity", "layer_report": ".quantization.report",
 }
 
 

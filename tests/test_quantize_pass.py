@@ -708,3 +708,32 @@ def test_static_fp8_feedforward_runs_fp8_end_to_end(unet, monkeypatch):
     ran.clear()
     _run(s, inp)
     assert ran == []
+
+
+def test_layer_report_ranks_the_quantization_error_worst_first(unet):
+    """Static FP8 linears and convolutions of the tiny UNet: one row per quantized layer, E4M3's SQNR (about 25-35
+    dB), worst first; a layer given a wrong weight scale comes first; the hooks are gone afterwards; a linear without a
+    kept original weight is refused with the fix."""
+    import sdfast
+    from sdfast.quantization import format_report, layer_report
+
+    u = copy.deepcopy(unet)
+    quantize_(u, STATIC_CONVS, calibration=_calibration(u), keep_original=True)
+    inp = _inputs()
+    rows = sdfast.layer_report(u, lambda: _run(u, inp))
+    assert len(rows) == N_TRANSFORMER_LINEARS + N_RESNET_CONVS
+    assert {r.kind for r in rows} == {"W8A8StaticLinear", "W8A8StaticConv2d"}
+    assert all(r.calls >= 1 and 15 < r.sqnr_db < 45 for r in rows), [(r.name, r.sqnr_db) for r in rows[:3]]
+    assert [r.sqnr_db for r in rows] == sorted(r.sqnr_db for r in rows)
+    bad = next(m for n, m in u.named_modules() if n.endswith("ff.net.2"))
+    bad.w_scale.mul_(1.5)  # every output 1.5x too large: SQNR 10 log10(1 / 0.25) = 6 dB
+    rows = layer_report(u, lambda: _run(u, inp))
+    assert rows[0].name.endswith("ff.net.2") and 4 < rows[0].sqnr_db < 8 and rows[1].sqnr_db > 15
+    assert not any(m._forward_hooks for m in u.modules())
+    assert "| layer | kind | SQNR dB |" in format_report(rows, limit=3) and format_report(rows, 3).count("\n") == 5
+    v = copy.deepcopy(unet)
+    quantize_(v, STATIC, calibration=_calibration(v))
+    with pytest.raises(ValueError, match="keep_original=True"):
+        layer_report(v, lambda: _run(v, inp))
+    with pytest.raises(ValueError, match="no quantized layer"):
+        layer_report(copy.deepcopy(unet), lambda: None)

@@ -1,6 +1,7 @@
 """Quantized linears at UNet level, one CLI (GPU only; nothing runs at import):
 
     python -m benchmarks.ops.quant bench [--quick] [--out DIR]
+    python -m benchmarks.ops.quant report [--models sd15,sdxl] [--out DIR]
 
 ``bench``: each method of ``sdfast.passes.quantize`` on the real SD1.5 / SDXL UNet architectures with seeded random
 weights (fp16, batch 2 = batch 1 with CFG); the ``quant`` section of ``benchmarks.bench_kernels`` (``run``), written
@@ -22,6 +23,12 @@ Methods: fp16 baseline, W8A8 int8 (SmoothQuant alpha 0.5), W8A8 FP8 (sm_89+), W8
 ZeroQuant group-wise weights (128), W4A16 AWQ (Triton and CUDA C++ main loops), W4A16 GPTQ (SD1.5
 only: Hessians of every layer), W4A16 RTN, LLM.int8() (static outlier columns from calibration,
 threshold 6). A method that fails gives a row whose ``note`` starts with ``error:``.
+
+``report``: the per-layer quantization error of the preset "everything 8-bit that pays"
+(``W8A8Config(dtype="fp8", activations="static", alpha=0.0, convs=True)``) on each UNet: calibrated as ``bench``
+does, then :func:`sdfast.layer_report` over three other calls (seeds 21-23 at t = 999, 500, 50): every quantized
+layer's SQNR against its original weights, worst first. Writes ``quant_report_<model>.json`` / ``.md`` (the md: the 25
+worst layers and the distribution) in ``--out``.
 """
 
 from __future__ import annotations
@@ -196,6 +203,58 @@ def bench(args) -> int:
     return 0
 
 
+REPORT_CONFIG = dict(dtype="fp8", activations="static", alpha=0.0, convs=True)
+
+
+def report_rows(model: str) -> tuple[list[dict], dict]:
+    """``layer_report`` rows of one UNet (random weights, seed 0) under ``REPORT_CONFIG``, and a summary."""
+    import statistics
+
+    import torch
+
+    from sdfast.passes.quantize import W8A8Config, quantize_
+    from sdfast.quantization import layer_report
+
+    unet = _build_unet(model)
+
+    def calls(seeds):
+        def run():
+            for seed, t in zip(seeds, (999, 500, 50)):
+                unet(**_inputs(unet, model, seed, t))
+        return run
+
+    with torch.no_grad():
+        n = quantize_(unet, W8A8Config(**REPORT_CONFIG), calibration=calls((11, 12, 13)), keep_original=True)
+        rows = [r.as_dict() for r in layer_report(unet, calls((21, 22, 23)))]
+    called = [r["sqnr_db"] for r in rows if r["calls"]]
+    summary = dict(model=model, layers=int(n), reported=len(rows), worst_db=min(called), median_db=statistics.median(called),
+                   best_db=max(called), below_20_db=sum(v < 20 for v in called), **_meta())
+    return rows, summary
+
+
+def report(args) -> int:
+    """The ``report`` subcommand (see the module docstring)."""
+    from benchmarks.report import write_sweep
+    from sdfast.quantization import LayerError, format_report
+
+    for model in [m.strip() for m in args.models.split(",") if m.strip()]:
+        rows, summary = report_rows(model)
+        kinds = {}
+        for r in rows:
+            kinds.setdefault(r["kind"], []).append(r["sqnr_db"])
+        md = "\n".join([
+            f"# Per-layer quantization error, {model} UNet, W8A8Config({', '.join(f'{k}={v!r}' for k, v in REPORT_CONFIG.items())})",
+            "", f"{summary['reported']} quantized layers ({summary['layers']} converted); SQNR against the original weights "
+            f"over 3 UNet calls: worst {summary['worst_db']:.1f} dB, median {summary['median_db']:.1f} dB, best "
+            f"{summary['best_db']:.1f} dB; {summary['below_20_db']} below 20 dB.", "",
+            *[f"- {k}: {len(v)} layers, {min(v):.1f}-{max(v):.1f} dB" for k, v in kinds.items()], "",
+            "## The 25 worst", "", format_report([LayerError(**r) for r in rows], limit=25)])
+        print(md)
+        if args.out is not None:
+            write_sweep(args.out, f"quant_report_{model}", rows, md + "\n")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.ops.quant", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -203,6 +262,10 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="SD1.5 only, the four main methods")
     p.add_argument("--out", type=Path, default=None, help="write quant_bench.json/.md here")
     p.set_defaults(fn=bench)
+    p = sub.add_parser("report", help="per-layer SQNR of the static FP8 preset (linears and convolutions), worst first")
+    p.add_argument("--models", default="sd15,sdxl", help="comma list of sd15, sdxl")
+    p.add_argument("--out", type=Path, default=None, help="write quant_report_<model>.json/.md here")
+    p.set_defaults(fn=report)
     args = ap.parse_args(argv)
     return args.fn(args)
 
