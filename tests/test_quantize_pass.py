@@ -557,6 +557,13 @@ STATIC_CONVS = W8A8Config(dtype="fp8", activations="static", alpha=0.0, min_feat
 N_RESNET_CONVS = 4 + 8 + 1 + 4
 
 
+def test_the_fp8_static_preset():
+    assert W8A8Config.fp8_static() == W8A8Config(dtype="fp8", activations="static", alpha=0.0, convs=True)
+    assert W8A8Config.fp8_static(min_features=32) == STATIC_CONVS
+    with pytest.raises(ValueError, match="convs=True"):
+        W8A8Config.fp8_static(activations="dynamic")
+
+
 def test_static_convs_config_checks():
     with pytest.raises(ValueError, match="convs=True"):
         W8A8Config(dtype="fp8", convs=True)  # dynamic activations

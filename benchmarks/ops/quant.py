@@ -203,7 +203,7 @@ def bench(args) -> int:
     return 0
 
 
-REPORT_CONFIG = dict(dtype="fp8", activations="static", alpha=0.0, convs=True)
+REPORT_CONFIG = dict(dtype="fp8", activations="static", alpha=0.0, convs=True)  # W8A8Config.fp8_static()
 
 
 def report_rows(model: str) -> tuple[list[dict], dict]:
@@ -224,7 +224,7 @@ def report_rows(model: str) -> tuple[list[dict], dict]:
         return run
 
     with torch.no_grad():
-        n = quantize_(unet, W8A8Config(**REPORT_CONFIG), calibration=calls((11, 12, 13)), keep_original=True)
+        n = quantize_(unet, W8A8Config.fp8_static(), calibration=calls((11, 12, 13)), keep_original=True)
         rows = [r.as_dict() for r in layer_report(unet, calls((21, 22, 23)))]
     called = [r["sqnr_db"] for r in rows if r["calls"]]
     summary = dict(model=model, layers=int(n), reported=len(rows), worst_db=min(called), median_db=statistics.median(called),

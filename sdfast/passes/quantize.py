@@ -121,6 +121,16 @@ class W8A8Config:
         if self.group_size is not None and (self.group_size <= 0 or self.group_size % 32):
             raise ValueError(f"W8A8Config: group_size must be None or a positive multiple of 32, got {self.group_size}")
 
+    @classmethod
+    def fp8_static(cls, **overrides) -> "W8A8Config":
+        """The preset "everything 8-bit that pays" on sm_89+ (Ada, Hopper): static per-tensor FP8 for the
+        transformer linears and the ResNet / upsampler 3x3 convolutions, no SmoothQuant smoothing (so the feed-forward
+        runs FP8 end to end and Q/K/V share one quantize pass), fast accumulation:
+        ``W8A8Config(dtype="fp8", activations="static", alpha=0.0, convs=True)``. ``overrides``: other fields. Needs a
+        calibration run; keep sensitive layers in 16 bits with ``quantize_``'s ``filter_fn`` (``sdfast.layer_report``
+        shows which)."""
+        return cls(**{**dict(dtype="fp8", activations="static", alpha=0.0, convs=True), **overrides})
+
 
 @dataclass(frozen=True)
 class W4A16Config:
