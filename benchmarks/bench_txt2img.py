@@ -1035,13 +1035,13 @@ def _run_task(task: Task, row: dict, engine, system: System, spec: ModelSpec, ct
 
 def measure_throughput(engine, kw: dict, ctx: Context, label: str) -> dict:
     """Images per second at each batch of ``ctx.throughput`` (``num_images_per_prompt``; the UNet runs twice that
-    with CFG): one untimed generation per batch (its CUDA graphs), then ``min(ctx.repeats, 3)`` timed ones, their
-    median. Returns ``throughput`` ([{batch, e2e_s, img_s}] or an ``error`` per batch: an out-of-memory batch ends
+    with CFG), in ascending order: one untimed generation per batch (its CUDA graphs), then ``min(ctx.repeats, 3)``
+    timed ones, their median. Returns ``throughput`` ([{batch, e2e_s, img_s}] or an ``error`` per batch: an out-of-memory batch ends
     the sweep), ``best_img_s`` and ``best_batch``."""
     import torch
 
     points = []
-    for batch in ctx.throughput:
+    for batch in sorted(ctx.throughput):  # ascending: an out-of-memory batch ends the sweep, the larger ones would too
         kwb = dict(kw, num_images_per_prompt=batch)
         try:
             engine.txt2img(**kwb)

@@ -91,8 +91,9 @@ def geglu_projection_fp8(q: torch.Tensor, qweight: torch.Tensor, a_scale: torch.
     Args: q (M, K) float8_e4m3fn, rows contiguous; qweight (2N, K) float8_e4m3fn; a_scale, w_scale 0-dim fp32;
     bias (2N,) fp16 / bf16 / fp32 or None; out_scale_inv: 0-dim fp32 ``1 / s_out`` for an E4M3 output (the next FP8 layer's
     input), else the output is ``out_dtype``; fast_accum: the FP8 sums' accumulation mode (the TMA GEMM runs fast
-    accumulation only, so ``False`` keeps cuBLASLt). Returns (M, N). Raises what ``torch._scaled_mm`` raises for
-    bad shapes or dtypes (the default candidate needs K and N multiples of 16).
+    accumulation only, so ``False`` keeps cuBLASLt). Returns (M, N). Raises what
+    :func:`kernels.gemm.fp8_static.fp8_linear` raises for bad shapes or dtypes (ValueError, TypeError; K and N must be
+    multiples of 16).
     """
     fp8_out = out_scale_inv is not None
     if torch.compiler.is_compiling():

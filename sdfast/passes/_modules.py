@@ -24,6 +24,23 @@ def runs_as_its_class(m: nn.Module, cls: type) -> bool:
     )
 
 
+def runs_as_its_class_or_bound(m: nn.Module, cls: type, forward) -> bool:
+    """:func:`runs_as_its_class`, or ``m``'s instance ``forward`` is exactly ``forward`` bound to ``m`` (a pass's
+    :func:`rebind_forward`), with no hooks: a wrapper in between (diffusers' hook registry, accelerate's hooks, a
+    ``functools.partial``) makes it False."""
+    fn = m.__dict__.get("forward")
+    if fn is None:
+        return runs_as_its_class(m, cls)
+    return (
+        type(m) is cls
+        and isinstance(fn, types.MethodType) and fn.__func__ is forward and fn.__self__ is m
+        and not m._forward_hooks
+        and not m._forward_pre_hooks
+        and not _module._global_forward_hooks
+        and not _module._global_forward_pre_hooks
+    )
+
+
 def rebind_forward(m: nn.Module, forward, marker: str) -> None:
     """Give ``m`` its own ``forward`` (``forward(self, ...)`` bound to it) and set the pass's ``marker`` attribute,
     which ``restore_forwards`` looks for."""

@@ -34,7 +34,7 @@ from kernels.geglu.projection import geglu_projection_fp8
 from kernels.gemm.fp8_static import fp8_linear
 from kernels.group_norm import group_norm
 from kernels.norm import layer_norm
-from sdfast.passes._modules import rebind_forward, runs_as_its_class
+from sdfast.passes._modules import rebind_forward, runs_as_its_class, runs_as_its_class_or_bound
 from sdfast.passes.state import BLOCK_TEMB, NORMS_FUSED
 
 _MARKER = NORMS_FUSED.attr  # set on every module apply changed (undo looks for it; time_embedding reads it)
@@ -217,7 +217,7 @@ def fused_transformer_block_forward(
         proj, out = fp8
         q, h = layer_norm(a, n3.weight, n3.bias, n3.eps, residual=h, return_sum=True, out_scale_inv=proj.input_scale_inv)
         g = geglu_projection_fp8(q.view(-1, q.shape[-1]), proj.weight_q, proj.input_scale, proj.w_scale, proj.bias,
-                                 out_scale_inv=out.input_scale_inv, out_dtype=a.dtype)
+                                 out_scale_inv=out.input_scale_inv, out_dtype=a.dtype, fast_accum=proj.fast_accum)
         y = fp8_linear(g, out.weight_q, out.input_scale, out.w_scale, out.bias, out_dtype=a.dtype,
                        fast_accum=out.fast_accum)
         return y.view(h.shape) + h
@@ -238,8 +238,8 @@ def _fp8_feedforward(ff: nn.Module, a: torch.Tensor) -> tuple | None:
     """``(proj, out)``, the two static FP8 linears of diffusers' ``FeedForward`` (GEGLU, dropout, Linear), when the
     block may run it on FP8 tensors end to end: norm3 storing ``proj``'s E4M3 input, the GEGLU GEMM storing ``out``'s
     (``kernels.geglu.projection.geglu_projection_fp8``). Both must be ``W8A8StaticLinear`` without SmoothQuant
-    smoothing (its per-channel multiply is the quantize kernel's), the GEGLU's projection with fast accumulation,
-    every module running its own (or the norms pass's) forward, with no autograd and no autocast; else None."""
+    smoothing (its per-channel multiply is the quantize kernel's), every module running its own (or the norms pass's)
+    forward with no hooks or wrappers, with no autograd and no autocast; else None."""
     from diffusers.models.activations import GEGLU
     from diffusers.models.attention import FeedForward
 
@@ -250,15 +250,14 @@ def _fp8_feedforward(ff: nn.Module, a: torch.Tensor) -> tuple | None:
         return None
     gate, drop, out = net
     proj = getattr(gate, "proj", None)
-    if not (type(gate) is GEGLU and not gate._forward_hooks and not gate._forward_pre_hooks
-            and getattr(gate.__dict__.get("forward"), "__func__", fused_geglu_forward) is fused_geglu_forward):
+    if not runs_as_its_class_or_bound(gate, GEGLU, fused_geglu_forward):
         return None
     if not (runs_as_its_class(drop, nn.Dropout) and (drop.p == 0 or not drop.training)):
         return None
     for lin in (proj, out):
         if not runs_as_its_class(lin, W8A8StaticLinear) or lin.smooth is not None:
             return None
-    if not proj.fast_accum or a.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if a.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return None
     if torch.is_grad_enabled() or torch.is_autocast_enabled(a.device.type):
         return None
