@@ -155,6 +155,9 @@ def test_fp8_measured_once_per_signature_and_key_holds_the_output_kind(fp8_choic
 
 def test_fp8_tma_refused_logged(fp8_choices, monkeypatch, caplog):
     """fast_accum=False and an fp32 output keep scaled_mm, logged; the policy pin too."""
+    from kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "_logged", set())  # logged once per process: another file may have logged it
     caplog.set_level(logging.INFO, logger="sdfast.kernels")
     monkeypatch.setattr(gp, "geglu_linear_fp8", lambda *a, **k: pytest.fail("the TMA kernel must not run"))
     q, qw, sa, sw, b = _fp8_inputs(20, 64, 48)
