@@ -14,7 +14,10 @@ choice) and captured; ``stats.setup_s`` has the seconds each phase took. Graphs 
 intermediates reuse one planned workspace, safe because graphs replay one at a time and outputs are
 copied out at once. At most ``max_graphs`` are kept (least recently used dropped). With ``conditionings``
 (``runtime.conditioning``: the cross-attention K/V of the text context, a ControlNet's control-image embedding),
-each signature has one more small graph per conditioning, replayed only when its input changes.
+each signature has one more small graph per conditioning, replayed only when its input changes. With a ``split``
+(``GraphSplit``; ``runtime.control_overlap``), a call may be captured as two graphs, cut where one submodule's forward
+returns: the arguments only the second one reads are copied in between, after the work of another stream that made
+them, so that work runs beside the first graph.
 
 Parameters are read by the graph from their storage, so in-place weight updates (``param.copy_``, a
 fused LoRA) are seen by the next replay; replacing a parameter's storage (``module.to(dtype)``, new
@@ -203,6 +206,8 @@ class _Graph:
     static_inputs: list  # tensors, in leaf order (None for non-tensor leaves)
     static_output: object
     pre: tuple[_Projection, ...] = ()
+    tail: torch.cuda.CUDAGraph | None = None  # a split capture's second graph (``GraphSplit``)
+    deferred: tuple[int, ...] = ()  # the leaves the first graph does not read: copied between the two replays
 
 
 @dataclass
@@ -211,6 +216,7 @@ class GraphStats:
     replays: int = 0
     evictions: int = 0
     eager_calls: int = 0
+    split_captures: int = 0  # signatures captured as two graphs (``GraphSplit``)
     conditioning_runs: int = 0  # replays of the conditionings' graphs (cross-attention K/V, control embedding)
     failures: list = field(default_factory=list)
     # Seconds spent making graphs, by phase ("dry_run", "warmup", "capture"), summed over signatures; "warmups"
@@ -234,13 +240,37 @@ class _Phases:
         self.t = now
 
 
+class GraphSplit:
+    """How a runner captures some calls as two graphs, for work of another stream to join in between
+    (``runtime.control_overlap``: the UNet's down blocks beside a ControlNet). Subclasses define the three methods."""
+
+    def cut_after(self, forward, args: tuple, kwargs: dict) -> torch.nn.Module | None:
+        """The submodule at the end of whose forward the capture of this call (``forward(*args, **kwargs)``, the
+        runner's eager forward) is cut in two; None: one graph. The first graph must not read ``deferred``."""
+        raise NotImplementedError
+
+    def deferred(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
+        """The tensor arguments that only the second graph reads."""
+        raise NotImplementedError
+
+    def copy_deferred(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each (static buffer, argument) pair after the first graph was launched, the current stream then
+        ordered after whatever produced the arguments."""
+        raise NotImplementedError
+
+    def join(self) -> None:
+        """Order the current stream after whatever produced the deferred arguments (before any use of them)."""
+        raise NotImplementedError
+
+
 class GraphedForward:
     """A callable that replaces ``module.forward`` (see the module docstring)."""
 
     def __init__(self, module: torch.nn.Module, *, pool, max_graphs: int = 8, warmup_iters: int = 2, name: str = "",
                  clock=None, stream=None, conditionings: tuple[Conditioning, ...] = (), parallel_compile: bool = True,
-                 output_scale: str | None = None):
+                 output_scale: str | None = None, split: GraphSplit | None = None):
         self.module = module
+        self.split = split  # calls captured as two graphs, another stream's work joining in between
         self.output_scale = output_scale  # a keyword argument that scales every output: applied after the replay
         self.parallel_compile = parallel_compile  # a compile-only pass before the first warm-up at a signature
         self.conditionings = tuple(conditionings)  # each in its own graph, once per context (runtime.conditioning)
@@ -295,19 +325,20 @@ class GraphedForward:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         on_cuda = any(isinstance(x, torch.Tensor) and x.is_cuda for x in leaves)
         if not on_cuda or torch.cuda.is_current_stream_capturing() or torch.is_grad_enabled() or self.hooked():
-            self.stats.eager_calls += 1
-            return self.eager(*args, **kwargs)
+            return self._eager(args, kwargs)
         key = (spec, tuple(_leaf_key(x) for x in leaves), _autocast_key())
         if key not in self.graphs:
+            self._join()  # the capture copies every argument
             self._capture(key, leaves, spec)
         entry = self.graphs[key]
         self.graphs.move_to_end(key)
         if entry is None:
-            self.stats.eager_calls += 1
-            return self.eager(*args, **kwargs)
-        skip = ()
+            return self._eager(args, kwargs)
+        skip = set(entry.deferred)
+        if not skip:
+            self._join()
         if entry.pre:
-            skip = [pre.index for pre in entry.pre]
+            skip.update(pre.index for pre in entry.pre)
             for pre in entry.pre:
                 self._refresh_conditioning(pre, entry.static_inputs[pre.index], leaves[pre.index])
         for i, (static, x) in enumerate(zip(entry.static_inputs, leaves)):
@@ -318,8 +349,20 @@ class GraphedForward:
             else:  # a host scalar (the timestep): its value goes in the fill kernel's arguments, no copy, no sync
                 static.fill_(x.item())
         entry.graph.replay()
+        if entry.tail is not None:
+            self.split.copy_deferred([(entry.static_inputs[i], leaves[i]) for i in entry.deferred])
+            entry.tail.replay()
         self.stats.replays += 1
         return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, entry.static_output)
+
+    def _join(self) -> None:
+        if self.split is not None:
+            self.split.join()
+
+    def _eager(self, args, kwargs):
+        self._join()
+        self.stats.eager_calls += 1
+        return self.eager(*args, **kwargs)
 
     def _pull_scale(self, kwargs: dict) -> float | None:
         """The value of the ``output_scale`` keyword when the call can take it out of the graph: a Python float
@@ -393,12 +436,11 @@ class GraphedForward:
                         break
             torch.cuda.current_stream().wait_stream(side)
             pre = tuple(self._capture_projection(c, static_inputs, i) for c, i in found)
-            graph = torch.cuda.CUDAGraph()
+            cut = self.split.cut_after(self.eager, s_args, s_kwargs) if self.split is not None else None
             with contextlib.ExitStack() as reading:
                 for p in pre:
                     reading.enter_context(p.conditioning.reading(p.slots, static_inputs[p.index]))
-                with torch.cuda.graph(graph, pool=self.pool):
-                    out = self.eager(*s_args, **s_kwargs)
+                graph, tail, out = self._capture_graphs(s_args, s_kwargs, cut, side)
             phase("capture")
         except torch.cuda.OutOfMemoryError:
             # Transient: nothing is cached, so the next call at this signature tries again.
@@ -412,7 +454,12 @@ class GraphedForward:
             self.graphs[key] = None
             self.born[key] = self.clock()
             return
-        self.graphs[key] = _Graph(graph, static_inputs, out, pre)
+        deferred = ()
+        if tail is not None:
+            ids = {id(t) for t in self.split.deferred(s_args, s_kwargs)}
+            deferred = tuple(i for i, x in enumerate(static_inputs) if x is not None and id(x) in ids)
+            self.stats.split_captures += 1
+        self.graphs[key] = _Graph(graph, static_inputs, out, pre, tail, deferred)
         self.born[key] = self.clock()
         self.stats.captures += 1
         log.info("sdfast: captured a CUDA graph of %s (%d cached)", self.name, len(self.graphs))
@@ -424,6 +471,34 @@ class GraphedForward:
             old, _ = self.graphs.popitem(last=False)
             self.born.pop(old, None)
             self.stats.evictions += 1
+
+    def _capture_graphs(self, s_args, s_kwargs, cut: torch.nn.Module | None, stream):
+        """Capture ``self.eager(*s_args, **s_kwargs)`` on ``stream`` over the shared pool, as ``torch.cuda.graph``
+        does (synchronize, empty the cache, capture). With ``cut``: two graphs, the first ended and the second begun
+        (same pool, same stream) when ``cut``'s forward returns (its first call). Returns (graph, second graph or
+        None, output)."""
+        parts = [torch.cuda.CUDAGraph()]
+
+        def cut_here(module, args, output):
+            if len(parts) == 1:
+                parts[0].capture_end()
+                parts.append(torch.cuda.CUDAGraph())
+                parts[1].capture_begin(pool=self.pool)
+
+        handle = cut.register_forward_hook(cut_here) if cut is not None else None
+        try:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            with torch.cuda.stream(stream):
+                parts[0].capture_begin(pool=self.pool)
+                try:
+                    out = self.eager(*s_args, **s_kwargs)
+                finally:
+                    parts[-1].capture_end()
+        finally:
+            if handle is not None:
+                handle.remove()
+        return parts[0], parts[1] if len(parts) > 1 else None, out
 
     def drop_since(self, mark: int) -> int:
         """Drop the graphs captured after clock value ``mark``. Returns how many."""
@@ -467,12 +542,17 @@ class GraphCache:
         return self._clock
 
     def install(self, name: str, module: torch.nn.Module, conditionings: tuple[Conditioning, ...] = (),
-                output_scale: str | None = None) -> GraphedForward:
-        """Replace ``module.forward`` by a ``GraphedForward`` named ``name`` (see there for ``conditionings`` and
-        ``output_scale``)."""
-        runner = GraphedForward(module, pool=self.pool, max_graphs=self.max_graphs, name=name, clock=self._tick,
-                                stream=self.stream, conditionings=conditionings, parallel_compile=self.parallel_compile,
-                                output_scale=output_scale)
+                output_scale: str | None = None, split: GraphSplit | None = None, pool=None,
+                stream=None) -> GraphedForward:
+        """Replace ``module.forward`` by a ``GraphedForward`` named ``name`` (see there for ``conditionings``,
+        ``output_scale`` and ``split``). For graphs that replay at the same time as the others (on another stream):
+        ``pool``, a memory pool of their own (``torch.cuda.graph_pool_handle()``), and ``stream``, a warm-up and
+        capture stream of their own (a graph keeps the cuBLAS workspace of the stream it was captured on); default
+        the shared ones."""
+        runner = GraphedForward(module, pool=self.pool if pool is None else pool, max_graphs=self.max_graphs,
+                                name=name, clock=self._tick, stream=self.stream if stream is None else stream,
+                                conditionings=conditionings, parallel_compile=self.parallel_compile,
+                                output_scale=output_scale, split=split)
         module.forward = runner
         self.runners[name] = runner
         return runner
