@@ -162,6 +162,11 @@ class OptimizeConfig:
         ``controlnet_cond_embedding``, at pixel resolution) once per pipeline call, in its own graph, instead of
         at every step (``runtime.control_embedding``). Memory: one (B, C, h, w) embedding per ControlNet.
         Numerics: identical (the same convolutions, run earlier).
+    controlnet_overlap: with cuda_graphs and ControlNets, inside engine calls, each step's ControlNets run on a
+        second CUDA stream at the same time as the UNet's down blocks, which do not read their residuals
+        (``runtime.control_overlap``): the UNet's step with residuals is captured as two graphs, joined where the
+        residuals are first read. Memory: the ControlNets' graphs in a pool of their own. Numerics: identical (the
+        same kernels on the same inputs).
     parallel_compile: with cuda_graphs, before the first warm-up at a new input signature, one compile-only pass
         (``kernels.precompile``) compiles the Triton kernels it reaches on all CPU cores (ptxas, LLVM and the
         launcher builds overlap) instead of one after another. Speed: warm-up with a cold Triton cache; costs
@@ -197,6 +202,7 @@ class OptimizeConfig:
     cuda_graphs: bool = True
     cross_kv_once: bool = True
     control_embedding_once: bool = True
+    controlnet_overlap: bool = True
     parallel_compile: bool = True
     max_graphs: int = 8
     vae_fp32_when_asked: bool = True

@@ -36,6 +36,7 @@ class OptimizeState:
     vae_upcast: bool = False  # the VAE kept in fp32 (its config's force_upcast)
     vae_dtypes: dict | None = None  # {half: dtype it had} for the VAE halves this pass cast (None: none)
     vae_dispatcher: object | None = None  # the fp32 VAE's own AttentionDispatcher (TF32 allowed), if any
+    control_overlap: object | None = None  # runtime.control_overlap.ControlOverlap (ControlNets beside the UNet)
     applied: list = field(default_factory=list)  # names of the passes applied, in order
 
 
@@ -87,16 +88,24 @@ def _check_graphs_before_denoising(pipe, cache) -> None:
 
 def _install_graphs(pipe, state: OptimizeState) -> None:
     from .runtime.control_embedding import ControlEmbedding
+    from .runtime.control_overlap import ControlOverlap
     from .runtime.cross_kv import CrossKV
     from .runtime.cuda_graphs import GraphCache
 
     config = state.config
     cache = GraphCache(max_graphs=config.max_graphs, parallel_compile=config.parallel_compile)
-    cache.install("unet", pipe.unet, conditionings=(CrossKV(pipe.unet),) if config.cross_kv_once else ())
-    for i, net in enumerate(_denoising_nets(pipe)[1:]):  # a ControlNet's scale is applied after its replay
+    controlnets = _denoising_nets(pipe)[1:]
+    overlap = ControlOverlap(pipe) if controlnets and config.controlnet_overlap else None
+    cache.install("unet", pipe.unet, conditionings=(CrossKV(pipe.unet),) if config.cross_kv_once else (),
+                  split=overlap and overlap.unet_split)
+    for i, net in enumerate(controlnets):  # a ControlNet's scale is applied after its replay
         conditionings = ((CrossKV(net),) if config.cross_kv_once else ()) + (
             (ControlEmbedding(net),) if config.control_embedding_once else ())
-        cache.install(f"controlnet_{i}", net, conditionings=conditionings, output_scale="conditioning_scale")
+        cache.install(f"controlnet_{i}", net, conditionings=conditionings, output_scale="conditioning_scale",
+                      pool=overlap and overlap.pool, stream=overlap and overlap.capture_stream)
+    if overlap is not None:
+        overlap.install()
+        state.control_overlap = overlap
     for name in ("text_encoder", "text_encoder_2"):
         if getattr(pipe, name, None) is not None:
             cache.install(name, getattr(pipe, name))
@@ -187,6 +196,9 @@ def _graphs(pipe, state: OptimizeState) -> int:
 
 
 def _undo_graphs(pipe, state: OptimizeState) -> None:
+    if state.control_overlap is not None:  # its forward wraps a graph runner's
+        state.control_overlap.uninstall()
+        state.control_overlap = None
     state.graphs.uninstall()
     del pipe.check_inputs
     host_timesteps.release(pipe.scheduler)

@@ -84,6 +84,11 @@ def installed(obj) -> bool:
     return "_sdfast_original_class" in type(obj).__dict__
 
 
+def original_class(obj) -> type:
+    """``obj``'s class as it was before ``install`` / ``install_model`` (its own class otherwise)."""
+    return type(obj)._sdfast_original_class if installed(obj) else type(obj)
+
+
 def install(pipe) -> bool:
     """Cache ``pipe._execution_device`` (this instance only). Returns False, changing nothing, for an object
     without that property. Idempotent."""

@@ -12,7 +12,9 @@
    released otherwise; a forward hook on the VAE decoder records a one-element "all finite" flag on the device
    (no wait for the decoder); a mark of the graph cache is taken. A VAE the optimizer keeps in fp32 has its config's
    ``force_upcast`` off for the call: it already is what that flag asks for, and diffusers' SDXL img2img pipeline
-   would otherwise cast the VAE to fp32 and back to fp16 (dropping its CUDA graph, and leaving it in fp16).
+   would otherwise cast the VAE to fp32 and back to fp16 (dropping its CUDA graph, and leaving it in fp16). The
+   ControlNets run beside the UNet's down blocks (``runtime.control_overlap``: armed for diffusers' own ControlNet
+   pipelines, joined at the end of the call).
 3. ``before_denoising`` (from ``check_inputs``, inside the pipeline call): the time-embedding pack is refreshed
    first (``passes.time_embedding``: a changed parameter repacks, so the graph check sees its new storage at
    once and one capture follows, not two), then every CUDA graph is due for its check.
@@ -119,8 +121,10 @@ class CallSession:
         upcast = getattr(state, "vae_dtypes", None) is not None and bool(pipe.vae.config.get("force_upcast", False))
         if upcast:
             pipe.vae.register_to_config(force_upcast=False)
+        overlap = getattr(state, "control_overlap", None)  # the ControlNets beside the UNet: joined before a drop
         try:
-            with oom_guard(graphs, what=what, mark=mark):
+            with oom_guard(graphs, what=what, mark=mark), (
+                    overlap.armed_for(pipe) if overlap is not None else contextlib.nullcontext()):
                 yield finite
         finally:
             hook.remove()
