@@ -9,6 +9,9 @@ the same seeded random weights, or a real model folder with ``--model``) and eac
   forward pre/post hooks on ``pipe.unet`` (they fire around CUDA-graph replays and around a
   ``torch.compile`` ``OptimizedModule``; wall clock on a CPU);
 - ``e2e_s``: prompt to PIL images, median of ``--repeats`` generations, synchronised; ``img_s`` = batch / e2e_s;
+- ``loop_ms_step``: the denoising loop's GPU span (``e2e_breakdown``) over its UNet calls: the whole step, with the
+  scheduler and, with ``--controlnet``, the ControlNets (which run on a second stream beside the UNet's down blocks:
+  their own hook timings, ``controlnet_ms_step``, then see only the main stream);
 - ``peak_gib`` / ``peak_reserved_gib``: ``torch.cuda.max_memory_allocated/reserved`` over the timed
   generations (process peak RSS on a CPU);
 - ``psnr_db``: PSNR of the system's image against stock fp16's (same seed and prompt; for stock itself,
@@ -602,6 +605,9 @@ SYSTEMS: dict[str, System] = {
     "sdfast-control_embedding_every_step": System(
         "sdfast-control_embedding_every_step", partial(build_sdfast, control_embedding_once=False),
         "sdfast, OptimizeConfig(control_embedding_once=False)"),
+    "sdfast-no_controlnet_overlap": System(
+        "sdfast-no_controlnet_overlap", partial(build_sdfast, controlnet_overlap=False),
+        "sdfast, OptimizeConfig(controlnet_overlap=False): the ControlNets on the UNet's stream"),
     "sdfast-vae_bf16": System("sdfast-vae_bf16", partial(build_sdfast, vae_decoder_dtype="bfloat16"),
                               "sdfast, OptimizeConfig(vae_decoder_dtype='bfloat16')"),
     "sdfast-vae_fp32_attention": System("sdfast-vae_fp32_attention", partial(build_sdfast, vae_tf32=False),
@@ -847,7 +853,7 @@ def base_row(system: System, spec: ModelSpec, ctx: Context, task: Task | None = 
         "psnr_vs_exact_db": None, "ssim_vs_exact": None, "speedup_vs_exact": None, "unet_ms_full": None,
         "unet_ms_shallow": None,
         "warmup_s": None, "load_s": None, "first_image_s": None, "unet_ms_step": None, "step_vs_txt2img": None,
-        "unet_calls_per_image": None, "e2e_s": None,
+        "unet_calls_per_image": None, "loop_ms_step": None, "e2e_s": None,
         "img_s": None, "peak_gib": None, "peak_reserved_gib": None, "psnr_db": None, "fp32_check": None,
         "err_fp32_step": None, "err_fp32_step_ratio": None, "err_fp32_steps": None, "err_fp32_steps_ratio": None,
         "e2e_all_s": None, "unet_timing": None, "memory_source": None,
@@ -970,6 +976,8 @@ def _run_task(task: Task, row: dict, engine, system: System, spec: ModelSpec, ct
                 row[f"{name}_ms_step"] = statistics.median(t.times_ms())
         row["unet_timing"] = "cuda events (hooks)" if ctx.cuda else "wall clock (hooks, CPU)"
         row["e2e_breakdown"] = e2e_breakdown(steps, phases, e2e, ctx.repeats)
+        if row["e2e_breakdown"] and row["unet_calls_per_image"]:  # the step as a whole: ControlNets on a second
+            row["loop_ms_step"] = row["e2e_breakdown"]["denoise_loop_ms"] / row["unet_calls_per_image"]  # stream too
         log(f"[{label}] e2e {row['e2e_s']:.3f} s, UNet {row['unet_ms_step']:.2f} ms/step")
 
         stage = "fidelity"
