@@ -446,6 +446,7 @@ class Engine:
         with session.call(prep.scheduler, what=lambda: f"{n} image(s) of {width}x{height} on {self.device}") as finite, \
                 quiet_loading(), \
                 cache or contextlib.nullcontext():
+            session.check_denoising_nets()  # host work beside the text encoders' GPU work
             out = pipe(
                 **text,
                 **step_end,

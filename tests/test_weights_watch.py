@@ -158,3 +158,26 @@ def test_transformers_output_capturing_hooks_installed_after_the_snapshot_change
     layer = next(m for m in te.modules() if m._forward_hooks)  # a module that has transformers' hook
     layer.register_forward_hook(lambda mod, a, out: out)
     assert watch.changed() and watch.hooked
+
+
+def test_check_early_checks_now_and_the_next_check_leaves_those_out_once():
+    """``GraphCache.check_early`` (the engine's check of the denoising nets while the text encoders run): the full
+    check happens at once (a replaced weight drops that runner's graphs), the pipeline's ``check`` that follows
+    leaves those runners out, and only that one; ``forget_early`` cancels it."""
+    from sdfast.runtime.cuda_graphs import GraphCache, GraphedForward
+
+    unet, vae = _model(), _model()
+    cache = object.__new__(GraphCache)  # its pool and stream need CUDA: only the bookkeeping is under test
+    cache.runners = {"unet": GraphedForward(unet, pool=None), "vae_decoder": GraphedForward(vae, pool=None)}
+    cache._early = frozenset()
+    runner = cache.runners["unet"]
+    runner.graphs["signature"] = None
+    unet[0].weight = nn.Parameter(torch.randn(4, 4))
+    assert cache.check_early([unet]) == 1 and not runner.graphs  # checked now: the stale graph is gone
+    assert cache.checked_early() == {"unet"}
+    assert cache.check() == 1 and not runner.check_due and cache.runners["vae_decoder"].check_due
+    assert cache.check() == 2 and runner.check_due  # once only
+    runner.check_due = False
+    cache.check_early([unet])
+    cache.forget_early()
+    assert cache.check() == 2 and runner.check_due

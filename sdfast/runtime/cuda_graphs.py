@@ -536,6 +536,7 @@ class GraphCache:
         self.max_graphs = max_graphs
         self.runners: dict[str, GraphedForward] = {}
         self._clock = 0
+        self._early: frozenset[str] = frozenset()  # runners checked by ``check_early``, left out of the next ``check``
 
     def _tick(self) -> int:
         self._clock += 1
@@ -561,14 +562,34 @@ class GraphCache:
         """Have every runner (of ``names``, default all) make its full check (``GraphedForward.check_now``: replaced
         weights, LoRA adapter state, hooks) at its next call, not now: a module that a pipeline call does not run
         (the VAE encoder in txt2img, text encoders given embeddings) is not checked, and one that runs late (the
-        VAE decoder) is checked while the GPU still works on what was queued before it. Returns how many were
-        marked."""
+        VAE decoder) is checked while the GPU still works on what was queued before it. The runners ``check_early``
+        just checked are left out, once. Returns how many were marked."""
+        early, self._early = self._early, frozenset()
         marked = 0
         for name, runner in self.runners.items():
-            if names is None or name in names:
+            if (names is None or name in names) and name not in early:
                 runner.check_due = True
                 marked += 1
         return marked
+
+    def check_early(self, modules) -> int:
+        """The full check of the runners of ``modules`` now (e.g. the UNet's while the GPU runs the text encoders,
+        instead of at its first step with the GPU idle); the next ``check`` leaves them out. Only for a caller that
+        knows no weights can change before that ``check`` (``runtime.session``: inside one pipeline call's setup),
+        and that calls ``forget_early`` when that ``check`` may not come. Returns how many were checked."""
+        names = frozenset(name for name, r in self.runners.items() if any(r.module is m for m in modules))
+        for name in names:
+            self.runners[name].check_now()
+        self._early = names
+        return len(names)
+
+    def checked_early(self) -> frozenset[str]:
+        """The runners ``check_early`` checked that no ``check`` has consumed yet."""
+        return self._early
+
+    def forget_early(self) -> None:
+        """The next ``check`` leaves no runner out."""
+        self._early = frozenset()
 
     def mark(self) -> int:
         """A point in the capture history, for :meth:`drop_since`."""

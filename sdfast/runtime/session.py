@@ -17,7 +17,9 @@
    pipelines, joined at the end of the call).
 3. ``before_denoising`` (from ``check_inputs``, inside the pipeline call): the time-embedding pack is refreshed
    first (``passes.time_embedding``: a changed parameter repacks, so the graph check sees its new storage at
-   once and one capture follows, not two), then every CUDA graph is due for its check.
+   once and one capture follows, not two), then every CUDA graph is due for its check. The engine makes the
+   denoising nets' refresh and check itself just before ``pipe(...)`` (``CallSession.check_denoising_nets``),
+   while the GPU still runs the text encoders; ``before_denoising`` then leaves them out.
 4. On ``torch.OutOfMemoryError`` (or a host allocation failure) the graphs captured since the mark are dropped,
    so a call that could not complete frees their buffers, and a host ``MemoryError`` is raised as
    ``torch.OutOfMemoryError`` (one error type for the service to answer 503).
@@ -42,14 +44,28 @@ def graphs_of(pipe):
     return getattr(getattr(pipe, "_sdfast", None), "graphs", None)
 
 
-def before_denoising(pipe, graphs) -> None:
-    """At the start of every pipeline call (the optimizer's ``check_inputs``): the time-embedding refresh, then
-    every graph of ``graphs`` is due for its check (at its next run)."""
+def _denoising_nets(pipe) -> tuple:
     from ..controlnet import controlnets_of
+
+    return (pipe.unet, *controlnets_of(pipe))
+
+
+def _refresh_and_check(pipe, graphs, *, early: bool) -> None:
     from ..passes import time_embedding
 
-    for net in (pipe.unet, *controlnets_of(pipe)):  # a repack first, so that the graph check sees its storage at once
+    nets = _denoising_nets(pipe)
+    for net in nets:  # a repack first, so that the graph check sees its storage at once
         time_embedding.refresh(net)
+    if early:
+        graphs.check_early(nets)
+
+
+def before_denoising(pipe, graphs) -> None:
+    """At the start of every pipeline call (the optimizer's ``check_inputs``): the time-embedding refresh, then
+    every graph of ``graphs`` is due for its check (at its next run). When the engine already refreshed and checked
+    the denoising nets for this call (``CallSession.check_denoising_nets``), only the rest is due."""
+    if not graphs.checked_early():
+        _refresh_and_check(pipe, graphs, early=False)
     graphs.check()
 
 
@@ -94,6 +110,14 @@ class CallSession:
         """Whether the pipeline runs in CUDA graphs (then prompt and negative prompt share one encoder batch)."""
         return self.graphs is not None
 
+    def check_denoising_nets(self) -> None:
+        """Inside ``call``, just before ``pipe(...)``, while the GPU still runs the text encoders the engine queued:
+        the denoising nets' time-embedding refresh and graph check, which ``before_denoising`` would otherwise leave
+        to the first step, with the GPU idle (SDXL's UNet: about 1,900 modules compared). Nothing runs between this
+        and the pipeline's ``check_inputs`` but diffusers' own setup, so the weights cannot change in between."""
+        if self.graphs is not None:
+            _refresh_and_check(self.pipe, self.graphs, early=True)
+
     def before_text_encoders(self) -> None:
         """The text encoders' graph check, before the engine runs them (the pipeline's own check of all graphs
         comes after the encoders ran)."""
@@ -127,6 +151,8 @@ class CallSession:
                     overlap.armed_for(pipe) if overlap is not None else contextlib.nullcontext()):
                 yield finite
         finally:
+            if graphs is not None:  # a check_denoising_nets whose pipeline call never reached its check
+                graphs.forget_early()
             hook.remove()
             if upcast:
                 pipe.vae.register_to_config(force_upcast=True)
