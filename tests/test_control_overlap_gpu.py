@@ -12,22 +12,11 @@ import torch
 
 import sdfast
 from sdfast.runtime.control_overlap import ControlNetOnSide
+from tests.test_controlnet_gpu import _control_image as _control
 
 pytestmark = pytest.mark.gpu
 
 PROMPT = "a photo of an astronaut riding a horse on mars"
-
-
-def _control(side, seed=0):
-    from PIL import Image
-
-    rng = np.random.default_rng(seed)
-    img = np.zeros((side, side, 3), np.uint8)
-    for _ in range(12):
-        x0, y0 = rng.integers(0, side, 2)
-        img[y0: y0 + side // 4, x0: x0 + 3] = 255
-        img[y0: y0 + 3, x0: x0 + side // 4] = 255
-    return Image.fromarray(img)
 
 
 def _px(img):
