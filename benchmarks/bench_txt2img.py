@@ -708,8 +708,12 @@ class UnetTimer:
         self._start = None
 
     def __enter__(self):
-        self._handles = [self.unet.register_forward_pre_hook(self._pre, with_kwargs=True),
-                         self.unet.register_forward_hook(self._post, with_kwargs=True)]
+        from sdfast.runtime.control_overlap import stream_safe
+
+        # CUDA events only: a ControlNet may run on its own stream meanwhile; copying the inputs (capture) reads them
+        pre = self._pre if self.capture else stream_safe(self._pre)
+        self._handles = [self.unet.register_forward_pre_hook(pre, with_kwargs=True),
+                         self.unet.register_forward_hook(stream_safe(self._post), with_kwargs=True)]
         return self
 
     def __exit__(self, *exc):

@@ -109,6 +109,7 @@ class _Overlap:
 
     def __init__(self):
         self.armed, self.ran = False, []
+        self.pipe = types.SimpleNamespace(unet=torch.nn.Module())
 
     def run(self, fn, args, kwargs):
         self.ran.append(kwargs.get("tag"))
@@ -146,3 +147,33 @@ def test_uninstall_restores_the_forward():
     overlap.install()
     overlap.uninstall()
     assert "forward" not in plain.__dict__
+
+
+def test_a_hook_on_the_main_stream_that_could_read_the_residuals_keeps_the_controlnet_there():
+    """Hooks that run on the main stream between the ControlNet's call and the UNet's join: a forward hook on the
+    ControlNet the pipeline calls, a pre-hook on the UNet, a global one. Only ``stream_safe`` ones leave the side
+    stream in use (the benchmark's CUDA-event timers, DeepCache's keyword)."""
+    net = torch.nn.Module()
+    net.forward = lambda *a, **k: "out"
+    overlap = _Overlap()
+    overlap.armed = True
+    forward = ControlNetOnSide(net, overlap)
+    unet = overlap.pipe.unet
+    cases = [
+        lambda: net.register_forward_hook(lambda m, a, o: None),
+        lambda: unet.register_forward_pre_hook(lambda m, a: None),
+        lambda: torch.nn.modules.module.register_module_forward_hook(lambda m, a, o: None),
+        lambda: torch.nn.modules.module.register_module_forward_pre_hook(lambda m, a: None),
+    ]
+    with torch.no_grad():
+        for register in cases:
+            handle = register()
+            forward(tag="watched")
+            handle.remove()
+        assert overlap.ran == []
+        handles = [net.register_forward_hook(control_overlap.stream_safe(lambda m, a, o: None)),
+                   unet.register_forward_pre_hook(control_overlap.stream_safe(lambda m, a, k: None), with_kwargs=True)]
+        forward(tag="safe")
+        for h in handles:
+            h.remove()
+    assert overlap.ran == ["safe"]

@@ -175,6 +175,8 @@ def test_check_early_checks_now_and_the_next_check_leaves_those_out_once():
     unet[0].weight = nn.Parameter(torch.randn(4, 4))
     assert cache.check_early([unet]) == 1 and not runner.graphs  # checked now: the stale graph is gone
     assert cache.checked_early() == {"unet"}
+    assert cache.check(names=("vae_decoder",)) == 1 and cache.checked_early() == {"unet"}  # only a full check takes it
+    cache.runners["vae_decoder"].check_due = False
     assert cache.check() == 1 and not runner.check_due and cache.runners["vae_decoder"].check_due
     assert cache.check() == 2 and runner.check_due  # once only
     runner.check_due = False

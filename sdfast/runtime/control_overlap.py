@@ -26,7 +26,9 @@ armed only where their one consumer is known to be the UNet call: inside an engi
 (``runtime.session.CallSession.call``, which joins at its end) of one of diffusers' six ControlNet pipelines
 (``PIPELINES``, exact classes), whose loops hand the residuals from the ControlNet to the UNet unchanged, except with
 ``guess_mode`` (they are concatenated with zeros first: such a call runs on the main stream). A user's own
-``pipe(...)`` and direct calls of the ControlNet run on the main stream, as before. The images are the same bit for
+``pipe(...)`` and direct calls of the ControlNet run on the main stream, as before, and so does a call that a hook
+on the main stream could watch in between (``ControlNetOnSide``; ``stream_safe`` marks the hooks that read no
+tensor). The images are the same bit for
 bit: the same kernels on the same inputs (tested on the GPU).
 """
 
@@ -36,6 +38,7 @@ import contextlib
 import types
 
 import torch
+from torch.nn.modules import module as nn_module
 from torch.utils import _pytree as pytree
 
 from sdfast.runtime import execution_device
@@ -52,6 +55,24 @@ PIPELINES = frozenset((
 # encoder_hidden_states, controlnet_cond, conditioning_scale; a call with more positional arguments (guess_mode among
 # them, unseen) runs on the main stream.
 _MAX_POSITIONAL = 5
+
+
+def stream_safe(hook):
+    """``hook`` (a forward hook or pre-hook) marked as reading no tensor argument or output: it may run on the main
+    stream between the ControlNet's call and the UNet's while the ControlNet's residuals are still being written
+    on the side stream (a timer recording CUDA events, DeepCache's pre-hook adding a keyword). Any other hook on
+    ``pipe.controlnet`` (forward hooks), on ``pipe.unet`` (pre-hooks) or global runs the ControlNet on the main
+    stream (``ControlNetOnSide``)."""
+
+    def safe(*args, **kwargs):
+        return hook(*args, **kwargs)
+
+    safe.sdfast_stream_safe = True
+    return safe
+
+
+def _may_read_residuals(*hook_dicts) -> bool:
+    return any(not getattr(h, "sdfast_stream_safe", False) for hooks in hook_dicts for h in hooks.values())
 
 
 def overlaps_in(pipe) -> bool:
@@ -144,7 +165,9 @@ class ControlOverlap:
 
 class ControlNetOnSide:
     """``pipe.controlnet``'s forward: the forward it had (``inner``), on the side stream while ``overlap`` is armed and
-    the call is not ``guess_mode``, not recording gradients and not inside a capture."""
+    the call is not ``guess_mode``, not recording gradients and not inside a capture, and no hook that runs on the
+    main stream before the UNet's join could read the residuals: a forward hook on ``pipe.controlnet`` (it runs
+    after this forward returns), a forward pre-hook on ``pipe.unet``, a global one (all but ``stream_safe`` ones)."""
 
     def __init__(self, net: torch.nn.Module, overlap: ControlOverlap):
         self.net = net
@@ -154,7 +177,9 @@ class ControlNetOnSide:
 
     def __call__(self, *args, **kwargs):
         if (not self.overlap.armed or kwargs.get("guess_mode") or len(args) > _MAX_POSITIONAL
-                or torch.is_grad_enabled() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
+                or torch.is_grad_enabled() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+                or _may_read_residuals(self.net._forward_hooks, self.overlap.pipe.unet._forward_pre_hooks,
+                                       nn_module._global_forward_hooks, nn_module._global_forward_pre_hooks)):
             return self.inner(*args, **kwargs)
         return self.overlap.run(self.inner, args, kwargs)
 

@@ -397,7 +397,7 @@ class GraphedForward:
         shared one: the slots must survive the replays of every other graph (the shared pool hands memory freed
         after one capture to the next, and replays write it)."""
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=self.stream):  # the runner's stream: its cuBLAS workspace (install)
             slots = conditioning.fill(static_inputs[index])
         return _Projection(graph, conditioning, index, conditioning.params(), slots)
 
@@ -478,12 +478,17 @@ class GraphedForward:
         (same pool, same stream) when ``cut``'s forward returns (its first call). Returns (graph, second graph or
         None, output)."""
         parts = [torch.cuda.CUDAGraph()]
+        capturing = []  # the graph whose capture is open: ended once, by the cut or at the end
+
+        def end_capture():
+            capturing.pop().capture_end()
 
         def cut_here(module, args, output):
             if len(parts) == 1:
-                parts[0].capture_end()
+                end_capture()
                 parts.append(torch.cuda.CUDAGraph())
                 parts[1].capture_begin(pool=self.pool)
+                capturing.append(parts[1])
 
         handle = cut.register_forward_hook(cut_here) if cut is not None else None
         try:
@@ -491,10 +496,12 @@ class GraphedForward:
             torch.cuda.empty_cache()
             with torch.cuda.stream(stream):
                 parts[0].capture_begin(pool=self.pool)
+                capturing.append(parts[0])
                 try:
                     out = self.eager(*s_args, **s_kwargs)
                 finally:
-                    parts[-1].capture_end()
+                    if capturing:
+                        end_capture()
         finally:
             if handle is not None:
                 handle.remove()
@@ -562,9 +569,11 @@ class GraphCache:
         """Have every runner (of ``names``, default all) make its full check (``GraphedForward.check_now``: replaced
         weights, LoRA adapter state, hooks) at its next call, not now: a module that a pipeline call does not run
         (the VAE encoder in txt2img, text encoders given embeddings) is not checked, and one that runs late (the
-        VAE decoder) is checked while the GPU still works on what was queued before it. The runners ``check_early``
-        just checked are left out, once. Returns how many were marked."""
-        early, self._early = self._early, frozenset()
+        VAE decoder) is checked while the GPU still works on what was queued before it. A check of all runners
+        (``names`` None) leaves out, once, those ``check_early`` just checked. Returns how many were marked."""
+        early = frozenset()
+        if names is None:
+            early, self._early = self._early, frozenset()
         marked = 0
         for name, runner in self.runners.items():
             if (names is None or name in names) and name not in early:

@@ -324,7 +324,9 @@ class DeepCache:
         check(self.unet, self.cache_interval, self.cache_branch)
         self.step = 0
         self._installed = install(self.unet)
-        self._handle = self.unet.register_forward_pre_hook(self._pre, with_kwargs=True)
+        from .control_overlap import stream_safe  # it adds a keyword and reads no tensor
+
+        self._handle = self.unet.register_forward_pre_hook(stream_safe(self._pre), with_kwargs=True)
         return self
 
     def __exit__(self, *exc) -> bool:
