@@ -51,9 +51,9 @@ PIPELINES = frozenset((
     "StableDiffusionXLControlNetImg2ImgPipeline", "StableDiffusionXLControlNetInpaintPipeline",
 ))
 
-# ControlNetModel.forward's positional parameters before the keyword-only use: sample, timestep,
-# encoder_hidden_states, controlnet_cond, conditioning_scale; a call with more positional arguments (guess_mode among
-# them, unseen) runs on the main stream.
+# ControlNetModel.forward's first five parameters (sample, timestep, encoder_hidden_states, controlnet_cond,
+# conditioning_scale); a call that passes more of them by position (guess_mode could be among them, unseen) runs on
+# the main stream. diffusers' pipelines pass two by position.
 _MAX_POSITIONAL = 5
 
 
