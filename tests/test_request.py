@@ -175,7 +175,9 @@ def test_the_call_session_is_what_engine_and_optimizer_call(monkeypatch, stock):
 
     calls = []
 
-    class Graphs:  # a stand-in GraphCache: the CPU captures no graphs
+    from tests.user_cases import _FakeGraphs
+
+    class Graphs(_FakeGraphs):  # a stand-in GraphCache: the CPU captures no graphs
         def check(self, names=None):
             calls.append(("check", names))
             return 0

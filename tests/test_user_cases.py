@@ -259,15 +259,9 @@ def test_graph_cache_check_runs_before_any_text_encoder_call_of_a_long_prompt(ti
     _, fast, _ = tiny
     order = []
 
-    class Graphs:  # stands in for runtime.cuda_graphs.GraphCache (CPU: no graphs are captured)
+    class Graphs(_FakeGraphs):
         def check(self, names=None):
             order.append("check")
-            return 0
-
-        def mark(self):
-            return 0
-
-        def drop_since(self, mark):
             return 0
 
     monkeypatch.setattr(fast.pipe._sdfast, "graphs", Graphs())

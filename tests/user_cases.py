@@ -58,6 +58,15 @@ class _FakeGraphs:  # stands in for runtime.cuda_graphs.GraphCache on the CPU (n
     def check(self, names=None):
         return 0
 
+    def check_early(self, modules):
+        return 0
+
+    def checked_early(self):
+        return frozenset()
+
+    def forget_early(self):
+        pass
+
     def mark(self):
         return 0
 
