@@ -21,15 +21,16 @@ the other's blocks.
 
 The ControlNets' graphs get a memory pool of their own (``pool``: the shared pool is safe only for graphs that
 replay one at a time) and are captured on a stream of their own (``capture_stream``: a graph keeps the cuBLAS
-workspace of the stream it was captured on, and two graphs replaying at once must not share one). Residuals returned while armed are valid on the main stream only after a join, so overlap is
-armed only where their one consumer is known to be the UNet call: inside an engine call
+workspace of the stream it was captured on, and two graphs replaying at once must not share one).
+
+Residuals returned while armed are valid on the main stream only after a join, so overlap is armed only where their
+one consumer is known to be the UNet call: inside an engine call
 (``runtime.session.CallSession.call``, which joins at its end) of one of diffusers' six ControlNet pipelines
 (``PIPELINES``, exact classes), whose loops hand the residuals from the ControlNet to the UNet unchanged, except with
 ``guess_mode`` (they are concatenated with zeros first: such a call runs on the main stream). A user's own
 ``pipe(...)`` and direct calls of the ControlNet run on the main stream, as before, and so does a call that a hook
 on the main stream could watch in between (``ControlNetOnSide``; ``stream_safe`` marks the hooks that read no
-tensor). The images are the same bit for
-bit: the same kernels on the same inputs (tested on the GPU).
+tensor). The images are the same bit for bit: the same kernels on the same inputs (tested on the GPU).
 """
 
 from __future__ import annotations

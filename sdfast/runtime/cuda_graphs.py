@@ -209,6 +209,10 @@ class _Graph:
     tail: torch.cuda.CUDAGraph | None = None  # a split capture's second graph (``GraphSplit``)
     deferred: tuple[int, ...] = ()  # the leaves the first graph does not read: copied between the two replays
 
+    def __post_init__(self):
+        # the leaves not copied before the first replay: the deferred ones and the conditionings' contexts
+        self.skip = frozenset(self.deferred) | frozenset(p.index for p in self.pre)
+
 
 @dataclass
 class GraphStats:
@@ -334,13 +338,11 @@ class GraphedForward:
         self.graphs.move_to_end(key)
         if entry is None:
             return self._eager(args, kwargs)
-        skip = set(entry.deferred)
-        if not skip:
+        if not entry.deferred:
             self._join()
-        if entry.pre:
-            skip.update(pre.index for pre in entry.pre)
-            for pre in entry.pre:
-                self._refresh_conditioning(pre, entry.static_inputs[pre.index], leaves[pre.index])
+        for pre in entry.pre:
+            self._refresh_conditioning(pre, entry.static_inputs[pre.index], leaves[pre.index])
+        skip = entry.skip
         for i, (static, x) in enumerate(zip(entry.static_inputs, leaves)):
             if static is None or i in skip:
                 continue

@@ -50,14 +50,15 @@ def _denoising_nets(pipe) -> tuple:
     return (pipe.unet, *controlnets_of(pipe))
 
 
-def _refresh_and_check(pipe, graphs, *, early: bool) -> None:
+def _refresh_denoising_nets(pipe) -> tuple:
+    """The time-embedding refresh of the UNet and the ControlNets (before their graph check, so that it sees a
+    repacked storage at once); returns those nets."""
     from ..passes import time_embedding
 
     nets = _denoising_nets(pipe)
-    for net in nets:  # a repack first, so that the graph check sees its storage at once
+    for net in nets:
         time_embedding.refresh(net)
-    if early:
-        graphs.check_early(nets)
+    return nets
 
 
 def before_denoising(pipe, graphs) -> None:
@@ -65,7 +66,7 @@ def before_denoising(pipe, graphs) -> None:
     every graph of ``graphs`` is due for its check (at its next run). When the engine already refreshed and checked
     the denoising nets for this call (``CallSession.check_denoising_nets``), only the rest is due."""
     if not graphs.checked_early():
-        _refresh_and_check(pipe, graphs, early=False)
+        _refresh_denoising_nets(pipe)
     graphs.check()
 
 
@@ -116,7 +117,7 @@ class CallSession:
         to the first step, with the GPU idle (SDXL's UNet: about 1,900 modules compared). Nothing runs between this
         and the pipeline's ``check_inputs`` but diffusers' own setup, so the weights cannot change in between."""
         if self.graphs is not None:
-            _refresh_and_check(self.pipe, self.graphs, early=True)
+            self.graphs.check_early(_refresh_denoising_nets(self.pipe))
 
     def before_text_encoders(self) -> None:
         """The text encoders' graph check, before the engine runs them (the pipeline's own check of all graphs
