@@ -65,3 +65,62 @@ def test_the_warm_starts_library_calls_all_run_and_leave_the_global_generator(dt
     warm_start._warm_libraries(torch.device("cuda", torch.cuda.current_device()), dtype)
     assert set(warm_start._report) == set(warm_start.LIBRARY_CALLS)
     assert torch.equal(torch.cuda.get_rng_state(), state)
+
+
+def test_the_warm_starts_kernel_steps_all_run(monkeypatch):
+    """Every step of ``sdfast.runtime.warm_start.KERNEL_STEPS`` runs on the GPU (a failure there is only logged)."""
+    from sdfast.runtime import warm_start
+
+    monkeypatch.setattr(warm_start, "_report", {})
+    warm_start._warm_kernels(torch.device("cuda", torch.cuda.current_device()))
+    assert set(warm_start._report) == set(warm_start.KERNEL_STEPS)
+
+
+class Normed(torch.nn.Module):
+    """A LayerNorm through sdfast's Triton kernel (``kernels.norm.layer_norm``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(320, device="cuda", dtype=torch.float16)
+
+    def forward(self, x):
+        from kernels.norm.layer_norm import layer_norm
+
+        return layer_norm(x, self.norm.weight, self.norm.bias, self.norm.eps)
+
+
+def test_a_pass_whose_kernels_an_earlier_process_listed_skips_its_dry_run(tmp_path, monkeypatch, fresh_choices):
+    """The first process's capture runs the dry run and lists the pass and its kernels; the next process (its state
+    reset here, the file kept) loads the listed kernels and captures the same pass without a dry run, with the
+    same output."""
+    from kernels import precompile
+    from kernels.select import store
+
+    monkeypatch.setenv("SDFAST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(store, "_persist", True)
+    monkeypatch.setattr(store, "_saved", None)
+    for name, value in (("_listed", None), ("_passes", {}), ("_loaded_on", set())):
+        monkeypatch.setattr(precompile, name, value)
+    from collections import defaultdict
+
+    from kernels.norm import layer_norm as ln
+
+    for kernel in (ln._ln_fwd_kernel, ln._ln_fwd_looped_kernel):  # not compiled yet in this process
+        monkeypatch.setattr(kernel, "device_caches", defaultdict(kernel.create_binder))
+    x = torch.randn(2, 77, 320, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        module = Normed()
+        runner = GraphCache().install("normed", module)
+        expected = module.eval()(x)
+        assert "dry_run" in runner.stats.setup_s
+        assert precompile.list_path().exists() and precompile._passes
+
+        precompile._listed, precompile._passes = None, {}
+        precompile._loaded_on.clear()
+        loaded, failed = precompile.load_saved(torch.cuda.current_device())
+        assert loaded >= 1 and failed == 0
+        again = Normed()
+        again.load_state_dict(module.state_dict())
+        runner = GraphCache().install("normed", again)
+        torch.testing.assert_close(again(x), expected, rtol=0, atol=0)
+        assert runner.stats.captures == 1 and "dry_run" not in runner.stats.setup_s

@@ -9,6 +9,7 @@ import logging
 import threading
 from types import SimpleNamespace
 
+import pytest
 import torch
 import triton
 
@@ -230,3 +231,122 @@ def test_dry_rows_keep_divisibility_and_stay_small():
     for lq in (1, 77, 256, 257, 1024, 4096, 5120, 16384, 4608, 1000, 18432):
         m = _dry_rows(lq)
         assert m == lq if lq <= 256 else (128 <= m < 256 and m % 128 == lq % 128)
+
+
+@pytest.fixture
+def kernel_list(tmp_path, monkeypatch):
+    """The store persisting into tmp_path as on a GPU named "Test GPU", the kernel list unread, and a module of
+    ours (``kernels._fake_listed``) holding a fake kernel ``k`` (and ``wrapped``: an autotuner around ``w``)."""
+    import sys
+    import types
+
+    from kernels.select import store
+
+    monkeypatch.setenv("SDFAST_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(store, "_persist", True)
+    monkeypatch.setattr(store, "device_name", lambda device: "Test GPU")
+    monkeypatch.setattr(store, "_driver_version", lambda: "555.1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(precompile, "_listed", None)
+    monkeypatch.setattr(precompile, "_passes", {})
+    monkeypatch.setattr(precompile, "_loaded_on", set())
+    module = types.ModuleType("kernels._fake_listed")
+    for name in ("k", "w"):
+        jit = FakeJit()
+        jit.module, jit.__qualname__ = module.__name__, name
+        setattr(module, name, jit)
+    module.wrapped = SimpleNamespace(fn=module.w)
+    module.w.__qualname__ = "wrapped"  # the autotuner's name in the module, the JITFunction inside it
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    return module
+
+
+def test_a_dry_runs_kernels_are_listed_and_loaded_by_the_next_process(kernel_list, caplog):
+    import json
+
+    m = kernel_list
+    stray = FakeJit()  # made inside a function: no name to find it by
+    stray.module, stray.__qualname__ = m.__name__, "make.<locals>.kernel"
+    other = FakeJit()  # another package's kernel
+    other.module, other.__qualname__ = "torch._inductor.fake", "k"
+    precompile.dry_run(lambda: [_launch(j, key) for j, key in ((m.k, "a"), (m.w, "b"), (stray, "c"), (other, "d"))],
+                       workers=2)
+    path = precompile.list_path()
+    rows = json.loads(path.read_text())["kernels"]
+    assert [(r["module"], r["name"], r["specialization"]) for r in rows] == [
+        (m.__name__, "k", "spec:a"), (m.__name__, "wrapped", "spec:b")]
+    mtime = path.stat().st_mtime_ns
+    precompile.dry_run(lambda: _launch(m.k, "a"), workers=1)  # nothing new: the file is not written again
+    assert path.stat().st_mtime_ns == mtime
+
+    precompile._listed = None  # the next process: nothing in memory, the file on disk
+    m.k.preloaded.clear(), m.w.preloaded.clear()
+    rows.append({"module": m.__name__, "name": "renamed", "specialization": "spec:z"})
+    path.write_text(json.dumps({"kernels": rows}))
+    with caplog.at_level(logging.INFO, logger="sdfast.kernels"):
+        assert precompile.load_saved(0, workers=2) == (2, 1)
+    assert [d for d, _ in m.k.preloaded] == ["spec:a"] and [d for d, _ in m.w.preloaded] == ["spec:b"]
+    assert "a listed kernel was not loaded (AttributeError" in caplog.text
+
+
+def test_the_kernel_list_is_neither_read_nor_written_without_persistence(kernel_list, monkeypatch):
+    from kernels.select import store
+
+    monkeypatch.setattr(store, "_persist", False)
+    precompile.dry_run(lambda: _launch(kernel_list.k, "a"), workers=1)
+    assert not precompile.list_path().exists() and precompile.load_saved(0) == (0, 0)
+
+
+def test_an_unreadable_kernel_list_is_logged_and_ignored(kernel_list, caplog):
+    path = precompile.list_path()
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="sdfast.kernels"):
+        assert precompile.load_saved(0) == (0, 0)
+    assert "ignoring the kernel list" in caplog.text
+    precompile.dry_run(lambda: _launch(kernel_list.k, "a"), workers=1)  # rewritten whole
+    assert precompile.load_saved(0) == (1, 0)
+
+
+def test_only_our_packages_are_imported_from_a_list():
+    with pytest.raises(ImportError, match="not a module of"):
+        precompile._resolve("os", "system")
+
+
+def test_a_watch_lists_what_its_thread_compiles_and_skips_nothing(kernel_list):
+    import json
+
+    m, results = kernel_list, []
+    with precompile.watch("unet"):
+        results.append(_launch(m.k, "a"))
+        t = threading.Thread(target=lambda: results.append(_launch(m.w, "other-thread")))
+        t.start()
+        t.join()
+    assert results == ["launched", "launched"] and triton.knobs.runtime.jit_cache_hook is None
+    rows = json.loads(precompile.list_path().read_text())["kernels"]
+    assert [(r["name"], r["specialization"]) for r in rows] == [("k", "spec:a")]
+
+
+def test_a_pass_is_warm_once_every_listed_kernel_loaded_on_that_device(kernel_list):
+    net = torch.nn.Linear(4, 4)
+    key = precompile.pass_key("unet", net, (("T", (2, 4), torch.float16),))
+    assert key == precompile.pass_key("unet", torch.nn.Linear(4, 4), (("T", (2, 4), torch.float16),))
+    assert key != precompile.pass_key("unet", torch.nn.Linear(4, 8), (("T", (2, 4), torch.float16),))
+    assert key != precompile.pass_key("unet", net, (("T", (4, 4), torch.float16),))
+    assert key != precompile.pass_key("vae", net, (("T", (2, 4), torch.float16),))
+    precompile.dry_run(lambda: _launch(kernel_list.k, "a"), workers=1)
+    precompile.remember([], passes=(key,))
+    assert not precompile.warm_pass(key, 0)  # listed, but not loaded by this process
+
+    precompile._listed = None  # the next process
+    assert precompile.load_saved(0, workers=1) == (1, 0)
+    assert precompile.warm_pass(key, 0) and not precompile.warm_pass(key, 1) and not precompile.warm_pass("x:1", 0)
+
+
+def test_a_pass_is_not_warm_when_a_listed_kernel_failed_to_load(kernel_list):
+    precompile.dry_run(lambda: _launch(kernel_list.k, "a"), workers=1)
+    precompile.remember([], passes=("unet:1",))
+    precompile._listed = None
+    kernel_list.k.fail = True
+    assert precompile.load_saved(0, workers=1) == (0, 1) and not precompile.warm_pass("unet:1", 0)
