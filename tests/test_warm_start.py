@@ -1,6 +1,6 @@
-"""``sdfast.runtime.warm_start``: started once per process for a CUDA device only, on background threads, its
-library calls run in the engine's dtype, its kernel steps on the engine's device, and a failing kind or step is logged
-and skipped (the others still run). The calls themselves need a GPU: ``tests/test_cuda_graphs_gpu.py`` runs them."""
+"""``sdfast.runtime.warm_start``: started once per process for a CUDA device only, on a background thread, its
+library calls run in the engine's dtype, and a failing kind is logged and skipped (the others still run). The calls
+themselves need a GPU: ``tests/test_cuda_graphs_gpu.py`` runs them."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from sdfast.runtime import warm_start
 def fresh(monkeypatch):
     monkeypatch.setattr(warm_start, "_threads", [])
     monkeypatch.setattr(warm_start, "_report", {})
-    monkeypatch.setattr(warm_start, "KERNEL_STEPS", {})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: None)
@@ -57,22 +56,3 @@ def test_once_per_process_and_cuda_only(fresh, monkeypatch):
     warm_start.start("cuda:0", torch.float16)
     warm_start.wait()
     assert len(runs) == 1
-
-
-def test_kernel_steps_run_on_their_own_thread_and_a_failing_one_is_skipped(fresh, monkeypatch, caplog):
-    seen = []
-
-    def ok(device):
-        seen.append((str(device), threading.current_thread().name))
-
-    def broken(device):
-        raise OSError("no cache directory (test)")
-
-    monkeypatch.setattr(warm_start, "LIBRARY_CALLS", {})
-    monkeypatch.setattr(warm_start, "KERNEL_STEPS", {"saved choices": broken, "imports": ok, "saved Triton kernels": ok})
-    with caplog.at_level(logging.INFO, logger="sdfast.runtime"):
-        warm_start.start("cuda:0", torch.float16)
-        report = warm_start.wait()
-    assert set(report) == {"imports", "saved Triton kernels"}
-    assert seen == [("cuda:0", "sdfast-warm-kernels")] * 2
-    assert "saved choices not loaded ahead (OSError: no cache directory (test))" in caplog.text

@@ -219,7 +219,7 @@ def _load() -> ctypes.CDLL:
 _builder: list[threading.Thread] = []
 
 
-def start_build() -> None:
+def _start_build() -> None:
     """Build the library on a background thread, once (nvcc is a subprocess, so this overlaps with Triton's
     compilations). The next real call's ``library()`` waits on the build lock and gets the result; a failed
     build is logged there, and that call and every later one run the Triton kernels."""
@@ -308,7 +308,7 @@ def _prepare(x, num_groups, weight, bias, eps, channel_bias, residual, silu, y, 
     why = _unsupported(x, weight, bias, channel_bias, residual)
     if why is None and precompile.active():
         if not _built:
-            start_build()
+            _start_build()
         return None, None
     B, C, H, W = x.shape
     plan = lib = None

@@ -93,23 +93,12 @@ def file_key(device: torch.device | str = "cuda") -> dict:
             "sdfast": sdfast_version, "sources": _source_digest()}
 
 
-def keyed_path(kind: str, device: torch.device | str = "cuda") -> Path:
-    """``<cache dir>/<kind>/<gpu>-<digest of file_key(device)>.json``: a file of what was measured or built for this
-    GPU and these versions (``choices``: the saved choices; ``kernels``: ``kernels.precompile``'s kernel list)."""
+def saved_path(device: torch.device | str = "cuda") -> Path:
+    """The saved-choices file of ``device`` (see the module's docstring)."""
     key = file_key(device)
     digest = hashlib.sha1(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     slug = "".join(c if c.isalnum() else "-" for c in key["gpu"]).strip("-").lower()
-    return cache_dir() / kind / f"{slug}-{digest}.json"
-
-
-def saved_path(device: torch.device | str = "cuda") -> Path:
-    """The saved-choices file of ``device`` (see the module's docstring)."""
-    return keyed_path("choices", device)
-
-
-def persisting() -> bool:
-    """Whether this process reads and writes the files under the cache directory (see :func:`persist`)."""
-    return _persist
+    return cache_dir() / "choices" / f"{slug}-{digest}.json"
 
 
 def load(path: Path | None = None) -> int:
@@ -193,8 +182,8 @@ def clear(choice: str | None = None) -> None:
 
 
 def persist(enabled: bool) -> None:
-    """Whether this process reads and writes the saved-choices file and ``kernels.precompile``'s kernel list (on
-    by default). Off: every choice is measured again and nothing is written (tests; benchmarks of a first start)."""
+    """Whether this process reads and writes the saved-choices file (on by default). Off: every choice is
+    measured again and nothing is written (tests; benchmarks of a first start)."""
     global _saved, _persist
     with _lock:
         _persist = bool(enabled)

@@ -8,10 +8,9 @@ its root runs eagerly (hooks need Python at every call: a calibration collecting
 hook).
 
 A new signature is first run once in compile-only mode (``kernels.precompile.dry_run``, ``parallel_compile``:
-its Triton kernels compile on all cores; skipped where ``sdfast.load`` loaded every kernel of that pass from an
-earlier process's kernel list, ``kernels.precompile.warm_pass``), then warmed up eagerly on a side stream
-(cuDNN/cuBLAS handles, the kernel choices' measurements happen there: once, or ``warmup_iters`` times while a
-warm-up still measured a choice) and captured; ``stats.setup_s`` has the seconds each phase took. Graphs share the engine's memory pool: their
+its Triton kernels compile on all cores), then warmed up eagerly on a side stream (cuDNN/cuBLAS handles, the
+kernel choices' measurements happen there: once, or ``warmup_iters`` times while a warm-up still measured a
+choice) and captured; ``stats.setup_s`` has the seconds each phase took. Graphs share the engine's memory pool: their
 intermediates reuse one planned workspace, safe because graphs replay one at a time and outputs are
 copied out at once. At most ``max_graphs`` are kept (least recently used dropped). With ``conditionings``
 (``runtime.conditioning``: the cross-attention K/V of the text context, a ControlNet's control-image embedding),
@@ -422,25 +421,21 @@ class GraphedForward:
         found = self._conditioning_indices(static_inputs, s_args, s_kwargs)
         side = self.stream if self.stream is not None else torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        pass_key = precompile.pass_key(self.name, self.module, key) if self.parallel_compile else None
         try:
             phase = _Phases(self.stats.setup_s, side)
             with torch.cuda.stream(side):
-                # The Triton kernels of this signature compile on all cores first, unless this process loaded them
-                # all from the kernel list of an earlier one (its dry run would queue nothing).
-                if self.parallel_compile and not precompile.warm_pass(pass_key, device.index):
+                if self.parallel_compile:  # the Triton kernels of this signature compile on all cores first
                     precompile.dry_run(self.eager, s_args, s_kwargs, label=self.name)
                     phase("dry_run")
-                with precompile.watch(self.name) if self.parallel_compile else contextlib.nullcontext():
-                    for _ in range(self.warmup_iters):
-                        # A warm-up that timed no kernel choice ran exactly what the capture will run (every kernel
-                        # loaded, every lazy handle made): another one would repeat it. One that measured ran the
-                        # candidates too, so the winners run once more on their own before the capture.
-                        measured = select.measured_count()
-                        self.eager(*s_args, **s_kwargs)
-                        phase("warmup")
-                        if select.measured_count() == measured:
-                            break
+                for _ in range(self.warmup_iters):
+                    # A warm-up that timed no kernel choice ran exactly what the capture will run (every kernel
+                    # loaded, every lazy handle made): another one would repeat it. One that measured ran the
+                    # candidates too, so the winners run once more on their own before the capture.
+                    measured = select.measured_count()
+                    self.eager(*s_args, **s_kwargs)
+                    phase("warmup")
+                    if select.measured_count() == measured:
+                        break
             torch.cuda.current_stream().wait_stream(side)
             pre = tuple(self._capture_projection(c, static_inputs, i) for c, i in found)
             cut = self.split.cut_after(self.eager, s_args, s_kwargs) if self.split is not None else None
@@ -474,8 +469,6 @@ class GraphedForward:
             select.save()
         except OSError as e:
             log.warning("sdfast: could not save the kernel choices: %s", e)
-        if self.parallel_compile:  # its kernels are listed whole: the next process needs no dry run here
-            precompile.remember([], passes=(pass_key,))
         while len(self.graphs) > self.max_graphs:
             old, _ = self.graphs.popitem(last=False)
             self.born.pop(old, None)

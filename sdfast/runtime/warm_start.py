@@ -6,13 +6,9 @@ and the first launch of each torch kernel (CUDA loads a kernel's module at its f
 compiler key (a digest of libtriton, about 400 MB). None of it depends on the weights or is kept in any cache on
 disk, and most of it runs without the GIL, so :func:`start` runs it on background threads: small calls of those
 kinds in the engine's dtype on a private stream of the engine's device (``LIBRARY_CALLS``), and
-``kernels.precompile.prefetch_compiler_key``. A second thread loads what earlier processes left on disk
-(``KERNEL_STEPS``): the saved kernel choices (their file's name digests sdfast's sources), the modules the first
-image would import (Triton's Gluon, which its argument specialization imports at the first TMA descriptor; the
-Triton attention kernels), the cluster GroupNorm's library (built by nvcc once, then loaded), and the Triton
-kernels that earlier processes' dry runs compiled (``kernels.precompile.load_saved``). ``sdfast.load`` starts it
-before reading the weights and waits for it (:func:`wait`) after optimizing, before it returns. What is per shape
-and per thread (a convolution's cuDNN plan, a cuDNN attention graph) is left to the first image's warm-up.
+``kernels.precompile.prefetch_compiler_key``. ``sdfast.load`` starts it before reading the weights and waits for
+it (:func:`wait`) after optimizing, before it returns. What is per shape (a convolution's cuDNN plan, kept per
+thread) is left to the first image's warm-up.
 
 The thread has exited before ``load`` returns, so torch hands its cuBLAS and cuDNN handles to the next thread that
 asks (torch keeps a pool of them per device). Every tensor here is made with ``torch.full``/``torch.ones`` and the
@@ -80,41 +76,6 @@ def _elementwise(dtype, device):
 
 LIBRARY_CALLS = {"cuBLAS": _matmuls, "cuDNN": _convolutions, "SDPA": _attention, "torch kernels": _elementwise}
 
-IMPORTS = ("triton.experimental.gluon.nvidia.hopper", "kernels.attention.flash_attention")
-
-
-def _saved_choices(device):
-    from kernels import select
-
-    select.load()
-
-
-def _imports(device):
-    import importlib
-
-    for name in IMPORTS:
-        try:
-            importlib.import_module(name)
-        except ImportError:  # another Triton: nothing to import ahead
-            pass
-
-
-def _cluster_library(device):
-    if torch.cuda.get_device_capability(device)[0] >= 9:  # the kernel needs thread-block clusters (sm_90+)
-        from kernels.group_norm import cluster
-
-        cluster.start_build()  # its own thread: the first GroupNorm call waits for it
-
-
-def _saved_kernels(device):
-    from kernels import precompile
-
-    precompile.load_saved(device.index)
-
-
-KERNEL_STEPS = {"saved choices": _saved_choices, "imports": _imports, "cluster GroupNorm library": _cluster_library,
-                "saved Triton kernels": _saved_kernels}
-
 _threads: list[threading.Thread] = []
 _report: dict[str, float] = {}
 _lock = threading.Lock()
@@ -140,19 +101,6 @@ def _warm_libraries(device: torch.device, dtype: torch.dtype) -> None:
                 _report[name] = time.perf_counter() - t0
 
 
-def _warm_kernels(device: torch.device) -> None:
-    torch.cuda.set_device(device)
-    for name, step in KERNEL_STEPS.items():
-        t0 = time.perf_counter()
-        try:
-            step(device)
-        except Exception as e:  # noqa: BLE001 - a warm start never fails a load; the first image does it itself
-            log.info("sdfast: warm start: %s not loaded ahead (%s: %s)", name, type(e).__name__, e)
-            continue
-        with _lock:
-            _report[name] = time.perf_counter() - t0
-
-
 def start(device: torch.device | str, dtype: torch.dtype) -> None:
     """Start the warm start for ``device`` (CUDA; nothing for other devices) and ``dtype`` (the engine's: float16,
     bfloat16 or float32) on background threads; once per process. Never raises."""
@@ -164,16 +112,14 @@ def start(device: torch.device | str, dtype: torch.dtype) -> None:
     from kernels import precompile
 
     precompile.prefetch_compiler_key()
-    for target, args, name in ((_warm_libraries, (device, dtype), "sdfast-warm-start"),
-                               (_warm_kernels, (device,), "sdfast-warm-kernels")):
-        thread = threading.Thread(target=target, args=args, name=name, daemon=True)
-        thread.start()
-        _threads.append(thread)
+    thread = threading.Thread(target=_warm_libraries, args=(device, dtype), name="sdfast-warm-start", daemon=True)
+    thread.start()
+    _threads.append(thread)
 
 
 def wait() -> dict[str, float]:
-    """Join the warm start, if one was started; returns the seconds each kind of library call and each step took
-    there (``LIBRARY_CALLS``' and ``KERNEL_STEPS``' names; one that failed is missing)."""
+    """Join the warm start, if one was started; returns the seconds each kind of library call took there
+    (``LIBRARY_CALLS``' names; a kind that failed is missing)."""
     for thread in _threads:
         thread.join()
     with _lock:
