@@ -1,7 +1,7 @@
 """Start-up time: a fresh process, ``sdfast.load`` and its first image, first ever and again on the same machine.
 
     python -m benchmarks.startup --out DIR [--models sd15,sdxl] [--steps 30] [--repeat N] [--skip-first] [--profile]
-        [--caches DIR2] [--first-calls]
+        [--caches DIR2] [--first-calls] [--thread-shapes]
         [--wrap-second "py-spy record -o DIR/spy.txt --format raw --native --threads --"]
 
 For each model, two child processes run one after the other with the same cache directories (``TRITON_CACHE_DIR``
@@ -20,7 +20,8 @@ the seconds of each kind of library call of ``sdfast.runtime.warm_start`` (``war
 ``DIR/<model>-second.pstats`` and its top functions (by cumulative, then by own time) to ``DIR/<model>-second.txt``; ``--wrap-second`` runs the
 second process under a command prefix (a sampling profiler that sees every thread and native frame); ``--first-calls`` times the first cuBLAS, cuDNN,
 SDPA, graph capture and replay calls of a bare process, and of one where another thread made such calls first
-(``first_calls.md``). Rows go to ``DIR/startup.json``
+(``first_calls.md``); ``--thread-shapes`` times the first call of each of SD's convolution and attention shapes on a
+first thread, a second one and the main thread (``thread_shapes.md``: what torch keeps per thread). Rows go to ``DIR/startup.json``
 and ``DIR/startup.md``, with the GPU's name and the versions.
 """
 
@@ -132,6 +133,78 @@ print("FIRSTCALLS " + json.dumps(rows))
 """
 
 
+THREAD_SHAPES = r"""
+import json, threading, time, torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+torch.zeros(1, device="cuda")
+def convs():  # SD1.5's at 512x512, batch 2 (CFG): (in, out, latent side, kernel, stride)
+    for c_in, c_out, hw, k, s in [(4, 320, 64, 3, 1), (320, 320, 64, 3, 1), (320, 320, 64, 3, 2), (320, 640, 32, 3, 1),
+                                  (640, 640, 32, 3, 1), (640, 1280, 16, 3, 1), (1280, 1280, 16, 3, 1),
+                                  (2560, 1280, 8, 3, 1), (1920, 640, 32, 3, 1), (960, 320, 64, 3, 1),
+                                  (640, 320, 64, 3, 1), (320, 640, 32, 1, 1), (320, 320, 64, 1, 1), (640, 640, 32, 1, 1),
+                                  (960, 320, 64, 1, 1), (320, 4, 64, 3, 1)]:
+        x = torch.randn(2, c_in, hw, hw, device="cuda", dtype=torch.float16).to(memory_format=torch.channels_last)
+        w = torch.randn(c_out, c_in, k, k, device="cuda", dtype=torch.float16).to(memory_format=torch.channels_last)
+        b = torch.randn(c_out, device="cuda", dtype=torch.float16)
+        yield f"conv {c_in}->{c_out} @{hw} k{k} s{s}", lambda x=x, w=w, b=b, k=k, s=s: F.conv2d(x, w, b, stride=s, padding=k // 2)
+def attention(backend):  # SD1.5's (heads 8, head dim 40/80/160) and SDXL's (head dim 64) at batch 2
+    for h, lq, lk, d in [(8, 4096, 4096, 40), (8, 4096, 77, 40), (8, 1024, 1024, 80), (8, 1024, 77, 80),
+                         (8, 256, 256, 160), (8, 256, 77, 160), (8, 64, 64, 160), (8, 64, 77, 160),
+                         (10, 4096, 4096, 64), (20, 1024, 1024, 64), (10, 4096, 77, 64), (20, 1024, 77, 64)]:
+        q = torch.randn(2, h, lq, d, device="cuda", dtype=torch.float16)
+        kv = torch.randn(2, h, lk, d, device="cuda", dtype=torch.float16)
+        def run(q=q, kv=kv):
+            with sdpa_kernel(backend):
+                F.scaled_dot_product_attention(q, kv, kv)
+        yield f"sdpa {backend.name} h{h} {lq}x{lk} d{d}", run
+def timed(cases):
+    rows = []
+    for label, fn in cases:
+        torch.cuda.synchronize(); t0 = time.perf_counter(); fn(); torch.cuda.synchronize(); first = time.perf_counter() - t0
+        t0 = time.perf_counter(); fn(); torch.cuda.synchronize(); rows.append((label, first, time.perf_counter() - t0))
+    return rows
+def on_new_thread(cases):
+    box = {}
+    def run():
+        torch.cuda.set_device(0)
+        box["rows"] = timed(cases)
+    t = threading.Thread(target=run); t.start(); t.join()
+    return box["rows"]
+out = {}
+for kind, make in [("cuDNN convolution", convs), ("cuDNN SDPA", lambda: attention(SDPBackend.CUDNN_ATTENTION)),
+                   ("FlashAttention-2 SDPA", lambda: attention(SDPBackend.FLASH_ATTENTION)),
+                   ("memory-efficient SDPA", lambda: attention(SDPBackend.EFFICIENT_ATTENTION))]:
+    cases = list(make())
+    out[kind] = [on_new_thread(cases), on_new_thread(cases), timed(cases)]
+print("THREADSHAPES " + json.dumps(out))
+"""
+
+
+def thread_shapes(out: Path) -> dict:
+    """First-call seconds of SD's convolution and attention shapes in a fresh process: on a first thread, on a second
+    new thread after it (what is kept per thread, e.g. cuDNN plans and attention graphs in torch's ``thread_local``
+    caches, is paid again), and on the main thread; each with the same call's second run beside it
+    (``thread_shapes.md``)."""
+    run = subprocess.run([sys.executable, "-c", THREAD_SHAPES], capture_output=True, text=True, timeout=600, check=False)
+    line = next((ln for ln in run.stdout.splitlines() if ln.startswith("THREADSHAPES ")), None)
+    if line is None:
+        raise RuntimeError(f"thread-shapes child failed (rc {run.returncode}):\n{run.stderr[-4000:]}")
+    result = json.loads(line[len("THREADSHAPES "):])
+    threads = ("first thread", "second thread", "main thread")
+    lines = []
+    for kind, per_thread in result.items():
+        lines += [f"## {kind}", "", "| call | " + " | ".join(f"{t}: first / again (ms)" for t in threads) + " |",
+                  "| --- |" + " --- |" * len(threads)]
+        for i, (label, *_) in enumerate(per_thread[0]):
+            lines.append(f"| {label} | " + " | ".join(f"{rows[i][1] * 1e3:.2f} / {rows[i][2] * 1e3:.3f}"
+                                                     for rows in per_thread) + " |")
+        lines += [""] + [f"- {t}: first calls together {sum(r[1] for r in rows) * 1e3:.1f} ms"
+                         for t, rows in zip(threads, per_thread)] + [""]
+    (out / "thread_shapes.md").write_text("\n".join(lines))
+    return result
+
+
 def first_calls(out: Path) -> list:
     """Seconds of the first CUDA library calls of a fresh process (cuBLAS, cuDNN, kernels loaded lazily, graphs):
     what no kernel cache of ours can save; in a bare process, and in one where another thread made the same kinds
@@ -181,8 +254,12 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-first", action="store_true", help="only second processes (the caches are already warm)")
     ap.add_argument("--first-calls", action="store_true",
                     help="also time the first CUDA library calls of a fresh process (first_calls.md)")
+    ap.add_argument("--thread-shapes", action="store_true",
+                    help="also time SD's convolution and attention shapes' first calls per thread (thread_shapes.md)")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.thread_shapes:
+        thread_shapes(args.out)
     if args.first_calls:
         for label, bare, after in first_calls(args.out):
             print(f"{label}: bare {bare} s, after another thread {after} s", flush=True)

@@ -729,3 +729,23 @@ def test_bad_tier_arguments_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
         bench_txt2img.main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_startup_children_compile_and_thread_shapes_are_tabled(tmp_path, monkeypatch):
+    """``benchmarks.startup``'s child scripts are valid Python (they only run on a GPU), and ``--thread-shapes``
+    tables each kind's first calls per thread from the child's report."""
+    import json
+    import subprocess
+    from types import SimpleNamespace
+
+    from benchmarks import startup
+
+    for name in ("CHILD", "FIRST_CALLS", "THREAD_SHAPES"):
+        compile(getattr(startup, name), name, "exec")
+    report = {"cuDNN convolution": [[["conv a", 0.5, 0.001]], [["conv a", 0.004, 0.001]], [["conv a", 0.004, 0.001]]]}
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: SimpleNamespace(
+        stdout="noise\nTHREADSHAPES " + json.dumps(report) + "\n", stderr="", returncode=0))
+    assert startup.thread_shapes(tmp_path) == report
+    text = (tmp_path / "thread_shapes.md").read_text()
+    assert "| conv a | 500.00 / 1.000 | 4.00 / 1.000 | 4.00 / 1.000 |" in text
+    assert "- first thread: first calls together 500.0 ms" in text
