@@ -184,15 +184,23 @@ def _detect_arch(source: str) -> str:
 
 
 def parse_size(text: str | None) -> tuple[int | None, int | None]:
-    """'512' -> (512, 512); '768x512' -> width 768, height 512 (WIDTHxHEIGHT, as ``sdfast txt2img``). Returns (height, width)."""
+    """'512' -> (512, 512); '768x512' -> width 768, height 512 (WIDTHxHEIGHT, as ``sdfast txt2img``). Returns (height, width).
+    ValueError naming ``--size`` for anything else, or a side that is not a positive multiple of 8 of at most
+    ``sdfast.request.MAX_SIDE`` pixels (what the engine takes), so a bad size fails before any model loads."""
+    from sdfast.request import MAX_SIDE
+
     if not text:
         return None, None
-    parts = [int(v) for v in str(text).lower().split("x")]
-    if len(parts) == 1:
-        return parts[0], parts[0]
-    if len(parts) == 2:
-        return parts[1], parts[0]
-    raise ValueError(f"--size must be N or WIDTHxHEIGHT, got {text!r}")
+    try:
+        parts = [int(v) for v in str(text).lower().split("x")]
+    except ValueError:
+        parts = []
+    if len(parts) not in (1, 2):
+        raise ValueError(f"--size must be N or WIDTHxHEIGHT pixels, got {text!r}")
+    width, height = parts * 2 if len(parts) == 1 else parts
+    if any(side <= 0 or side % 8 or side > MAX_SIDE for side in (width, height)):
+        raise ValueError(f"--size: each side must be a positive multiple of 8 of at most {MAX_SIDE} pixels, got {text!r}")
+    return height, width
 
 
 def model_specs(args, ctx: Context) -> list[ModelSpec]:

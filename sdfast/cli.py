@@ -384,14 +384,16 @@ def _control_flags(args) -> dict:
 
 
 def _read_image(path: str, what: str = "image"):
-    """An image file (the init image, or a mask: ``what``) as a PIL image (RGB; ``L`` for a mask); ValueError naming
-    it when it is missing or not an image."""
-    from PIL import Image, UnidentifiedImageError
+    """An image file (the init image, a mask or a control image: ``what``) as a PIL image, turned upright by its EXIF
+    orientation (as diffusers' ``load_image`` and the service do), in its own mode: the request converts it, and
+    refuses the modes whose conversion to 8 bits would clip (16-bit, float). ValueError naming it when it is missing or
+    not an image."""
+    from PIL import Image, ImageOps, UnidentifiedImageError
 
     try:
         with Image.open(path) as image:
             image.load()
-            return image.convert("L" if what == "mask" else "RGB")
+            return ImageOps.exif_transpose(image)  # a copy either way: usable after the file closes
     except (OSError, UnidentifiedImageError) as e:
         raise ValueError(f"{what}: cannot read {path!r} as an image ({e})") from None
 

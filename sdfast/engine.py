@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import logging
 import secrets
+import threading
 import time
 import warnings
 
@@ -103,11 +104,16 @@ class Engine:
     ``pipe`` is the underlying diffusers pipeline (``StableDiffusionPipeline`` or ``StableDiffusionXLPipeline``,
     or their ``ControlNet`` pipelines when loaded with ControlNets): everything diffusers users know still works on
     it.
+
+    Calls from several threads run one at a time (a lock per engine): one pipeline has one scheduler, one set of
+    CUDA graphs and their buffers, so two calls at once would mix their steps (stock diffusers' pipelines fail the
+    same way). ``sdfast serve`` batches concurrent requests instead.
     """
 
     def __init__(self, pipe, *, name: str = "pipeline"):
         self.pipe = pipe
         self.name = name
+        self._lock = threading.RLock()  # one call at a time (see the class docstring)
         self._default_scheduler = pipe.scheduler
         self._schedulers: dict[str, object] = {}
         self._derived: dict[str, object] = {}
@@ -423,7 +429,12 @@ class Engine:
         """Run a built request (``Txt2ImgRequest.build`` or ``Engine.request``): what ``txt2img`` returns and
         raises (see there), without validating the request again. Its ``tokens`` are used when they are this
         pipeline's (same tokenizers and vocabularies), else the texts are tokenized here, once. The model's own
-        limits are checked here (``prepare``): the scheduler's step limit, ``InvalidRequestError`` before any step."""
+        limits are checked here (``prepare``): the scheduler's step limit, ``InvalidRequestError`` before any step.
+        Calls from other threads wait for this one."""
+        with self._lock:
+            return self._run(request, progress=progress, should_stop=should_stop, _stacklevel=_stacklevel + 1)
+
+    def _run(self, request, *, progress: bool, should_stop, _stacklevel: int):
         prep = self.prepare(request, _stacklevel=_stacklevel + 1)
         pipe, report, n = prep.pipe, prep.report, request.num_images
         height, width = prep.height, prep.width

@@ -262,7 +262,9 @@ def check_deep_cache(cache_interval, cache_branch) -> tuple[int, int]:
     """Validate DeepCache's settings (``sdfast.runtime.deep_cache``): ``cache_interval`` an integer in [1,
     ``MAX_CACHE_INTERVAL``] (1: the exact pipeline; above the steps: only the first step runs the full UNet),
     ``cache_branch`` an integer in [0, ``MAX_CACHE_BRANCH``] (the engine checks it against the model's UNet, which
-    has fewer: 12 skip branches on SD 1.x/2.x, 9 on SDXL). Returns them as ints. Raises ``InvalidRequestError`` naming the field."""
+    has fewer: 12 skip branches on SD 1.x/2.x, 9 on SDXL; with ``cache_interval`` 1 the branch is not used, as
+    diffusers ignores what a setting does not use). Returns them as ints. Raises ``InvalidRequestError`` naming the
+    field."""
     cache_interval, cache_branch = _as_int(cache_interval), _as_int(cache_branch)
     if not isinstance(cache_interval, int) or isinstance(cache_interval, bool) \
             or not 1 <= cache_interval <= MAX_CACHE_INTERVAL:
@@ -270,7 +272,8 @@ def check_deep_cache(cache_interval, cache_branch) -> tuple[int, int]:
                                                     f"runs the full UNet, the exact pipeline; got {cache_interval!r})")
     if not isinstance(cache_branch, int) or isinstance(cache_branch, bool) or not 0 <= cache_branch <= MAX_CACHE_BRANCH:
         raise InvalidRequestError("cache_branch", f"must be an integer in [0, {MAX_CACHE_BRANCH}], a skip branch of the "
-                                                  f"UNet (0: the shallowest; got {cache_branch!r})")
+                                                  f"UNet (0: the shallowest; the loaded UNet may have fewer: SD 1.x/2.x "
+                                                  f"0-11, SDXL 0-8; got {cache_branch!r})")
     return cache_interval, cache_branch
 
 

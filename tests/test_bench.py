@@ -346,6 +346,9 @@ def test_defaults_match_the_issue():
     assert bench_txt2img.parse_systems(args.systems) == ["stock", "compile", "sdfast"]
     assert bench_txt2img.COMPILE_KWARGS == {"mode": "reduce-overhead", "fullgraph": True}
     assert bench_txt2img.parse_size("768x512") == (512, 768) and bench_txt2img.parse_size("64") == (64, 64)
+    for bad in ("63", "0", "-8", "9000", "abc", "64x", "8x8x8"):
+        with pytest.raises(ValueError, match="--size"):
+            bench_txt2img.parse_size(bad)
     assert args.task == "txt2img" and args.strength is None  # txt2img alone, as before
     assert bench_txt2img.parse_tasks("inpaint,txt2img,img2img,inpaint") == ["txt2img", "inpaint", "img2img"]
     assert (bench_txt2img.TASKS["img2img"].strength, bench_txt2img.TASKS["inpaint"].strength) == (0.6, 1.0)

@@ -303,12 +303,17 @@ def test_img2img_writes_the_images_at_the_init_images_size_with_its_parameters(t
     (["{init}", "a cat", "--strength", "0"], "--strength: must be a number in (0, 1]"),
     (["{init}", "a cat", "--strength", "0.1", "--steps", "5"], "--strength: 0.1 x 5 steps runs no step"),
     (["{init}", "a cat", "--size", "64x64"], "unrecognized arguments: --size"),
+    (["{wide}", "a cat"], "image: mode I;16 images are clipped by the conversion to 8 bits"),
 ])
 def test_img2img_bad_input_is_one_line_exit_2_before_the_load(tmp_path, capsys, monkeypatch, args, message):
+    import numpy as np
+
     import sdfast
 
     monkeypatch.setattr(sdfast, "load", lambda *a, **k: pytest.fail("the model was loaded before the input was checked"))
-    args = [a.format(missing=tmp_path / "nope.png", init=_init_png(tmp_path)) for a in args]
+    wide = tmp_path / "16bit.png"  # PIL's conversion to RGB would clip it: refused as the service and the engine do
+    Image.fromarray(np.full((40, 48), 40000, np.uint16)).save(wide)
+    args = [a.format(missing=tmp_path / "nope.png", init=_init_png(tmp_path), wide=wide) for a in args]
     try:
         code = main(["img2img", *args, "--out", str(tmp_path / "x.png")])
     except SystemExit as e:
@@ -447,3 +452,19 @@ def test_deep_cache_flags_run_and_a_branch_the_model_lacks_is_exit_2(tmp_path, c
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("sdfast: error: --cache-branch:") and "[0, 3]" in err[-1], err
     assert not (tmp_path / "y.png").exists()
+
+
+def test_image_files_are_turned_upright_by_their_exif_orientation(tmp_path):
+    """As diffusers' ``load_image`` and the service: a 96x64 JPEG tagged "rotate 90" (orientation 6) is a 64x96
+    image; a 16-bit mask keeps its mode for the request to refuse."""
+    import numpy as np
+
+    from sdfast.cli import _read_image
+
+    image = Image.new("RGB", (96, 64), (200, 10, 10))
+    exif = image.getexif()
+    exif[0x0112] = 6
+    image.save(tmp_path / "rotated.jpg", exif=exif.tobytes())
+    assert _read_image(str(tmp_path / "rotated.jpg")).size == (64, 96)
+    Image.fromarray(np.full((40, 48), 40000, np.uint16)).save(tmp_path / "mask16.png")
+    assert _read_image(str(tmp_path / "mask16.png"), "mask").mode.startswith("I")

@@ -102,3 +102,26 @@ def test_module_level_txt2img_keeps_one_engine():
     b = sdfast.txt2img("a cat", model="random:tiny", seed=0, num_inference_steps=1, **SMALL)
     assert len(sdfast._ENGINES) == n
     assert np.array_equal(_px(a[0]), _px(b[0]))
+
+
+def test_calls_from_several_threads_give_each_seeds_image(tiny_engine):
+    """One engine, four threads at once: each image is its seed's image from a call alone (the calls run one at a
+    time; without the engine's lock they shared one scheduler and one pipeline and their steps mixed)."""
+    import threading
+
+    kw = dict(num_inference_steps=4, height=32, width=32)
+    alone = {s: np.asarray(tiny_engine.txt2img("a cat", seed=s, **kw)[0]) for s in range(4)}
+    got, errors = {}, []
+
+    def call(seed):
+        try:
+            got[seed] = np.asarray(tiny_engine.txt2img("a cat", seed=seed, **kw)[0])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=call, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and all(np.array_equal(got[s], alone[s]) for s in range(4))
