@@ -185,9 +185,10 @@ def _detect_arch(source: str) -> str:
 
 def parse_size(text: str | None) -> tuple[int | None, int | None]:
     """'512' -> (512, 512); '768x512' -> width 768, height 512 (WIDTHxHEIGHT, as ``sdfast txt2img``). Returns (height, width).
-    ValueError naming ``--size`` for anything else, or a side that is not a positive multiple of 8 of at most
-    ``sdfast.request.MAX_SIDE`` pixels (what the engine takes), so a bad size fails before any model loads."""
-    from sdfast.request import MAX_SIDE
+    ValueError naming ``--size`` for anything else, or a side the engine refuses (``sdfast.request.check_side``), so
+    a bad size fails before any model loads."""
+    from sdfast.errors import InvalidRequestError
+    from sdfast.request import check_side
 
     if not text:
         return None, None
@@ -198,9 +199,10 @@ def parse_size(text: str | None) -> tuple[int | None, int | None]:
     if len(parts) not in (1, 2):
         raise ValueError(f"--size must be N or WIDTHxHEIGHT pixels, got {text!r}")
     width, height = parts * 2 if len(parts) == 1 else parts
-    if any(side <= 0 or side % 8 or side > MAX_SIDE for side in (width, height)):
-        raise ValueError(f"--size: each side must be a positive multiple of 8 of at most {MAX_SIDE} pixels, got {text!r}")
-    return height, width
+    try:
+        return check_side("height", height), check_side("width", width)
+    except InvalidRequestError as e:
+        raise ValueError(f"--size {text}: {e.field} {e.reason}") from None
 
 
 def model_specs(args, ctx: Context) -> list[ModelSpec]:

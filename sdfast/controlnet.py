@@ -32,6 +32,11 @@ def controlnets_of(pipe) -> list:
     return list(net.nets) if hasattr(net, "nets") else [net]
 
 
+def denoising_nets(pipe) -> list:
+    """The nets that run at every denoising step: the pipeline's UNet (when it has one), then its ControlNets."""
+    return [m for m in (getattr(pipe, "unet", None), *controlnets_of(pipe)) if m is not None]
+
+
 def build_random_controlnet(name: str, *, device=None, dtype=None, seed: int = 0):
     """The built-in ControlNet ``name`` (``architectures.CONTROLNETS``) with seeded random weights, on ``device`` in
     ``dtype``. Every weight is random, the zero-initialised convolutions too (the control image's embedding output

@@ -21,6 +21,7 @@ import torch
 from kernels import select
 
 from .config import KERNEL_DTYPES, KernelPolicy, OptimizeConfig
+from .controlnet import denoising_nets
 from .runtime import execution_device, host_timesteps
 
 log = logging.getLogger("sdfast")
@@ -40,16 +41,9 @@ class OptimizeState:
     applied: list = field(default_factory=list)  # names of the passes applied, in order
 
 
-def _denoising_nets(pipe) -> list[torch.nn.Module]:
-    """The nets that run at every denoising step: the UNet and the pipeline's ControlNets (``sdfast.controlnet``)."""
-    from .controlnet import controlnets_of
-
-    return [m for m in (getattr(pipe, "unet", None), *controlnets_of(pipe)) if m is not None]
-
-
 def _denoisers(pipe) -> list[torch.nn.Module]:
     """The convolutional nets the layout and kernel passes rewrite: the denoising nets and the VAE."""
-    return [*_denoising_nets(pipe), *([pipe.vae] if getattr(pipe, "vae", None) is not None else [])]
+    return [*denoising_nets(pipe), *([pipe.vae] if getattr(pipe, "vae", None) is not None else [])]
 
 
 def _half_dtype(vae, half: str) -> torch.dtype:
@@ -94,7 +88,7 @@ def _install_graphs(pipe, state: OptimizeState) -> None:
 
     config = state.config
     cache = GraphCache(max_graphs=config.max_graphs, parallel_compile=config.parallel_compile)
-    controlnets = _denoising_nets(pipe)[1:]
+    controlnets = denoising_nets(pipe)[1:]
     overlap = ControlOverlap(pipe) if controlnets and config.controlnet_overlap else None
     cache.install("unet", pipe.unet, conditionings=(CrossKV(pipe.unet),) if config.cross_kv_once else (),
                   split=overlap and overlap.unet_split)
@@ -182,7 +176,7 @@ def _per_denoiser(module_name: str, fn_name: str):
 
 def _per_denoising_net(module_name: str, fn_name: str):
     """Over the UNet and the ControlNets."""
-    return _over(_denoising_nets, module_name, fn_name)
+    return _over(denoising_nets, module_name, fn_name)
 
 
 def _on_unet(module_name: str, fn_name: str):

@@ -182,14 +182,8 @@ def check_request(
     height, width, num_inference_steps, num_images_per_prompt = (
         _as_int(v) for v in (height, width, num_inference_steps, num_images_per_prompt))
     for field, v in (("height", height), ("width", width)):
-        if v is None:  # the model's native size
-            continue
-        if not isinstance(v, int) or isinstance(v, bool):
-            raise InvalidRequestError(field, f"must be an integer, a positive multiple of 8 (got {type(v).__name__} {v!r})")
-        if v <= 0 or v % 8:
-            raise InvalidRequestError(field, f"must be a positive multiple of 8 (got {v!r})")
-        if v > MAX_SIDE:
-            raise InvalidRequestError(field, f"must be at most {MAX_SIDE} pixels (got {v})")
+        if v is not None:  # None: the model's native size
+            check_side(field, v)
     if not isinstance(num_inference_steps, int) or isinstance(num_inference_steps, bool) or num_inference_steps < 1:
         raise InvalidRequestError("num_inference_steps", f"must be an integer >= 1 (got {num_inference_steps!r})")
     if (not isinstance(guidance_scale, numbers.Real) or isinstance(guidance_scale, bool)
@@ -256,6 +250,18 @@ def check_negative_prompt(negative_prompt, n_prompts: int) -> list[str] | None:
             )
         return list(negative_prompt)
     raise InvalidRequestError("negative_prompt", f"must be None, a string or a list of strings (got {type(negative_prompt).__name__})")
+
+
+def check_side(field: str, v) -> int:
+    """An image side (``height`` / ``width``) in pixels: an integer, a positive multiple of 8, at most ``MAX_SIDE``.
+    Returns it; raises ``InvalidRequestError`` naming ``field``."""
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise InvalidRequestError(field, f"must be an integer, a positive multiple of 8 (got {type(v).__name__} {v!r})")
+    if v <= 0 or v % 8:
+        raise InvalidRequestError(field, f"must be a positive multiple of 8 (got {v!r})")
+    if v > MAX_SIDE:
+        raise InvalidRequestError(field, f"must be at most {MAX_SIDE} pixels (got {v})")
+    return v
 
 
 def check_deep_cache(cache_interval, cache_branch) -> tuple[int, int]:

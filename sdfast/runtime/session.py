@@ -44,18 +44,13 @@ def graphs_of(pipe):
     return getattr(getattr(pipe, "_sdfast", None), "graphs", None)
 
 
-def _denoising_nets(pipe) -> tuple:
-    from ..controlnet import controlnets_of
-
-    return (pipe.unet, *controlnets_of(pipe))
-
-
-def _refresh_denoising_nets(pipe) -> tuple:
+def _refresh_denoising_nets(pipe) -> list:
     """The time-embedding refresh of the UNet and the ControlNets (before their graph check, so that it sees a
     repacked storage at once); returns those nets."""
+    from ..controlnet import denoising_nets
     from ..passes import time_embedding
 
-    nets = _denoising_nets(pipe)
+    nets = denoising_nets(pipe)
     for net in nets:
         time_embedding.refresh(net)
     return nets
