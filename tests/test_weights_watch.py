@@ -183,3 +183,52 @@ def test_check_early_checks_now_and_the_next_check_leaves_those_out_once():
     cache.check_early([unet])
     cache.forget_early()
     assert cache.check() == 2 and runner.check_due
+
+
+def test_an_unchanged_module_is_checked_by_its_fingerprint_alone():
+    """The check before every call (about 2,000 modules on SDXL) compares the fingerprint and stops there when it is
+    the same; only a changed fingerprint computes the state, and one that leaves the state as it was (a parameter
+    replaced by another over the same storage) renews the fingerprint, so the next check is the short one again."""
+    m = _model()
+    watch = WeightsWatch(m)
+    computed = []
+    state = watch._state
+    watch._state = lambda: computed.append(1) or state()
+    assert not watch.changed() and not computed
+    h = m.register_forward_hook(lambda mod, a, out: out)  # the root's hooks come and go at every engine call
+    m.flag = True
+    assert not watch.changed() and not computed
+    h.remove()
+    assert not watch.changed() and not computed
+    m[0].weight = nn.Parameter(m[0].weight.data)  # a new object over the same storage: the same state
+    assert not watch.changed() and computed == [1]
+    assert not watch.changed() and computed == [1]
+    m[0].weight.data = torch.zeros(4, 4)
+    assert watch.changed()
+
+
+def test_changes_the_sizes_do_not_show_are_changes():
+    """What the fingerprint must see although no dict changes size: a hook removed and another registered on the
+    same module, a forward set where another attribute went, a child or a parameter swapped for another."""
+    m = _model()
+    watch = WeightsWatch(m)
+    h = m[0].register_forward_hook(lambda mod, a, out: out)
+    assert watch.changed() and watch.hooked
+    h.remove()
+    h = m[0].register_forward_hook(lambda mod, a, out: out)
+    assert watch.changed() and watch.hooked
+    h.remove()
+    assert watch.changed() and not watch.hooked
+    m[1].extra = 1
+    assert not watch.changed()
+    del m[1].extra
+    m[1].forward = lambda x: x
+    assert watch.changed()
+    m[2][0] = nn.Linear(4, 2, bias=False)
+    assert watch.changed()
+    b = m[0].bias
+    m[0].weight, m[0].bias = nn.Parameter(b.data.new_zeros(4, 4)), b
+    assert watch.changed() and not watch.changed()
+    del m[1].forward
+    m[1].processor = object()
+    assert watch.changed() and not watch.changed()

@@ -32,7 +32,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from itertools import chain
+from itertools import chain, repeat
+from operator import itemgetter
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -108,6 +109,11 @@ def _needs_python_each_call(hook) -> bool:
     return not (name == "output_capturing_hook" and module.split(".")[0] == "transformers")
 
 
+_modules_of, _parameters_of, _buffers_of = itemgetter("_modules"), itemgetter("_parameters"), itemgetter("_buffers")
+_hooks_of, _pre_hooks_of = itemgetter("_forward_hooks"), itemgetter("_forward_pre_hooks")
+_tensor_data_ptr = torch._C.TensorBase.data_ptr
+
+
 class WeightsWatch:
     """What a captured graph bakes in about a module's weights, checked before every pipeline call.
 
@@ -120,11 +126,17 @@ class WeightsWatch:
     ones too), forwards replaced on an instance, attention processors (``set_attn_processor``), FreeU's
     factors (``enable_freeu``). In-place updates (``param.copy_``) change none of it: the graphs read the storage.
 
-    The module list, the LoRA layers and the modules' ``__dict__`` are found once per snapshot, so a check is a
-    few flat comprehensions over those dicts (their ``_modules``, ``_parameters`` and ``_buffers`` read anew, in
-    case one was replaced whole), with no recursion and no attribute probing: 0.46 ms for SD1.5's UNet on the dev
-    CPU (0.83 ms as one generator pass over the modules; 3.3 ms walking ``named_modules`` and
-    probing every module for adapters). The check runs with the GPU idle at the start of every image.
+    A check runs before every pipeline call with the GPU idle, over every module (SDXL's UNet: about 2,000), so it
+    has two tiers. First a fingerprint, gathered by C-level ``map``/``chain`` with no Python frame per module: every
+    module's children and the sizes of its children, parameter and buffer dicts; the parameters and buffers by
+    identity, and their storage pointers; below the root (whose hooks and attributes act outside the graph: the
+    engine's and the benchmark's hooks come and go there at every call) the sizes of each module's ``__dict__`` and
+    hook dicts, the handle ids of its forward hooks, its instance ``forward`` and ``processor`` and the values of the
+    Python attributes above that were set at the snapshot; the global hooks' handle ids. The watch holds what it compares by identity, so an id cannot be taken by a new object. Equal
+    fingerprints mean the same state (an attribute added is seen in its module's ``__dict__`` size), and the check
+    ends there. Only when the fingerprint differs is the state itself computed and compared (the transformers hooks
+    a graph reproduces are left out there, see ``_python_state``); a difference that does not change the state
+    then renews the fingerprint.
     """
 
     def __init__(self, module: torch.nn.Module):
@@ -137,22 +149,72 @@ class WeightsWatch:
         self.tuners = [(n, m) for n, m in self.module.named_modules() if _is_tuner_layer(m)]
         self._dicts = [m.__dict__ for m in self.modules]  # read at every check: no attribute lookups
         self.state = self._state()
+        self._remember()
         # Hooks below the root need Python at every call (e.g. a calibration collecting activations): a graph
         # replay would skip them, so the runner runs such a module eagerly (``GraphedForward``). The state's
         # Python part lists exactly those hooks.
         per_module, global_post, global_pre = self.state[3]
         self.hooked = bool(global_post or global_pre or any(post or pre for _, post, pre, _ in per_module))
 
+    def _fingerprint(self) -> tuple | None:
+        """(ints: the sizes (hook dicts too) and the hook handle ids; the children, by identity; the parameters and buffers, with
+        None; the attributes: ``forward`` and ``processor`` of every module, and those set at the snapshot). None
+        when one of those was deleted."""
+        dicts, below = self._dicts, self._below  # the root's hooks and attributes run outside the graphs: left out
+        children, params, buffers = (list(map(get, dicts)) for get in (_modules_of, _parameters_of, _buffers_of))
+        hooked = self._hooked_dicts  # the hook ids of the modules that had hooks at the snapshot; the others' count
+        ints = [*map(len, below), *map(len, children), *map(len, params), *map(len, buffers),
+                *map(len, map(_hooks_of, below)), *map(len, map(_pre_hooks_of, below)),
+                *chain.from_iterable(map(_hooks_of, hooked)), -1, *chain.from_iterable(map(_pre_hooks_of, hooked)), -1,
+                *nn_module._global_forward_hooks, -1, *nn_module._global_forward_pre_hooks]
+        tensors = [*chain.from_iterable(map(dict.values, params)), *chain.from_iterable(map(dict.values, buffers))]
+        try:
+            attrs = [*map(dict.get, below, repeat("forward")), *map(dict.get, below, repeat("processor")),
+                     *map(dict.__getitem__, self._attr_dicts, self._attr_names)]
+        except KeyError:
+            return None
+        return ints, list(chain.from_iterable(map(dict.values, children))), tensors, attrs
+
+    def _remember(self) -> None:
+        """Take the fingerprint of now as the reference: which attributes and hooks it reads by name, then the
+        fingerprint, its objects held so that their ids stay theirs."""
+        self._below = self._dicts[1:]
+        present = [(d, k) for d in self._below for k in _PYTHON_ATTRS if k in d]
+        self._attr_dicts, self._attr_names = [d for d, _ in present], [k for _, k in present]
+        self._hooked_dicts = [d for d in self._below if d["_forward_hooks"] or d["_forward_pre_hooks"]]
+        self._held = self._fingerprint()
+        self._tensor_ids = list(map(id, self._held[2]))
+        self._tensors = [t for t in self._held[2] if t is not None]
+        self._pointers = list(map(_tensor_data_ptr, self._tensors))
+
+    def _same_fingerprint(self, fingerprint: tuple | None) -> bool:
+        """Whether ``fingerprint`` is the reference's: the same objects (children and attributes compare by identity
+        or, numbers, by value: none defines another ``==``; tensors by id) and the same storage pointers."""
+        if fingerprint is None:
+            return False
+        ints, children, tensors, attrs = fingerprint
+        held_ints, held_children, _, held_attrs = self._held
+        return (ints == held_ints and children == held_children and attrs == held_attrs
+                and list(map(id, tensors)) == self._tensor_ids
+                and list(map(_tensor_data_ptr, self._tensors)) == self._pointers)
+
     def _state(self) -> tuple:
         dicts = self._dicts
         structure = [tuple(d["_modules"].values()) for d in dicts]  # modules compare by identity
         tensors = chain.from_iterable(map(dict.values, [d[k] for d in dicts for k in ("_parameters", "_buffers")]))
         pointers = [0 if t is None else t.data_ptr() for t in tensors]  # by position: a moved tensor is a change
-        return structure, pointers, tuple(_adapter_state(n, m) for n, m in self.tuners), _python_state(dicts)
+        return structure, pointers, self._adapters(), _python_state(dicts)
+
+    def _adapters(self) -> tuple:
+        return tuple(_adapter_state(n, m) for n, m in self.tuners)
 
     def changed(self) -> bool:
         """True (and a new snapshot taken) when the state differs from the reference."""
-        if self._state() == self.state:
+        fingerprint = self._fingerprint()
+        if self._same_fingerprint(fingerprint) and (not self.tuners or self._adapters() == self.state[2]):
+            return False
+        if fingerprint is not None and self._state() == self.state:
+            self._remember()
             return False
         self.snapshot()
         return True
