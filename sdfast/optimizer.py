@@ -22,7 +22,7 @@ from kernels import select
 
 from .config import KERNEL_DTYPES, KernelPolicy, OptimizeConfig
 from .controlnet import denoising_nets
-from .runtime import execution_device, host_timesteps
+from .runtime import async_upload, execution_device, host_timesteps
 
 log = logging.getLogger("sdfast")
 
@@ -106,8 +106,9 @@ def _install_graphs(pipe, state: OptimizeState) -> None:
     cache.install("vae_decoder", pipe.vae.decoder)
     cache.install("vae_encoder", pipe.vae.encoder)  # img2img and inpainting: captured at their first call
     _check_graphs_before_denoising(pipe, cache)
+    async_upload.install(pipe)  # the noise and SDXL's time ids go to the GPU without a wait
     state.graphs = cache
-    host_timesteps.keep_on_host(pipe.scheduler)  # no GPU->host sync per step in the scheduler (PNDM)
+    host_timesteps.keep_on_host(pipe.scheduler)  # no GPU->host sync per step in the scheduler (PNDM, the noise)
 
 
 # -- the passes: apply(pipe, state) -> modules changed; undo(pipe, state) --------------------------------------
@@ -195,6 +196,7 @@ def _undo_graphs(pipe, state: OptimizeState) -> None:
         state.control_overlap = None
     state.graphs.uninstall()
     del pipe.check_inputs
+    async_upload.uninstall(pipe)
     host_timesteps.release(pipe.scheduler)
 
 
@@ -328,6 +330,7 @@ def share(pipe, derived):
         return derived
     if state.graphs is not None:
         _check_graphs_before_denoising(derived, state.graphs)
+        async_upload.install(derived)
     if "execution_device" in state.applied:
         execution_device.install(derived)
     derived._sdfast = state

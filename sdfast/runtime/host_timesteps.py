@@ -8,54 +8,53 @@ host finishes the scheduler and launches the next step (about half a millisecond
 figures).
 
 ``keep_on_host(scheduler)`` wraps ``set_timesteps`` on that scheduler instance (not its class) to move
-``scheduler.timesteps`` back to the CPU after the scheduler has set everything else up. The pipeline then
-passes a CPU ``t`` to the UNet, whose CUDA-graph runner uploads it by value (``runtime.cuda_graphs``: a fill
+``scheduler.timesteps`` back to the CPU after the scheduler has set everything else up (the host values they were
+uploaded from: ``set_timesteps`` and ``step`` run in ``runtime.async_upload``'s mode, so no copy of theirs to the
+GPU waits for it, the noise of stochastic samplers included). The pipeline then passes a CPU ``t`` to the UNet, whose CUDA-graph runner uploads it by value (``runtime.cuda_graphs``: a fill
 kernel, no copy and no sync), and the scheduler's arithmetic on ``t`` runs on the host. The values, hence
 the images, are the same. ``release(scheduler)`` undoes it.
 """
 
 from __future__ import annotations
 
-import functools
-import types
+import torch
 
-_MARK = "_sdfast_host_timesteps"  # set on the wrapper function: the instance's set_timesteps is ours
+from .async_upload import AsyncUpload, unwrap_method, wrap_method, wrapped_by_us
 
 
-def _wrapped_by_us(scheduler) -> bool:
-    fn = scheduler.__dict__.get("set_timesteps")
-    return getattr(getattr(fn, "__func__", None), _MARK, False)
+def _set_timesteps(self, *args, **kwargs):
+    with AsyncUpload() as uploads:
+        out = type(self).set_timesteps(self, *args, **kwargs)
+    ts = getattr(self, "timesteps", None)
+    if ts is not None and hasattr(ts, "cpu"):
+        self.timesteps = uploads.host_copy(ts) if isinstance(ts, torch.Tensor) else ts.cpu()
+    return out
+
+
+def _step(self, *args, **kwargs):
+    with AsyncUpload():
+        return type(self).step(self, *args, **kwargs)
 
 
 def keep_on_host(scheduler) -> bool:
-    """Wrap ``scheduler.set_timesteps`` so that ``scheduler.timesteps`` stays on the CPU. Idempotent.
-    Returns False (and changes nothing) for an object without ``set_timesteps``, or whose ``set_timesteps`` is
-    already replaced on the instance by someone else.
+    """Wrap ``scheduler.set_timesteps`` so that ``scheduler.timesteps`` stays on the CPU, and ``scheduler.step``
+    so that its noise goes to the GPU without a wait. Idempotent. Returns False (and changes nothing) for an object
+    without ``set_timesteps``, or whose ``set_timesteps`` is already replaced on the instance by someone else.
 
-    The wrapper keeps the class method's signature (diffusers' ``retrieve_timesteps`` inspects it for
-    ``timesteps=`` / ``sigmas=`` support) and calls the class method on whatever instance it is bound to, so a
+    The wrappers keep the class methods' signatures (diffusers' ``retrieve_timesteps`` inspects ``set_timesteps`` for
+    ``timesteps=`` / ``sigmas=`` support) and call the class method on whatever instance they are bound to, so a
     ``copy.deepcopy`` of the scheduler sets its own timesteps."""
     if scheduler is None or not callable(getattr(scheduler, "set_timesteps", None)):
         return False
-    if _wrapped_by_us(scheduler):
+    if wrapped_by_us(scheduler, "set_timesteps"):
         return True
-    if "set_timesteps" in scheduler.__dict__:  # someone else's wrapper on this instance: left as it is
+    if not wrap_method(scheduler, "set_timesteps", _set_timesteps):
         return False
-
-    @functools.wraps(type(scheduler).set_timesteps)
-    def set_timesteps(self, *args, **kwargs):
-        out = type(self).set_timesteps(self, *args, **kwargs)
-        ts = getattr(self, "timesteps", None)
-        if ts is not None and hasattr(ts, "cpu"):
-            self.timesteps = ts.cpu()
-        return out
-
-    setattr(set_timesteps, _MARK, True)
-    scheduler.set_timesteps = types.MethodType(set_timesteps, scheduler)
+    wrap_method(scheduler, "step", _step)
     return True
 
 
 def release(scheduler) -> None:
-    """Undo ``keep_on_host`` on this scheduler instance (the class's ``set_timesteps`` comes back)."""
-    if scheduler is not None and _wrapped_by_us(scheduler):
-        del scheduler.__dict__["set_timesteps"]
+    """Undo ``keep_on_host`` on this scheduler instance (the class's ``set_timesteps`` and ``step`` come back)."""
+    unwrap_method(scheduler, "set_timesteps")
+    unwrap_method(scheduler, "step")
